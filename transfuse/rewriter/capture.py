@@ -1,0 +1,154 @@
+"""One short forward pass of the whole model, recording what each module was called with.
+
+Tracing one class needs a real call of it: the shapes and dtypes of its inputs, and the
+outputs of its children where those cannot be computed on meta tensors. The probe
+forward records, for every module, its first call (as meta tensors: nothing real is
+kept) and, for modules asked for by name, the real inputs and outputs (for verification).
+
+A model whose parameters are on the meta device has no data; its probe runs on meta
+tensors, and data-dependent reads (``.item()``, ``nonzero``) answer with fixed defaults.
+Those runs only give shapes, which is all tracing needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+__all__ = ["Call", "Probe", "is_meta_model", "make_probe", "record_calls"]
+
+_aten = torch.ops.aten
+
+
+@dataclass
+class Call:
+    """One recorded module call: positional and keyword arguments and the output."""
+
+    args: tuple
+    kwargs: dict
+    output: Any = None
+
+
+@dataclass
+class Probe:
+    """The input of the probe forward and what it gave."""
+
+    args: tuple
+    kwargs: dict
+    output: Any = None
+    error: str | None = None
+    calls: dict[str, Call] = field(default_factory=dict)  # module path -> first call, as meta tensors
+    real_calls: dict[str, Call] = field(default_factory=dict)  # module path -> first call, real tensors
+
+
+def is_meta_model(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    if embeddings is not None and getattr(embeddings, "weight", None) is not None:
+        return embeddings.weight.device
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def make_probe(model: nn.Module, example_inputs: Any = None, seq_len: int = 8, seed: int = 0) -> Probe:
+    """The probe input: the caller's example, or random token ids for a model with a vocabulary."""
+    if example_inputs is not None:
+        if isinstance(example_inputs, dict):
+            return Probe(args=(), kwargs=dict(example_inputs))
+        if isinstance(example_inputs, torch.Tensor):
+            return Probe(args=(example_inputs,), kwargs={})
+        return Probe(args=tuple(example_inputs), kwargs={})
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if not isinstance(vocab, int):
+        raise TypeError(
+            f"{type(model).__name__} has no config.vocab_size, so transfuse cannot make a probe input for it. "
+            "Pass example_inputs=(tensor, ...) or example_inputs={'name': tensor} to rewrite()."
+        )
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab, (1, seq_len), generator=generator).to(_model_device(model))
+    kwargs: dict[str, Any] = {"input_ids": input_ids}
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        kwargs["use_cache"] = False
+    return Probe(args=(), kwargs=kwargs)
+
+
+class _MetaDefaults(TorchDispatchMode):
+    """On meta tensors, data-dependent reads give fixed defaults instead of raising."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        first = args[0] if args else None
+        if isinstance(first, torch.Tensor) and first.is_meta:
+            if func is _aten._local_scalar_dense.default:
+                return False if first.dtype == torch.bool else (0.0 if first.dtype.is_floating_point else 0)
+            if func is _aten.nonzero.default:
+                return torch.empty((0, first.dim()), dtype=torch.long, device="meta")
+        return func(*args, **kwargs)
+
+
+def _as_meta(obj: Any) -> Any:
+    return tree_map(lambda x: torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x, obj)
+
+
+def _detached(obj: Any) -> Any:
+    return tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, obj)
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module):
+    """Probe in eval mode (dropout off), then restore each module's own training flag."""
+    flags = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, flag in flags.items():
+            m.training = flag
+
+
+def record_calls(model: nn.Module, probe: Probe, real_paths: set[str] = frozenset()) -> Probe:
+    """Run ``model`` on the probe, recording each module's first call; returns the probe."""
+    handles = []
+
+    def hooks_for(path: str):
+        def pre(module, args, kwargs):
+            if path not in probe.calls:
+                probe.calls[path] = Call(_as_meta(args), _as_meta(kwargs))
+            if path in real_paths and path not in probe.real_calls:
+                probe.real_calls[path] = Call(_detached(args), _detached(kwargs))
+
+        def post(module, args, kwargs, output):
+            call = probe.calls.get(path)
+            if call is not None and call.output is None:
+                call.output = _as_meta(output)
+            real = probe.real_calls.get(path)
+            if real is not None and real.output is None:
+                real.output = _detached(output)
+
+        return pre, post
+
+    for path, module in model.named_modules():
+        pre, post = hooks_for(path)
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(module.register_forward_hook(post, with_kwargs=True))
+    meta = is_meta_model(model)
+    try:
+        with torch.no_grad(), _eval_mode(model), (_MetaDefaults() if meta else contextlib.nullcontext()):
+            probe.output = model(*probe.args, **probe.kwargs)
+    except Exception as exc:  # keep what was recorded before the failure
+        probe.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        for handle in handles:
+            handle.remove()
+    return probe

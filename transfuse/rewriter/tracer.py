@@ -1,0 +1,547 @@
+"""All-leaf tracer: one module class's own forward as an fx graph, with a meta value on every node.
+
+Plain ``torch.fx`` stops on nearly every attention and decoder layer of transformers 5:
+shape unpacking, ``*``-splats, wrapped forwards, the attention interface. This tracer
+differs from ``fx.Tracer`` in five ways:
+
+* every child module is a leaf (one ``call_module`` node), so a graph shows only the
+  traced class's own code;
+* every proxy carries a value (``node.meta["val"]``): the op is also run on meta
+  tensors, so ``x.shape``, ``len``, iteration and ``bool`` of shapes are concrete,
+  while ``x.dtype`` stays a node, so a cast back to the input dtype is told apart from a
+  cast to float32;
+* float attributes of ``self`` (eps, scaling factors) become ``get_attr`` nodes, so a
+  fuser knows which attribute supplied a constant and can read it per instance;
+* the attention interface and declared leaf callables become single nodes;
+* when the forward cannot go on (a data-dependent branch, an op that has no meta
+  kernel and whose value is then needed), the graph built so far is kept and the trace
+  is marked partial, with the reason and the source line.
+
+The graph is evidence for fusers, never code to run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import operator
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.fx.proxy import Attribute, Scope, TracerBase
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = ["UNKNOWN", "Trace", "TraceStop", "leaf_callable", "trace_module"]
+
+
+class _Unknown:
+    """The value of a node that could not be computed (no example input, no meta kernel)."""
+
+    _instance = None
+
+    def __new__(cls):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "UNKNOWN"
+
+
+UNKNOWN = _Unknown()
+
+# Argument names under which transformers passes a KV cache; fixed to None while tracing.
+CACHE_ARG_NAMES = frozenset({"past_key_value", "past_key_values", "cache", "layer_past"})
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_TRANSFUSE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_STDLIB_FILES = (contextlib.__file__, functools.__file__)
+
+# Tensor attributes whose concrete value is read off the meta value; ``dtype`` is not
+# among them on purpose (see the module docstring).
+_CONCRETE_ATTRS = frozenset({"shape", "ndim", "device", "is_cuda", "is_meta", "layout", "requires_grad"})
+_CONCRETE_METHODS = frozenset({"size", "dim", "numel", "nelement", "element_size", "stride", "is_contiguous"})
+
+
+class TraceStop(Exception):
+    """Raised inside a trace when the forward cannot go on; the graph built so far is kept."""
+
+
+@dataclass
+class Trace:
+    """The result of tracing one module class: a (possibly partial) graph and what it rests on."""
+
+    cls: type
+    graph: fx.Graph
+    partial: bool = False
+    stop_reason: str | None = None
+    stop_location: tuple[str, int] | None = None
+    # Places where Python control flow read a traced value (the graph is specialised there).
+    guards: list[fx.Node] = field(default_factory=list)
+    # Float attributes of ``self`` that became nodes, by attribute name.
+    float_attrs: dict[str, fx.Node] = field(default_factory=dict)
+
+    @property
+    def output(self) -> fx.Node | None:
+        for node in reversed(self.graph.nodes):
+            if node.op == "output":
+                return node
+        return None
+
+    def placeholders(self) -> list[fx.Node]:
+        return [n for n in self.graph.nodes if n.op == "placeholder" and n.name != "self"]
+
+    def describe_stop(self) -> str:
+        if not self.partial:
+            return "traced to the end"
+        where = f" at {os.path.basename(self.stop_location[0])}:{self.stop_location[1]}" if self.stop_location else ""
+        return f"trace stopped{where}: {self.stop_reason}"
+
+
+def _user_location(skip_frames: int = 2) -> tuple[str, int] | None:
+    """The innermost frame outside torch, transfuse and the stdlib wrappers: the model's own code."""
+    frame = sys._getframe(skip_frames)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith((_TORCH_DIR, _TRANSFUSE_DIR)) and filename not in _STDLIB_FILES:
+            return filename, frame.f_lineno
+        frame = frame.f_back
+    return None
+
+
+def _traceback_location(tb) -> tuple[str, int] | None:
+    found = None
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if not filename.startswith((_TORCH_DIR, _TRANSFUSE_DIR)) and filename not in _STDLIB_FILES:
+            found = (filename, tb.tb_lineno)
+        tb = tb.tb_next
+    return found
+
+
+class ValueProxy(fx.Proxy):
+    """An fx proxy whose node carries a value: a meta tensor, a Python value, or UNKNOWN."""
+
+    @property
+    def value(self) -> Any:
+        return self.node.meta.get("val", UNKNOWN)
+
+    def _known(self, what: str) -> Any:
+        value = self.value
+        if value is UNKNOWN:
+            raise TraceStop(f"{what} of {self.node.name}, whose value is unknown")
+        return value
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        value = self.node.meta.get("val", UNKNOWN)
+        if isinstance(value, torch.Tensor) and (name in _CONCRETE_ATTRS or name in _CONCRETE_METHODS):
+            return getattr(value, name)
+        return _ValueAttribute(self, name)
+
+    def __bool__(self) -> bool:
+        value = self._known("control flow on the value")
+        if isinstance(value, torch.Tensor):
+            raise TraceStop(f"data-dependent control flow on tensor {self.node.name}")
+        self.tracer.guards.append(self.node)
+        return bool(value)
+
+    def __iter__(self) -> Iterator[ValueProxy]:
+        value = self._known("iteration over the value")
+        if isinstance(value, torch.Tensor):
+            count = value.shape[0] if value.dim() else 0
+        else:
+            count = len(value)
+        return iter([self[i] for i in range(count)])
+
+    def __len__(self) -> int:
+        value = self._known("len()")
+        return value.shape[0] if isinstance(value, torch.Tensor) else len(value)
+
+    def __index__(self) -> int:
+        value = self._known("use as an index")
+        if isinstance(value, torch.Tensor) or not isinstance(value, int):
+            raise TraceStop(f"{self.node.name} used as a Python int")
+        self.tracer.guards.append(self.node)
+        return value
+
+    def __int__(self) -> int:
+        return self.__index__()
+
+    def __float__(self) -> float:
+        value = self._known("float()")
+        if isinstance(value, torch.Tensor):
+            raise TraceStop(f"data-dependent float() of {self.node.name}")
+        return float(value)
+
+    def __setitem__(self, key: Any, item: Any) -> None:
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, item), {})
+
+    def __hash__(self) -> int:
+        return id(self)
+
+
+class _ValueAttribute(Attribute, ValueProxy):
+    """``proxy.attr``: a node only once used as a value; a method call otherwise."""
+
+
+class _LeafTracer(TracerBase):
+    """Builds the graph of one module's forward; see ``trace_module``."""
+
+    def __init__(self, root: nn.Module, recorded_outputs: dict[str, Any] | None = None):
+        self.graph = fx.Graph()
+        self.scope = Scope("", None)
+        self.module_stack = {}
+        self.node_name_to_scope = {}
+        self.root = root
+        self.executing = False
+        self.guards: list[fx.Node] = []
+        self.recorded_outputs = recorded_outputs or {}
+        self._module_names = {id(m): name for name, m in root.named_modules() if m is not root}
+        self._tensor_names: dict[int, str] = {}
+        for name, p in root.named_parameters(remove_duplicate=False):
+            self._tensor_names.setdefault(id(p), name)
+        for name, b in root.named_buffers(remove_duplicate=False):
+            self._tensor_names.setdefault(id(b), name)
+        self._attr_nodes: dict[str, fx.Node] = {}
+        self._meta_cache: dict[int, torch.Tensor] = {}
+        self._shadowed: dict[str, Any] = {}  # name -> original __dict__ entry (or _MISSING)
+        self._shadows: dict[str, ValueProxy] = {}  # name -> the node proxy shadowing it
+        self.self_node: fx.Node | None = None
+
+    # -- graph building -------------------------------------------------------------
+    def proxy(self, node: fx.Node) -> ValueProxy:
+        return ValueProxy(node, self)
+
+    def create_arg(self, a: Any) -> Any:
+        if isinstance(a, fx.Proxy):
+            return a.node
+        if isinstance(a, torch.Tensor):
+            return self._tensor_node(a)
+        if isinstance(a, nn.Module):
+            if a is self.root:
+                return self.self_node
+            name = self._module_names.get(id(a))
+            if name is not None:
+                return self._get_attr(name, a)
+            return a
+        try:
+            return super().create_arg(a)
+        except NotImplementedError:
+            return a  # an opaque Python object (a config, a cache): kept as a constant
+
+    def _get_attr(self, name: str, value: Any) -> fx.Node:
+        node = self._attr_nodes.get(name)
+        if node is None:
+            node = self.graph.create_node("get_attr", name)
+            node.meta["val"] = self._to_meta(value) if isinstance(value, torch.Tensor) else value
+            self._attr_nodes[name] = node
+        return node
+
+    def _tensor_node(self, t: torch.Tensor) -> fx.Node:
+        name = self._tensor_names.get(id(t))
+        if name is not None:
+            return self._get_attr(name, t)
+        node = self.graph.create_node("get_attr", f"<constant {tuple(t.shape)}>")
+        node.meta["val"] = self._to_meta(t)
+        node.meta["constant"] = True
+        return node
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        value = UNKNOWN
+        error = None
+        if kind != "placeholder":
+            value, error = self._evaluate(kind, target, args, kwargs)
+        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        proxy.node.meta["val"] = value
+        if error is not None:
+            proxy.node.meta["val_error"] = error
+        location = _user_location()
+        if location is not None:
+            proxy.node.meta["location"] = location
+        return proxy
+
+    # -- meta evaluation ------------------------------------------------------------
+    def _to_meta(self, t: torch.Tensor) -> torch.Tensor:
+        if t.is_meta:
+            return t
+        cached = self._meta_cache.get(id(t))
+        if cached is None:
+            cached = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
+            self._meta_cache[id(t)] = cached
+        return cached
+
+    def _materialise(self, obj: Any) -> Any:
+        def convert(x):
+            if isinstance(x, fx.Proxy):
+                return x.node.meta.get("val", UNKNOWN)
+            if isinstance(x, torch.Tensor):
+                return self._to_meta(x)
+            return x
+
+        return tree_map(convert, obj)
+
+    @contextlib.contextmanager
+    def running(self):
+        """Run real code (meta evaluation): module calls go through, ``self`` reads real values."""
+        previous = self.executing
+        self.executing = True
+        _restore(self.root, self._shadowed)
+        try:
+            yield
+        finally:
+            self.root.__dict__.update(self._shadows)
+            self.executing = previous
+
+    def _evaluate(self, kind: str, target: Any, args: tuple, kwargs: dict) -> tuple[Any, str | None]:
+        args, kwargs = self._materialise(args), self._materialise(kwargs)
+        leaves, _ = tree_flatten((args, kwargs))
+        if any(leaf is UNKNOWN for leaf in leaves):
+            return UNKNOWN, None
+        try:
+            with self.running():
+                if kind == "call_function":
+                    return target(*args, **kwargs), None
+                if kind == "call_method":
+                    return getattr(args[0], target)(*args[1:], **kwargs), None
+                if kind == "call_module":
+                    return self._run_module(target, args, kwargs), None
+        except Exception as exc:  # no meta kernel, data-dependent op: the value stays unknown
+            recorded = self.recorded_outputs.get(target) if kind == "call_module" else None
+            if recorded is not None:
+                return recorded, None
+            return UNKNOWN, f"{type(exc).__name__}: {exc}"
+        return UNKNOWN, None
+
+    def _run_module(self, name: str, args: tuple, kwargs: dict) -> Any:
+        module = self.root.get_submodule(name)
+        tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+        state = {k: self._to_meta(v) for k, v in tensors}
+        return torch.func.functional_call(module, state, args, kwargs, strict=False)
+
+    # -- leaves -----------------------------------------------------------------------
+    def call_module(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        name = self._module_names[id(module)]
+        return self.create_proxy("call_module", name, args, kwargs)
+
+    def call_leaf(self, fn: Callable, arity: int | None, args: tuple, kwargs: dict) -> Any:
+        proxy = self.create_proxy("call_function", fn, args, kwargs)
+        if proxy.value is UNKNOWN and arity is not None:
+            proxy.node.meta["val"] = tuple([UNKNOWN] * arity)
+        return proxy
+
+    def owns(self, module: nn.Module) -> bool:
+        return not self.executing and id(module) in self._module_names
+
+
+# The tracer of the trace in progress; traces are serialised by _TRACE_LOCK.
+_ACTIVE: _LeafTracer | None = None
+_TRACE_LOCK = threading.RLock()
+
+
+def _has_proxy(args: tuple, kwargs: dict) -> bool:
+    leaves, _ = tree_flatten((args, kwargs))
+    return any(isinstance(leaf, fx.Proxy) for leaf in leaves)
+
+
+def leaf_callable(fn: Callable, arity: int | None = None) -> Callable:
+    """Wrap ``fn`` so that, while tracing, a call with traced arguments becomes one node.
+
+    ``arity`` is the number of outputs to assume when the call cannot be evaluated on
+    meta tensors (the attention interface returns ``(output, weights)``).
+    """
+    if getattr(fn, "__transfuse_leaf__", False):
+        return fn
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        tracer = _ACTIVE
+        if tracer is not None and not tracer.executing and _has_proxy(args, kwargs):
+            return tracer.call_leaf(fn, arity, args, kwargs)
+        return fn(*args, **kwargs)
+
+    call.__transfuse_leaf__ = True
+    return call
+
+
+@contextlib.contextmanager
+def _patched_module_call(tracer: _LeafTracer):
+    original = nn.Module.__call__
+
+    def call(module, *args, **kwargs):
+        if tracer.owns(module):
+            return tracer.call_module(module, args, kwargs)
+        return original(module, *args, **kwargs)
+
+    nn.Module.__call__ = call
+    try:
+        yield
+    finally:
+        nn.Module.__call__ = original
+
+
+@contextlib.contextmanager
+def _attention_interface_as_leaf():
+    """Calls through transformers' attention interface become leaves of arity 2."""
+    try:
+        from transformers.modeling_utils import AttentionInterface
+    except ImportError:  # transformers is optional for the tracer itself
+        yield
+        return
+    original_get = AttentionInterface.get_interface
+    original_getitem = AttentionInterface.__getitem__
+
+    def get_interface(self, *args, **kwargs):
+        return leaf_callable(original_get(self, *args, **kwargs), arity=2)
+
+    def getitem(self, key):
+        return leaf_callable(original_getitem(self, key), arity=2)
+
+    AttentionInterface.get_interface = get_interface
+    AttentionInterface.__getitem__ = getitem
+    try:
+        yield
+    finally:
+        AttentionInterface.get_interface = original_get
+        AttentionInterface.__getitem__ = original_getitem
+
+
+def _is_cache(name: str, value: Any) -> bool:
+    if name in CACHE_ARG_NAMES:
+        return True
+    return any(c.__name__ == "Cache" and c.__module__.endswith("cache_utils") for c in type(value).__mro__)
+
+
+def _has_tensor(value: Any) -> bool:
+    leaves, _ = tree_flatten(value)
+    return any(isinstance(leaf, torch.Tensor) for leaf in leaves)
+
+
+def unwrapped_forward(cls: type) -> Callable:
+    """The class's own forward, below ``functools.wraps`` decorators such as ``@deprecate_kwarg``."""
+    return inspect.unwrap(cls.forward)
+
+
+def _bind_inputs(tracer: _LeafTracer, fn: Callable, example: tuple[tuple, dict] | None) -> tuple[list, dict]:
+    """Placeholders for tensor arguments (valued from the example call), constants for the rest."""
+    params = list(inspect.signature(fn).parameters.values())[1:]
+    ex_args, ex_kwargs = example if example is not None else ((), {})
+    call_args: list[Any] = []
+    call_kwargs: dict[str, Any] = {}
+    positional = list(ex_args)
+    for p in params:
+        if p.kind is inspect.Parameter.VAR_KEYWORD:
+            continue  # **kwargs are treated as empty
+        if p.kind is inspect.Parameter.VAR_POSITIONAL:
+            extra = [_placeholder(tracer, f"{p.name}_{i}", v) for i, v in enumerate(positional)]
+            call_args.extend(extra)
+            positional = []
+            continue
+        if positional and p.kind is not inspect.Parameter.KEYWORD_ONLY:
+            value, have = positional.pop(0), True
+        elif p.name in ex_kwargs:
+            value, have = ex_kwargs[p.name], True
+        else:
+            value, have = p.default, p.default is not inspect.Parameter.empty
+        if _is_cache(p.name, value) if have else p.name in CACHE_ARG_NAMES:
+            value, have = None, True
+        if not have:
+            value = _placeholder(tracer, p.name, UNKNOWN)
+        elif _has_tensor(value):
+            value = _placeholder(tracer, p.name, value)
+        if p.kind is inspect.Parameter.KEYWORD_ONLY:
+            call_kwargs[p.name] = value
+        else:
+            call_args.append(value)
+    return call_args, call_kwargs
+
+
+def _placeholder(tracer: _LeafTracer, name: str, value: Any) -> ValueProxy:
+    proxy = tracer.create_proxy("placeholder", name, (), {})
+    proxy.node.meta["val"] = tracer._materialise(value) if value is not UNKNOWN else UNKNOWN
+    return proxy
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def _self_state_as_nodes(tracer: _LeafTracer, module: nn.Module):
+    """Float attributes, parameters and buffers of ``module`` read as nodes for the length of the trace.
+
+    They shadow the real values in the instance ``__dict__`` (which attribute lookup
+    consults before ``nn.Module.__getattr__``), so ``self.weight.float()`` is recorded
+    rather than computed eagerly, and ``self.eps`` is known to come from ``eps``.
+    """
+    shadows: dict[str, ValueProxy] = {}
+    for name, v in vars(module).items():
+        if type(v) is float:
+            node = tracer.graph.create_node("get_attr", name)
+            node.meta["val"] = v
+            node.meta["self_attr"] = name
+            shadows[name] = tracer.proxy(node)
+    for name, t in [*module._parameters.items(), *module._buffers.items()]:
+        if t is not None:
+            shadows[name] = tracer.proxy(tracer._get_attr(name, t))
+    tracer._shadowed = {name: module.__dict__.get(name, _MISSING) for name in shadows}
+    tracer._shadows = shadows
+    module.__dict__.update(shadows)
+    try:
+        yield {name: p.node for name, p in shadows.items() if "self_attr" in p.node.meta}
+    finally:
+        _restore(module, tracer._shadowed)
+
+
+def _restore(module: nn.Module, originals: dict[str, Any]) -> None:
+    for name, original in originals.items():
+        if original is _MISSING:
+            module.__dict__.pop(name, None)
+        else:
+            module.__dict__[name] = original
+
+
+def trace_module(
+    module: nn.Module,
+    example: tuple[tuple, dict] | None = None,
+    recorded_outputs: dict[str, Any] | None = None,
+) -> Trace:
+    """Trace ``module``'s class forward with every child module as a leaf.
+
+    ``example`` is one recorded call ``(args, kwargs)`` of this module (tensors may be
+    meta); without it, tensor arguments have unknown values and the trace stops where a
+    shape is needed. ``recorded_outputs`` maps child names to outputs recorded in that
+    call, used when a child cannot run on meta tensors.
+    """
+    global _ACTIVE
+    cls = type(module)
+    fn = unwrapped_forward(cls)
+    tracer = _LeafTracer(module, recorded_outputs)
+    trace = Trace(cls=cls, graph=tracer.graph)
+    with _TRACE_LOCK:
+        previous, _ACTIVE = _ACTIVE, tracer
+        try:
+            tracer.self_node = tracer.graph.placeholder("self")
+            tracer.self_node.meta["val"] = module
+            with _patched_module_call(tracer), _attention_interface_as_leaf():
+                with _self_state_as_nodes(tracer, module) as float_nodes:
+                    trace.float_attrs = float_nodes
+                    try:
+                        args, kwargs = _bind_inputs(tracer, fn, example)
+                        result = fn(module, *args, **kwargs)
+                        tracer.graph.output(tracer.create_arg(result))
+                    except Exception as exc:  # partial graph: keep what was built
+                        trace.partial = True
+                        trace.stop_reason = str(exc) if isinstance(exc, TraceStop) else f"{type(exc).__name__}: {exc}"
+                        trace.stop_location = _traceback_location(exc.__traceback__)
+        finally:
+            _ACTIVE = previous
+    trace.guards = tracer.guards
+    return trace
