@@ -1,0 +1,44 @@
+"""The public entry points: ``rewrite`` a model in place and read its ``report``."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from torch import nn
+
+from .fusers import fusers_for
+from .rewriter.apply import REPORT_ATTR, rewrite_model
+from .rewriter.report import RewriteReport
+
+__all__ = ["report", "rewrite"]
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def rewrite(
+    model: M,
+    *,
+    fusions: list[str] | None = None,
+    verify: bool = True,
+    example_inputs: Any = None,
+) -> M:
+    """Rewrite ``model`` in place to call fused kernels, and return the same object.
+
+    fusions: kinds to apply (``transfuse.fusers.kinds()``); all by default.
+    verify: compare each fused module, and the whole model, with the original on a short
+        random probe input, and undo any fusion whose output differs (see ``report``).
+    example_inputs: the probe input, as a tuple of positional arguments or a dict of
+        keyword arguments; by default random token ids, for models with a vocabulary.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"rewrite() takes a torch.nn.Module, not {type(model).__name__}.")
+    rewrite_model(model, fusers_for(fusions), verify=verify, example_inputs=example_inputs)
+    return model
+
+
+def report(model: nn.Module) -> RewriteReport:
+    """What ``rewrite`` did to ``model``: fusions made, fusions refused with reasons, verification."""
+    found = getattr(model, REPORT_ATTR, None)
+    if found is None:
+        raise ValueError(f"This {type(model).__name__} has not been rewritten; call transfuse.rewrite(model) first.")
+    return found

@@ -1,0 +1,344 @@
+"""RMSNorm: ``x * rsqrt(mean(x², -1) + eps)`` [``* w`` | ``* (1 + w)``] → ``transfuse.ops.RMSNorm``.
+
+Found by dataflow in the module's own graph, in every way it is written: ``pow(2)``,
+``square``, ``x * x``, ``** 2``; ``rsqrt``, ``pow(-0.5)``, ``** -0.5``; dtype casts
+anywhere; with or without a weight; the zero-centred ``1 + weight``; and
+``F.rms_norm`` (so ``torch.nn.RMSNorm``). The casts decide the rounding, and the fused
+op must round exactly as the model did, so each is recorded in an ``RMSNormSpec``:
+Llama normalises in float32 and casts back before the weight multiply; Gemma
+multiplies by ``1 + weight`` in float32 and casts last.
+
+The whole module is replaced, so the match must account for every op in the graph,
+and the source must have no branch the trace could have hidden. Everything else is
+refused with its reason: mean subtraction (LayerNorm), a second input (gated norms),
+computation after the norm, a reduction over another dimension, an eps that is not a
+float attribute (eps is read per instance from that attribute).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ..ops import RMSNormSpec, layer
+from ..rewriter.analysis import ClassAnalysis
+from ..rewriter.fusion import Fused, Fuser, Refusal
+from ..rewriter.graph import Cast, NoMatch, is_op, op_name, operand, operands, peel_casts, value
+from ..rewriter.source import control_flow, method_source, self_method_calls
+from ..rewriter.tracer import unwrapped_forward
+
+__all__ = ["RMSNormFuser", "RMSNormMatch"]
+
+
+@dataclass(frozen=True)
+class RMSNormMatch:
+    """What was found in the class: the rounding, the weight parameter's name, the eps attribute."""
+
+    spec: RMSNormSpec
+    weight: str | None
+    eps_attr: str
+
+
+class RMSNormFuser(Fuser):
+    kind = "rms_norm"
+    replaces_module = True
+
+    def wants(self, module: nn.Module) -> bool:
+        return next(module.children(), None) is None and len(module._parameters) <= 1
+
+    def match(self, analysis: ClassAnalysis) -> RMSNormMatch | Refusal | None:
+        try:
+            found = _match_graph(analysis)
+            _check_source(analysis)
+        except NoMatch as refusal:
+            if not _looks_like_a_norm(analysis):
+                return None
+            return Refusal(refusal.tag, refusal.reason, analysis.where(refusal.node))
+        return found
+
+    def validate(self, module: nn.Module, found: RMSNormMatch) -> Refusal | None:
+        eps = getattr(module, found.eps_attr, None)
+        if type(eps) is not float:
+            return Refusal("rms_norm.eps-not-float", f"eps attribute {found.eps_attr!r} is {eps!r}, not a float.")
+        if found.weight is not None:
+            weight = module._parameters.get(found.weight)
+            if weight is None or weight.dim() != 1:
+                return Refusal("rms_norm.weight-shape", f"{found.weight!r} is not a 1-D parameter of this instance.")
+        return None
+
+    def fuse(self, module: nn.Module, found: RMSNormMatch) -> Fused:
+        weight = module._parameters[found.weight] if found.weight is not None else None
+        fused = layer("RMSNorm")(weight, getattr(module, found.eps_attr), found.spec, weight_name=found.weight or "weight")
+        return Fused(replaced=("",), into=type(fused).__name__, replacement=fused)
+
+
+def _looks_like_a_norm(analysis: ClassAnalysis) -> bool:
+    """Refusals are reported for classes named like a norm or that compute an inverse root."""
+    if analysis.cls.__name__.endswith("RMSNorm"):
+        return True
+    for node in analysis.trace.graph.nodes:
+        if is_op(node, "rsqrt", "rms_norm") or (is_op(node, "pow") and operand(node, 1) == -0.5):
+            return True
+    return False
+
+
+def _match_graph(analysis: ClassAnalysis) -> RMSNormMatch:
+    trace = analysis.trace
+    if trace.partial:
+        raise NoMatch("rms_norm.partial-trace", f"the forward could not be traced to the end ({trace.describe_stop()}).")
+    used = [p for p in trace.placeholders() if p.users]
+    if len(used) != 1:
+        names = ", ".join(p.name for p in used) or "none"
+        raise NoMatch(
+            "rms_norm.inputs",
+            f"the forward reads {len(used)} tensor inputs ({names}); only a one-input norm fuses (a gated norm takes two).",
+            used[1] if len(used) > 1 else None,
+        )
+    x = used[0]
+    result = trace.output.args[0]
+    if not isinstance(result, fx.Node):
+        raise NoMatch("rms_norm.output", "the forward does not return a single tensor.")
+    matched: set[fx.Node] = set()
+    found = _match_result(result, x, matched)
+    extra = [
+        n
+        for n in trace.graph.nodes
+        if n.op in ("call_function", "call_method", "call_module") and n not in matched and not _is_dtype_read(n)
+    ]
+    if extra:
+        raise NoMatch(
+            "rms_norm.extra-compute",
+            f"the forward computes more than the norm ({op_name(extra[0]) or extra[0].op} at {extra[0].name}).",
+            extra[0],
+        )
+    return found
+
+
+def _is_dtype_read(node: fx.Node) -> bool:
+    return is_op(node, "getattr") and node.args[1] == "dtype"
+
+
+def _match_result(result: fx.Node, x: fx.Node, matched: set[fx.Node]) -> RMSNormMatch:
+    core, outer = _peel(result, matched)
+    cast_output = _casts_to_input(outer, x, "the result")
+    if is_op(core, "rms_norm"):
+        return _match_builtin(core, x, matched, cast_output)
+    weight, normed = _split_weight(core, matched)
+    normed, middle = _peel(normed, matched)
+    if not _is_norm_product(normed) and any(_is_inverse_root(n) for n in x.graph.nodes):
+        raise NoMatch(
+            "rms_norm.trailing-compute",
+            f"the forward computes {op_name(normed) or normed.op} on the normalised value before returning it.",
+            normed,
+        )
+    cast_before_weight = _casts_to_input(middle, x, "the normalised value")
+    if weight is None and cast_before_weight:
+        cast_output, cast_before_weight = True, False  # one cast at the end either way
+    upcast, eps_attr = _match_normalisation(normed, x, matched)
+    name, offset, weight_fp32 = weight or (None, False, False)
+    spec = RMSNormSpec(upcast, cast_before_weight, offset, weight_fp32, cast_output)
+    return RMSNormMatch(spec, name, eps_attr)
+
+
+def _peel(node: fx.Node, matched: set[fx.Node]) -> tuple[fx.Node, list[Cast]]:
+    inner, casts = peel_casts(node)
+    walk = node
+    while walk is not inner:
+        matched.add(walk)
+        walk = walk.args[0]
+    return inner, casts
+
+
+def _casts_to_input(casts: list[Cast], x: fx.Node, what: str) -> bool:
+    """True for one cast back to the input's dtype, False for none; anything else is refused."""
+    if not casts:
+        return False
+    if len(casts) == 1 and casts[0].like is x:
+        return True
+    raise NoMatch("rms_norm.cast", f"{what} is cast to {', '.join(c.describe() for c in casts)}, not to the input dtype.")
+
+
+def _split_weight(node: fx.Node, matched: set[fx.Node]) -> tuple[tuple[str, bool, bool] | None, fx.Node]:
+    """``w * n`` or ``(1 + w) * n`` → ((weight name, offset, weight_fp32), n); else (None, node)."""
+    if is_op(node, "mul"):
+        a, b = operands(node)[:2]
+        for w_side, other in ((a, b), (b, a)):
+            weight = _weight_term(w_side, matched)
+            if weight is not None:
+                matched.add(node)
+                return weight, other
+    return None, node
+
+
+def _param_name(node) -> str | None:
+    if isinstance(node, fx.Node) and node.op == "get_attr" and "." not in node.target:
+        if isinstance(value(node), torch.Tensor) and "self_attr" not in node.meta:
+            return node.target
+    return None
+
+
+def _weight_term(node, matched: set[fx.Node]) -> tuple[str, bool, bool] | None:
+    if not isinstance(node, fx.Node):
+        return None
+    inner, casts = peel_casts(node)
+    name = _param_name(inner)
+    if name is not None:
+        _require_fp32_casts(casts, node)
+        _mark_chain(node, inner, matched)
+        return name, False, bool(casts)
+    if is_op(inner, "add"):
+        a, b = operands(inner)[:2]
+        for one, w in ((a, b), (b, a)):
+            if isinstance(one, (int, float)) and one == 1 and isinstance(w, fx.Node):
+                w_inner, w_casts = peel_casts(w)
+                if _param_name(w_inner) is None:
+                    continue
+                if casts:
+                    raise NoMatch("rms_norm.weight-form", "(1 + weight) is cast after the offset is added.", node)
+                _require_fp32_casts(w_casts, w)
+                _mark_chain(w, w_inner, matched)
+                matched.add(inner)
+                return _param_name(w_inner), True, bool(w_casts)
+    return None
+
+
+def _require_fp32_casts(casts: list[Cast], node: fx.Node) -> None:
+    if any(c.dtype != torch.float32 for c in casts):
+        raise NoMatch("rms_norm.cast", f"the weight is cast to {casts[0].describe()}, not float32.", node)
+
+
+def _mark_chain(top: fx.Node, bottom: fx.Node, matched: set[fx.Node]) -> None:
+    walk = top
+    while walk is not bottom:
+        matched.add(walk)
+        walk = walk.args[0]
+    matched.add(bottom)
+
+
+def _match_normalisation(node: fx.Node, x: fx.Node, matched: set[fx.Node]) -> tuple[bool, str]:
+    """``xc * rsqrt(mean(xc², -1, keepdim=True) + eps)`` with ``xc`` the (cast) input → (upcast, eps attr)."""
+    if is_op(node, "sub", "div"):
+        raise NoMatch("rms_norm.form", f"the norm is computed with {op_name(node)}, not as x * rsqrt(...).", node)
+    if not is_op(node, "mul"):
+        raise NoMatch("rms_norm.form", f"the result is {op_name(node) or node.op}, not x * rsqrt(mean(x²) + eps).", node)
+    a, b = operands(node)[:2]
+    inv, xc = (b, a) if _is_inverse_root(b) else (a, b)
+    if not _is_inverse_root(inv):
+        raise NoMatch("rms_norm.form", "neither factor of the final product is rsqrt(...) or (...) ** -0.5.", node)
+    total = operand(inv, 0)
+    eps_attr, mean = _split_eps(total)
+    square_of = _match_mean_square(mean, x)
+    if is_op(xc, "sub") or is_op(square_of, "sub"):
+        raise NoMatch("rms_norm.mean-subtracted", "the input has its mean subtracted: this is LayerNorm, not RMSNorm.", xc)
+    if square_of is not xc:
+        raise NoMatch("rms_norm.form", "the value squared is not the value normalised.", node)
+    base, casts = peel_casts(xc)
+    if base is not x:
+        raise NoMatch("rms_norm.form", "the normalised value is not the module's input.", xc)
+    if any(c.dtype != torch.float32 for c in casts):
+        raise NoMatch("rms_norm.cast", f"the input is cast to {casts[0].describe()} before normalising.", xc)
+    matched.update({node, inv, total, mean})
+    _mark_chain(xc, base, matched)
+    matched.add(mean.args[0])
+    return bool(casts), eps_attr
+
+
+def _is_norm_product(node) -> bool:
+    return is_op(node, "mul") and any(_is_inverse_root(o) for o in operands(node)[:2])
+
+
+def _is_inverse_root(node) -> bool:
+    return is_op(node, "rsqrt") or (is_op(node, "pow") and operand(node, 1, "exponent") == -0.5)
+
+
+def _split_eps(node) -> tuple[str, fx.Node]:
+    if not is_op(node, "add"):
+        raise NoMatch("rms_norm.eps-source", "eps is not added to the mean of squares.", node)
+    a, b = operands(node)[:2]
+    for eps, mean in ((b, a), (a, b)):
+        if isinstance(mean, fx.Node) and is_op(mean, "mean", "sum"):
+            attr = eps.meta.get("self_attr") if isinstance(eps, fx.Node) else None
+            if attr is None:
+                raise NoMatch(
+                    "rms_norm.eps-source",
+                    f"eps ({eps if not isinstance(eps, fx.Node) else eps.name}) is not read from a float attribute "
+                    "of the module, so it cannot be read per instance.",
+                    node,
+                )
+            return attr, mean
+    raise NoMatch("rms_norm.form", "the inverse root is not taken of mean(x²) + eps.", node)
+
+
+def _match_mean_square(mean: fx.Node, x: fx.Node) -> fx.Node:
+    """The value whose square is averaged over the last dimension."""
+    if not is_op(mean, "mean"):
+        raise NoMatch("rms_norm.reduction", f"the squares are reduced with {op_name(mean)}, not mean.", mean)
+    dim = operand(mean, 1, "dim")
+    keepdim = operand(mean, 2, "keepdim", False)
+    squared = operand(mean, 0)
+    ndim = getattr(value(x), "ndim", None)
+    dims = tuple(dim) if isinstance(dim, (tuple, list)) else (dim,)
+    if len(dims) != 1 or not (dims[0] == -1 or (ndim is not None and dims[0] == ndim - 1)):
+        raise NoMatch("rms_norm.reduce-dim", f"the mean is taken over dim={dim}, not the last dimension.", mean)
+    if keepdim is not True:
+        raise NoMatch("rms_norm.reduce-dim", "the mean does not keep its dimension (keepdim=True).", mean)
+    if is_op(squared, "pow") and operand(squared, 1, "exponent") == 2:
+        return operand(squared, 0)
+    if is_op(squared, "square"):
+        return operand(squared, 0)
+    if is_op(squared, "mul") and operand(squared, 0) is operand(squared, 1):
+        return operand(squared, 0)
+    if is_op(squared, "sub"):
+        return squared
+    raise NoMatch("rms_norm.form", "the mean is not of a square.", mean)
+
+
+def _match_builtin(node: fx.Node, x: fx.Node, matched: set[fx.Node], cast_output: bool) -> RMSNormMatch:
+    """``F.rms_norm(x, (hidden,), weight, eps)``: float32 inside, weight multiply in float32, cast last."""
+    shape = operand(node, 1, "normalized_shape")
+    weight = operand(node, 2, "weight")
+    eps = operand(node, 3, "eps")
+    if operand(node, 0) is not x:
+        raise NoMatch("rms_norm.form", "F.rms_norm is not applied to the module's input.", node)
+    ndim_shape = len(shape) if isinstance(shape, (tuple, list)) else 1
+    if ndim_shape != 1:
+        raise NoMatch("rms_norm.reduce-dim", f"F.rms_norm normalises over {ndim_shape} dimensions, not the last one.", node)
+    attr = eps.meta.get("self_attr") if isinstance(eps, fx.Node) else None
+    if attr is None:
+        raise NoMatch("rms_norm.eps-source", f"eps ({eps!r}) is not a float attribute of the module.", node)
+    name = _param_name(weight) if weight is not None else None
+    if weight is not None and name is None:
+        raise NoMatch("rms_norm.weight-form", "the weight of F.rms_norm is not a parameter of the module.", node)
+    matched.add(node)
+    if weight is not None:
+        matched.add(weight)
+    spec = RMSNormSpec(upcast=True, cast_before_weight=False, offset=False, weight_fp32=True, cast_output=True)
+    return RMSNormMatch(spec, name, attr)
+
+
+def _check_source(analysis: ClassAnalysis) -> None:
+    """Prove on the source what one trace cannot: no branch or loop that another input could take."""
+    forward = unwrapped_forward(analysis.cls)
+    source = method_source(forward)
+    if source is None:
+        raise NoMatch("rms_norm.no-source", f"the source of {analysis.cls.__name__}.forward is not available.")
+    pending, seen = [source], set()
+    while pending:
+        current = pending.pop()
+        flow = control_flow(current)
+        if flow:
+            kind, line = flow[0]
+            raise NoMatch(
+                "rms_norm.control-flow",
+                f"{current.node.name.value} has {'an' if kind[0] in 'aeiou' else 'a'} {kind} at line {line}; "
+                "the trace shows one path only.",
+            )
+        for name in self_method_calls(current) - seen:
+            seen.add(name)
+            helper = getattr(analysis.cls, name, None)
+            helper_source = method_source(helper) if callable(helper) and hasattr(helper, "__code__") else None
+            if helper_source is not None:
+                pending.append(helper_source)

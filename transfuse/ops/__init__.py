@@ -1,0 +1,40 @@
+"""Fused ops and layers, with one platform dispatch for every kernel.
+
+ops knows nothing about tracing or Hugging Face: each op is a native PyTorch definition
+plus providers (torch builtins, Triton, CUDA C++, plugins) picked per platform and call.
+"""
+
+from .dispatch import (
+    Dispatch,
+    Op,
+    Provider,
+    get_op,
+    priority,
+    register_provider,
+    set_compile_mode,
+    set_priority,
+    trace,
+)
+from .layers import RMSNorm, layer, register_layer
+from .platform import Platform, current_platform
+from .rms_norm import RMSNormSpec, rms_norm, rms_norm_native
+
+__all__ = [
+    "Dispatch",
+    "Op",
+    "Platform",
+    "Provider",
+    "RMSNorm",
+    "RMSNormSpec",
+    "current_platform",
+    "get_op",
+    "layer",
+    "priority",
+    "register_layer",
+    "register_provider",
+    "rms_norm",
+    "rms_norm_native",
+    "set_compile_mode",
+    "set_priority",
+    "trace",
+]

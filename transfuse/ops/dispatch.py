@@ -1,0 +1,284 @@
+"""One dispatch mechanism for every op on every platform.
+
+Each op has a native definition: its semantics, the CPU path, and the reference every
+other implementation is tested against. Other implementations register as providers
+under a name ("torch", "triton", "cuda", or a plugin's) with two checks: ``supported``
+(static, evaluated once: does this platform and installation have it) and
+``supports_args`` (per call, cheap: dtype, shape, contiguity). The first provider in the
+priority list that passes both runs; native is always the last resort. A provider with
+no backward is skipped whenever autograd needs one.
+
+Priority, from strongest to weakest: ``set_priority`` from Python, the environment
+(``TRANSFUSE_FORCE_NATIVE=1``; ``TRANSFUSE_OP_PRIORITY="rms_norm=triton,native;silu_and_mul=cuda"``),
+then the platform's own list.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import warnings
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from .platform import current_platform
+
+__all__ = [
+    "Dispatch",
+    "Op",
+    "Provider",
+    "get_op",
+    "priority",
+    "register_provider",
+    "set_priority",
+    "trace",
+    "set_compile_mode",
+    "under_compile_use_library_op",
+    "PROVIDER_ENTRY_POINT_GROUP",
+]
+
+PROVIDER_ENTRY_POINT_GROUP = "transfuse.providers"
+
+
+def _always(*args: Any, **kwargs: Any) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Provider:
+    """One implementation of an op."""
+
+    name: str
+    impl: Callable[..., Any]
+    supported: Callable[[], bool] = _always
+    supports_args: Callable[..., bool] = _always
+    differentiable: bool = False
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """A record of one dispatched call, as ``trace()`` collects them."""
+
+    op: str
+    provider: str
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    device: str
+
+
+_OPS: dict[str, "Op"] = {}
+_USER_PRIORITY: dict[str, tuple[str, ...]] = {}
+_TRACES: list[list[Dispatch]] = []
+
+
+def _needs_grad(args: tuple, kwargs: dict) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    leaves, _ = tree_flatten((args, kwargs))
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+
+
+class Op:
+    """A dispatched op: a native definition plus named providers, picked per call."""
+
+    def __init__(self, name: str, native: Callable[..., Any]):
+        if name in _OPS:
+            raise ValueError(f"An op named {name!r} is already defined.")
+        self.name = name
+        self.native = Provider("native", native, differentiable=True)
+        self._providers: dict[str, Provider] = {}
+        self._supported: dict[str, bool] = {}
+        self._order: tuple[Provider, ...] | None = None
+        _OPS[name] = self
+
+    def register(self, provider: Provider) -> Provider:
+        """Add (or replace) a provider of this op."""
+        if provider.name == "native":
+            raise ValueError("The native provider is the op's own definition; register under another name.")
+        self._providers[provider.name] = provider
+        self._supported.pop(provider.name, None)
+        self._order = None
+        return provider
+
+    @property
+    def providers(self) -> dict[str, Provider]:
+        _load_plugins()
+        return {**self._providers, "native": self.native}
+
+    def is_supported(self, provider: Provider) -> bool:
+        ok = self._supported.get(provider.name)
+        if ok is None:
+            try:
+                ok = bool(provider.supported())
+            except Exception as exc:  # a provider that cannot even check itself is unsupported
+                warnings.warn(f"transfuse: provider {provider.name!r} of op {self.name!r} is unavailable: {exc}")
+                ok = False
+            self._supported[provider.name] = ok
+        return ok
+
+    def order(self) -> tuple[Provider, ...]:
+        """Providers to try, in priority order, among those supported here; native last."""
+        if self._order is None:
+            providers = self.providers
+            chosen = []
+            for name in priority(self.name):
+                provider = providers.get(name)
+                if provider is None:
+                    _warn_unknown_provider(self.name, name, tuple(providers))
+                elif provider is not self.native and self.is_supported(provider):
+                    chosen.append(provider)
+            self._order = (*chosen, self.native)
+        return self._order
+
+    def select(self, *args: Any, **kwargs: Any) -> Provider:
+        grad = _needs_grad(args, kwargs)
+        for provider in self.order():
+            if grad and not provider.differentiable:
+                continue
+            if provider is self.native or provider.supports_args(*args, **kwargs):
+                return provider
+        return self.native
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        provider = self.select(*args, **kwargs)
+        if _TRACES:
+            _record(self.name, provider.name, args, kwargs)
+        return provider.impl(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"Op({self.name!r}, providers={list(self.providers)})"
+
+
+def _record(op: str, provider: str, args: tuple, kwargs: dict) -> None:
+    leaves, _ = tree_flatten((args, kwargs))
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    entry = Dispatch(
+        op=op,
+        provider=provider,
+        shapes=tuple(tuple(t.shape) for t in tensors),
+        dtypes=tuple(t.dtype for t in tensors),
+        device=str(tensors[0].device) if tensors else "none",
+    )
+    for log in _TRACES:
+        log.append(entry)
+
+
+@contextlib.contextmanager
+def trace() -> Iterator[list[Dispatch]]:
+    """Record which provider ran for each dispatched op call inside the block."""
+    log: list[Dispatch] = []
+    _TRACES.append(log)
+    try:
+        yield log
+    finally:
+        _TRACES.remove(log)
+
+
+@functools.cache
+def _warn_unknown_provider(op: str, name: str, known: tuple[str, ...]) -> None:
+    warnings.warn(f"transfuse: op {op!r} has no provider {name!r} (it has: {', '.join(known)}); skipping it.")
+
+
+def _parse_env_priority(text: str) -> dict[str, tuple[str, ...]]:
+    result = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        op, sep, names = part.partition("=")
+        providers = tuple(n.strip() for n in names.split(",") if n.strip())
+        if not sep or not op.strip() or not providers:
+            raise ValueError(
+                f"TRANSFUSE_OP_PRIORITY entry {part!r} is not of the form 'op=provider,provider'; "
+                "for example TRANSFUSE_OP_PRIORITY='rms_norm=triton,native;silu_and_mul=cuda'."
+            )
+        result[op.strip()] = providers
+    return result
+
+
+def priority(op: str) -> tuple[str, ...]:
+    """The provider names tried for ``op``, strongest setting first (native is always added last)."""
+    if op in _USER_PRIORITY:
+        return _USER_PRIORITY[op]
+    if "*" in _USER_PRIORITY:
+        return _USER_PRIORITY["*"]
+    if os.environ.get("TRANSFUSE_FORCE_NATIVE", "").strip() not in ("", "0"):
+        return ("native",)
+    env = _parse_env_priority(os.environ.get("TRANSFUSE_OP_PRIORITY", ""))
+    if op in env:
+        return env[op]
+    return current_platform().priority
+
+
+def set_priority(providers: list[str] | tuple[str, ...] | None, op: str | None = None) -> None:
+    """Set the provider order for one op (or, with ``op=None``, for every op); None clears it."""
+    key = "*" if op is None else op
+    if op is not None and op not in _OPS:
+        raise ValueError(f"Unknown op {op!r}; the ops are: {', '.join(sorted(_OPS))}.")
+    if providers is None:
+        _USER_PRIORITY.pop(key, None)
+    else:
+        _USER_PRIORITY[key] = tuple(providers)
+    for each in _OPS.values():
+        each._order = None
+
+
+def get_op(name: str) -> Op:
+    try:
+        return _OPS[name]
+    except KeyError:
+        raise KeyError(f"Unknown op {name!r}; the ops are: {', '.join(sorted(_OPS))}.") from None
+
+
+def register_provider(
+    op: str,
+    name: str,
+    impl: Callable[..., Any],
+    *,
+    supported: Callable[[], bool] = _always,
+    supports_args: Callable[..., bool] = _always,
+    differentiable: bool = False,
+) -> Provider:
+    """Add a provider to an existing op: the entry point for out-of-tree kernels."""
+    return get_op(op).register(Provider(name, impl, supported, supports_args, differentiable))
+
+
+_COMPILE_MODE: dict[str, str] = {}
+_COMPILE_MODES = ("native", "library")
+
+
+def set_compile_mode(mode: str | None, op: str | None = None) -> None:
+    """Under ``torch.compile``: inline the native code ("native", which Inductor fuses with its
+    neighbours) or call the registered ``torch.ops.transfuse`` op ("library", the dispatched
+    kernel as one opaque node). None restores the default (``TRANSFUSE_COMPILE_MODE`` or native)."""
+    if mode is not None and mode not in _COMPILE_MODES:
+        raise ValueError(f"compile mode must be one of {_COMPILE_MODES}, not {mode!r}.")
+    key = "*" if op is None else op
+    if mode is None:
+        _COMPILE_MODE.pop(key, None)
+    else:
+        _COMPILE_MODE[key] = mode
+
+
+def under_compile_use_library_op(op: str, args: tuple) -> bool:
+    """Whether a layer being compiled calls the library op; never when autograd needs a backward."""
+    mode = _COMPILE_MODE.get(op) or _COMPILE_MODE.get("*") or os.environ.get("TRANSFUSE_COMPILE_MODE", "native")
+    if mode not in _COMPILE_MODES:
+        raise ValueError(f"TRANSFUSE_COMPILE_MODE must be one of {_COMPILE_MODES}, not {mode!r}.")
+    return mode == "library" and not _needs_grad(args, {})
+
+
+_PLUGINS_LOADED = False
+
+
+def _load_plugins() -> None:
+    """Run each ``transfuse.providers`` entry point once: it registers providers or layers."""
+    global _PLUGINS_LOADED
+    if _PLUGINS_LOADED:
+        return
+    _PLUGINS_LOADED = True
+    for ep in entry_points(group=PROVIDER_ENTRY_POINT_GROUP):
+        register = ep.load()
+        register()

@@ -1,0 +1,128 @@
+"""rms_norm: ``x * rsqrt(mean(x², -1) + eps)``, times ``weight`` or ``1 + weight``, with the model's rounding.
+
+Models write the same formula with different rounding, and a fused kernel must
+reproduce each exactly. ``RMSNormSpec`` names the choices (Llama: normalise in float32,
+cast back, then multiply by the weight; Gemma: multiply by ``1 + weight`` in float32 and
+cast last). The native definition below executes exactly those steps; it is the CPU
+path and the reference for every provider.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .dispatch import Op, Provider, under_compile_use_library_op
+
+__all__ = ["RMSNormSpec", "rms_norm", "rms_norm_native", "RMS_NORM"]
+
+
+@dataclass(frozen=True)
+class RMSNormSpec:
+    """Where an RMSNorm computes and rounds.
+
+    upcast: normalise in float32 (else in the input dtype).
+    cast_before_weight: cast the normalised value back to the input dtype before the
+        weight multiply (Llama).
+    offset: multiply by ``1 + weight`` (zero-centred weight, Gemma).
+    weight_fp32: the weight is cast to float32 before use (and before the offset).
+    cast_output: cast the result to the input dtype (Gemma, OLMo 2, ``F.rms_norm``).
+    """
+
+    upcast: bool = True
+    cast_before_weight: bool = True
+    offset: bool = False
+    weight_fp32: bool = False
+    cast_output: bool = False
+
+    def flags(self) -> tuple[bool, bool, bool, bool, bool]:
+        return (self.upcast, self.cast_before_weight, self.offset, self.weight_fp32, self.cast_output)
+
+    def describe(self) -> str:
+        parts = ["float32" if self.upcast else "input dtype"]
+        if self.cast_before_weight:
+            parts.append("cast back before weight")
+        parts.append("(1 + weight)" if self.offset else "weight")
+        if self.weight_fp32:
+            parts.append("weight in float32")
+        if self.cast_output:
+            parts.append("cast output")
+        return ", ".join(parts)
+
+
+def rms_norm_native(
+    x: Tensor,
+    weight: Tensor | None,
+    eps: float,
+    upcast: bool,
+    cast_before_weight: bool,
+    offset: bool,
+    weight_fp32: bool,
+    cast_output: bool,
+) -> Tensor:
+    dtype = x.dtype
+    h = x.to(torch.float32) if upcast else x
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if cast_before_weight:
+        h = h.to(dtype)
+    if weight is not None:
+        w = weight.to(torch.float32) if weight_fp32 else weight
+        if offset:
+            w = 1.0 + w
+        h = w * h
+    if cast_output:
+        h = h.to(dtype)
+    return h
+
+
+RMS_NORM = Op("rms_norm", rms_norm_native)
+
+
+def _torch_rounds_alike(x, weight, eps, upcast, cast_before_weight, offset, weight_fp32, cast_output) -> bool:
+    """``F.rms_norm`` normalises in float32, multiplies by the weight there and casts last."""
+    if offset or not upcast or (weight is not None and weight.dtype != x.dtype):
+        return False
+    if x.dtype == torch.float32:
+        return True  # every cast is the identity: all specs compute the same
+    # A weight multiplied into a float32 value is promoted to float32 exactly.
+    weight_in_fp32 = weight is None or weight_fp32 or not cast_before_weight
+    return not cast_before_weight and cast_output and weight_in_fp32
+
+
+def _torch_rms_norm(x, weight, eps, upcast, cast_before_weight, offset, weight_fp32, cast_output):
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+RMS_NORM.register(Provider("torch", _torch_rms_norm, supports_args=_torch_rounds_alike, differentiable=True))
+
+
+@torch.library.custom_op("transfuse::rms_norm", mutates_args=())
+def _rms_norm_library_op(
+    x: Tensor,
+    weight: Tensor | None,
+    eps: float,
+    upcast: bool,
+    cast_before_weight: bool,
+    offset: bool,
+    weight_fp32: bool,
+    cast_output: bool,
+) -> Tensor:
+    return RMS_NORM(x, weight, eps, upcast, cast_before_weight, offset, weight_fp32, cast_output)
+
+
+@_rms_norm_library_op.register_fake
+def _(x, weight, eps, upcast, cast_before_weight, offset, weight_fp32, cast_output):
+    return rms_norm_native(x, weight, eps, upcast, cast_before_weight, offset, weight_fp32, cast_output)
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float, spec: RMSNormSpec = RMSNormSpec()) -> Tensor:
+    """RMSNorm of ``x`` over its last dimension with the rounding of ``spec``."""
+    args = (x, weight, eps, *spec.flags())
+    if torch.compiler.is_compiling():
+        if under_compile_use_library_op("rms_norm", args):
+            return torch.ops.transfuse.rms_norm(*args)
+        return rms_norm_native(*args)  # plain torch ops: Inductor fuses them with their neighbours
+    return RMS_NORM(*args)

@@ -1,0 +1,73 @@
+"""The contract between the rewriter and the fusers.
+
+A fuser answers three questions. ``match``: does this class match? (class level, once,
+from the traced graph; the answer is cached). ``validate``: does this instance fit?
+(shapes, dtypes, attribute values). ``fuse``: build the new submodules from the
+instance's own tensors and say what changed. The rewriter does the rest: which classes
+to trace, applying, verifying, undoing and reporting.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from .analysis import ClassAnalysis
+
+__all__ = ["Fused", "Fuser", "Refusal"]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a fusion was not made: a stable tag (``rms_norm.gated``), one sentence, and where."""
+
+    tag: str
+    reason: str
+    where: str | None = None
+
+
+@dataclass
+class Fused:
+    """What ``Fuser.fuse`` changed.
+
+    replacement: a module that takes the instance's place in its parent (or None when
+        the instance was changed in place).
+    replaced: names of the replaced children, or ``("",)`` for the instance itself.
+    into: class name of the new module.
+    undo: puts the instance back as it was (in-place fusions only; a replacement is
+        undone by putting the original module back).
+    """
+
+    replaced: tuple[str, ...]
+    into: str
+    replacement: nn.Module | None = None
+    undo: Callable[[], None] | None = None
+
+
+class Fuser(ABC):
+    """One fusion pattern. Subclasses set ``kind`` and implement ``match`` and ``fuse``."""
+
+    kind: ClassVar[str]
+    # True when ``fuse`` returns a replacement for the whole instance (its children go with it).
+    replaces_module: ClassVar[bool] = False
+
+    def wants(self, module: nn.Module) -> bool:
+        """Cheap class-level filter: is it worth tracing this module's class for this pattern?"""
+        return True
+
+    @abstractmethod
+    def match(self, analysis: ClassAnalysis) -> Any | Refusal | None:
+        """What was found in the class (a record of names and flags, never instance values),
+        a Refusal for a class that looks like the pattern but cannot be fused, or None."""
+
+    def validate(self, module: nn.Module, found: Any) -> Refusal | None:
+        """Whether this instance fits what was found in its class."""
+        return None
+
+    @abstractmethod
+    def fuse(self, module: nn.Module, found: Any) -> Fused:
+        """Build the fused module(s) from the instance's own tensors."""

@@ -1,0 +1,86 @@
+"""What a rewrite did: the fusions made, the ones refused and why, and how it was verified."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from .fusion import Refusal
+
+__all__ = ["FusionRecord", "RewriteReport", "SkipRecord"]
+
+
+@dataclass(frozen=True)
+class FusionRecord:
+    """One fusion: at ``path`` (qualified module name), an instance of ``cls`` had ``replaced``
+    (child names, or ``""`` for itself) replaced by a ``into``."""
+
+    path: str
+    cls: str
+    kind: str
+    replaced: tuple[str, ...]
+    into: str
+
+
+@dataclass(frozen=True)
+class SkipRecord:
+    """A fusion not made: for the whole class (``path`` None) or for one instance."""
+
+    cls: str
+    kind: str
+    reason: str
+    tag: str
+    where: str | None = None
+    path: str | None = None
+
+    @classmethod
+    def of(cls, class_name: str, kind: str, refusal: Refusal, path: str | None = None) -> SkipRecord:
+        return cls(class_name, kind, refusal.reason, refusal.tag, refusal.where, path)
+
+
+@dataclass
+class RewriteReport:
+    fusions: list[FusionRecord] = field(default_factory=list)
+    skipped: list[SkipRecord] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def counts(self) -> dict[str, int]:
+        """Number of fusions per kind."""
+        return dict(Counter(f.kind for f in self.fusions))
+
+    def add_skip(self, record: SkipRecord) -> None:
+        if record not in self.skipped:
+            self.skipped.append(record)
+
+    def __str__(self) -> str:
+        counts = ", ".join(f"{kind} {n}" for kind, n in sorted(self.counts().items())) or "none"
+        lines = [f"transfuse: {len(self.fusions)} fusions ({counts}), {len(self.skipped)} refused"]
+        if self.fusions:
+            lines += ["", "fused:"]
+            groups: dict[tuple[str, str, str], list[str]] = defaultdict(list)
+            for f in self.fusions:
+                groups[(f.kind, f.cls, f.into)].append(f.path or "<model>")
+            rows = [("kind", "class", "into", "count", "first at")]
+            rows += [(k, c, i, str(len(p)), p[0]) for (k, c, i), p in groups.items()]
+            lines += _table(rows)
+        if self.skipped:
+            lines += ["", "refused:"]
+            rows = [("kind", "class", "where", "reason")]
+            for s in self.skipped:
+                where = s.path or s.where or ""
+                if s.path and s.where:
+                    where = f"{s.path} ({s.where})"
+                rows.append((s.kind, s.cls, where, f"[{s.tag}] {s.reason}"))
+            lines += _table(rows)
+        if self.notes:
+            lines += [""] + [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    out = []
+    for row in rows:
+        cells = [cell.ljust(w) for cell, w in zip(row, widths)] + [row[-1]]
+        out.append("  " + "  ".join(cells).rstrip())
+    return out
