@@ -8,6 +8,7 @@ fusers' ``validate`` and ``fuse``.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from torch import nn
 from .capture import Probe
 from .fusion import Fuser, Refusal
 from .graph import location
-from .tracer import Trace, trace_module
+from .tracer import Trace, trace_module, unwrapped_forward
 
 __all__ = ["ClassAnalysis", "analyse", "class_key", "clear_cache"]
 
@@ -43,10 +44,14 @@ class ClassAnalysis:
             self.verdicts[fuser.kind] = fuser.match(self)
         return self.verdicts[fuser.kind]
 
-    def where(self, node: fx.Node | None = None) -> str:
-        """``Class (file:line)`` for messages; the line of ``node`` when given."""
+    def where(self, node: fx.Node | None = None) -> str | None:
+        """``file.py:line`` of ``node``, else of the class's forward; None without a source file."""
         loc = location(node) if node is not None else None
-        return f"{self.cls.__name__} ({loc})" if loc else self.cls.__name__
+        if loc is None:
+            code = getattr(unwrapped_forward(self.cls), "__code__", None)
+            if code is not None:
+                loc = f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}"
+        return loc
 
 
 _CACHE: "weakref.WeakKeyDictionary[type, dict[tuple, ClassAnalysis]]" = weakref.WeakKeyDictionary()

@@ -64,9 +64,9 @@ def method_source(fn: Callable) -> MethodSource | None:
         return None
     first = code.co_firstlineno
     for node in m.findall(parsed.module, m.FunctionDef(name=m.Name(fn.__name__))):
-        start = parsed.positions[node].start.line
-        def_line = start + len(node.decorators)
-        if first in (start, def_line) or start <= first <= def_line:
+        def_line = parsed.positions[node].start.line  # libcst's range starts at `def`, after decorators
+        top = parsed.positions[node.decorators[0]].start.line if node.decorators else def_line
+        if top <= first <= def_line:
             return MethodSource(parsed, node)
     return None
 

