@@ -45,10 +45,10 @@ def test_priority_order_native_last_and_argument_checks(scratch_op):
 
 def test_environment_overrides(scratch_op, monkeypatch):
     monkeypatch.setenv("TRANSFUSE_OP_PRIORITY", f"{scratch_op.name}=other,fast")
-    scratch_op._order = None
+    ops.refresh()
     assert _provider_for(scratch_op, torch.ones(2, 2)) == "other"
     monkeypatch.setenv("TRANSFUSE_FORCE_NATIVE", "1")
-    scratch_op._order = None
+    ops.refresh()
     assert _provider_for(scratch_op, torch.ones(2, 2)) == "native"
     ops.set_priority(["fast"], op=scratch_op.name)  # Python wins over the environment
     assert _provider_for(scratch_op, torch.ones(2, 2)) == "fast"
@@ -56,7 +56,7 @@ def test_environment_overrides(scratch_op, monkeypatch):
 
 def test_malformed_environment_priority_is_a_clear_error(scratch_op, monkeypatch):
     monkeypatch.setenv("TRANSFUSE_OP_PRIORITY", "rms_norm")
-    scratch_op._order = None
+    ops.refresh()
     with pytest.raises(ValueError, match="op=provider"):
         scratch_op(torch.ones(2, 2))
 

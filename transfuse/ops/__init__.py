@@ -4,12 +4,14 @@ ops knows nothing about tracing or Hugging Face: each op is a native PyTorch def
 plus providers (torch builtins, Triton, CUDA C++, plugins) picked per platform and call.
 """
 
+from .act_and_mul import ACTIVATIONS, act_and_mul, gelu_and_mul_native, silu_and_mul_native
 from .dispatch import (
     Dispatch,
     Op,
     Provider,
     get_op,
     priority,
+    refresh,
     register_provider,
     set_compile_mode,
     set_priority,
@@ -20,21 +22,26 @@ from .platform import Platform, current_platform
 from .rms_norm import RMSNormSpec, rms_norm, rms_norm_native
 
 __all__ = [
+    "ACTIVATIONS",
     "Dispatch",
     "Op",
     "Platform",
     "Provider",
     "RMSNorm",
     "RMSNormSpec",
+    "act_and_mul",
     "current_platform",
+    "gelu_and_mul_native",
     "get_op",
     "layer",
     "priority",
+    "refresh",
     "register_layer",
     "register_provider",
     "rms_norm",
     "rms_norm_native",
     "set_compile_mode",
     "set_priority",
+    "silu_and_mul_native",
     "trace",
 ]

@@ -34,6 +34,7 @@ __all__ = [
     "Provider",
     "get_op",
     "priority",
+    "refresh",
     "register_provider",
     "set_priority",
     "trace",
@@ -125,11 +126,13 @@ class Op:
         """Providers to try, in priority order, among those supported here; native last."""
         if self._order is None:
             providers = self.providers
+            names, chosen_by_user = _priority_and_origin(self.name)
             chosen = []
-            for name in priority(self.name):
+            for name in names:
                 provider = providers.get(name)
                 if provider is None:
-                    _warn_unknown_provider(self.name, name, tuple(providers))
+                    if chosen_by_user:  # a platform's list names providers an op may not have
+                        _warn_unknown_provider(self.name, name, tuple(providers))
                 elif provider is not self.native and self.is_supported(provider):
                     chosen.append(provider)
             self._order = (*chosen, self.native)
@@ -198,18 +201,23 @@ def _parse_env_priority(text: str) -> dict[str, tuple[str, ...]]:
     return result
 
 
-def priority(op: str) -> tuple[str, ...]:
-    """The provider names tried for ``op``, strongest setting first (native is always added last)."""
+def _priority_and_origin(op: str) -> tuple[tuple[str, ...], bool]:
+    """The provider names for ``op`` and whether a user chose them (rather than the platform)."""
     if op in _USER_PRIORITY:
-        return _USER_PRIORITY[op]
+        return _USER_PRIORITY[op], True
     if "*" in _USER_PRIORITY:
-        return _USER_PRIORITY["*"]
+        return _USER_PRIORITY["*"], True
     if os.environ.get("TRANSFUSE_FORCE_NATIVE", "").strip() not in ("", "0"):
-        return ("native",)
+        return ("native",), True
     env = _parse_env_priority(os.environ.get("TRANSFUSE_OP_PRIORITY", ""))
     if op in env:
-        return env[op]
-    return current_platform().priority
+        return env[op], True
+    return current_platform().priority, False
+
+
+def priority(op: str) -> tuple[str, ...]:
+    """The provider names tried for ``op``, strongest setting first (native is always added last)."""
+    return _priority_and_origin(op)[0]
 
 
 def set_priority(providers: list[str] | tuple[str, ...] | None, op: str | None = None) -> None:
@@ -223,6 +231,13 @@ def set_priority(providers: list[str] | tuple[str, ...] | None, op: str | None =
         _USER_PRIORITY[key] = tuple(providers)
     for each in _OPS.values():
         each._order = None
+
+
+def refresh() -> None:
+    """Forget cached provider orders and checks, e.g. after changing TRANSFUSE_* variables."""
+    for op in _OPS.values():
+        op._order = None
+        op._supported.clear()
 
 
 def get_op(name: str) -> Op:

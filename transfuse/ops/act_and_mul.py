@@ -1,0 +1,78 @@
+"""act_and_mul: ``act(x[..., :d]) * x[..., d:]``, the gated activation of a GLU MLP.
+
+A merged gate/up projection produces ``[gate | up]`` along the last dimension; these ops
+apply the activation to the gate half and multiply by the up half, in the input dtype,
+exactly as ``act_fn(gate_proj(x)) * up_proj(x)`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .dispatch import Op, under_compile_use_library_op
+
+__all__ = ["ACTIVATIONS", "SILU_AND_MUL", "GELU_AND_MUL", "act_and_mul", "gelu_and_mul_native", "silu_and_mul_native"]
+
+# Activation names act_and_mul accepts, as F.gelu's ``approximate`` names them for gelu.
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+
+
+def _halves(x: Tensor) -> tuple[Tensor, Tensor]:
+    d = x.shape[-1] // 2
+    return x[..., :d], x[..., d:]
+
+
+def silu_and_mul_native(x: Tensor) -> Tensor:
+    gate, up = _halves(x)
+    return F.silu(gate) * up
+
+
+def gelu_and_mul_native(x: Tensor, approximate: str = "none") -> Tensor:
+    gate, up = _halves(x)
+    return F.gelu(gate, approximate=approximate) * up
+
+
+SILU_AND_MUL = Op("silu_and_mul", silu_and_mul_native)
+GELU_AND_MUL = Op("gelu_and_mul", gelu_and_mul_native)
+
+
+@torch.library.custom_op("transfuse::silu_and_mul", mutates_args=())
+def _silu_and_mul_library_op(x: Tensor) -> Tensor:
+    return SILU_AND_MUL(x)
+
+
+@_silu_and_mul_library_op.register_fake
+def _(x):
+    return silu_and_mul_native(x)
+
+
+@torch.library.custom_op("transfuse::gelu_and_mul", mutates_args=())
+def _gelu_and_mul_library_op(x: Tensor, approximate: str) -> Tensor:
+    return GELU_AND_MUL(x, approximate)
+
+
+@_gelu_and_mul_library_op.register_fake
+def _(x, approximate):
+    return gelu_and_mul_native(x, approximate)
+
+
+def act_and_mul(x: Tensor, activation: str) -> Tensor:
+    """``act(gate) * up`` for ``x = [gate | up]``; ``activation`` is one of ``ACTIVATIONS``."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"act_and_mul needs an even last dimension ([gate | up]), got {x.shape[-1]}.")
+    if activation == "silu":
+        if torch.compiler.is_compiling():
+            if under_compile_use_library_op("silu_and_mul", (x,)):
+                return torch.ops.transfuse.silu_and_mul(x)
+            return silu_and_mul_native(x)
+        return SILU_AND_MUL(x)
+    if activation in ("gelu", "gelu_tanh"):
+        approximate = "tanh" if activation == "gelu_tanh" else "none"
+        if torch.compiler.is_compiling():
+            if under_compile_use_library_op("gelu_and_mul", (x,)):
+                return torch.ops.transfuse.gelu_and_mul(x, approximate)
+            return gelu_and_mul_native(x, approximate)
+        return GELU_AND_MUL(x, approximate)
+    raise ValueError(f"act_and_mul has no activation {activation!r}; it has: {', '.join(ACTIVATIONS)}.")
