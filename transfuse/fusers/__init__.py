@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from ..rewriter.fusion import Fuser
+from .glu import GLUFuser
+from .qkv import QKVFuser
 from .rms_norm import RMSNormFuser
 
-__all__ = ["FUSERS", "RMSNormFuser", "fusers_for", "kinds"]
+__all__ = ["FUSERS", "GLUFuser", "QKVFuser", "RMSNormFuser", "fusers_for", "kinds"]
 
 # Applied in this order.
-FUSERS: tuple[Fuser, ...] = (RMSNormFuser(),)
+FUSERS: tuple[Fuser, ...] = (RMSNormFuser(), QKVFuser(), GLUFuser())
 
 
 def kinds() -> list[str]:

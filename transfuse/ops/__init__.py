@@ -17,13 +17,14 @@ from .dispatch import (
     set_priority,
     trace,
 )
-from .layers import RMSNorm, layer, register_layer
+from .layers import MergedLinear, RMSNorm, layer, register_layer
 from .platform import Platform, current_platform
 from .rms_norm import RMSNormSpec, rms_norm, rms_norm_native
 
 __all__ = [
     "ACTIVATIONS",
     "Dispatch",
+    "MergedLinear",
     "Op",
     "Platform",
     "Provider",

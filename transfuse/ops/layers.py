@@ -12,7 +12,38 @@ from torch import nn
 
 from .rms_norm import RMSNormSpec, rms_norm
 
-__all__ = ["RMSNorm", "layer", "register_layer"]
+__all__ = ["MergedLinear", "RMSNorm", "layer", "register_layer"]
+
+
+class MergedLinear(nn.Linear):
+    """Several linear projections of one input as one: weights concatenated along the output.
+
+    ``split_sizes`` are the output widths of the original projections, in order, so
+    ``out.split(self.split_sizes, dim=-1)`` gives back their outputs. ``parts`` names
+    them; ``activation`` is set when the parts are a GLU's gate and up halves.
+    """
+
+    __transfuse_layer__ = True
+
+    def __init__(
+        self,
+        in_features: int,
+        split_sizes: tuple[int, ...],
+        bias: bool,
+        parts: tuple[str, ...],
+        activation: str | None = None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__(in_features, sum(split_sizes), bias=bias, device=device, dtype=dtype)
+        self.split_sizes = tuple(int(s) for s in split_sizes)
+        self.parts = tuple(parts)
+        self.activation = activation
+
+    def extra_repr(self) -> str:
+        merged = " + ".join(f"{name}:{size}" for name, size in zip(self.parts, self.split_sizes))
+        act = f", activation={self.activation}" if self.activation else ""
+        return f"{super().extra_repr()}, parts=[{merged}]{act}"
 
 
 class RMSNorm(nn.Module):
@@ -42,14 +73,14 @@ class RMSNorm(nn.Module):
         return f"{shape}, eps={self.eps}, {self.spec.describe()}"
 
 
-_LAYERS: dict[str, type[nn.Module]] = {"RMSNorm": RMSNorm}
+_LAYERS: dict[str, type[nn.Module]] = {"RMSNorm": RMSNorm, "MergedLinear": MergedLinear}
 
 
 def register_layer(name: str, cls: type[nn.Module]) -> None:
     """Replace the layer class fusers build under ``name`` (for out-of-tree platforms)."""
     if name not in _LAYERS:
         raise KeyError(f"No layer named {name!r}; the layers are: {', '.join(sorted(_LAYERS))}.")
-    if not issubclass(cls, _LAYERS[name]) and not issubclass(cls, nn.Module):
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise TypeError(f"A replacement for layer {name!r} must be an nn.Module subclass, not {cls!r}.")
     _LAYERS[name] = cls
 

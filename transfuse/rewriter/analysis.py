@@ -37,7 +37,23 @@ class ClassAnalysis:
     trace: Trace
     traced_path: str
     had_example: bool
+    children: dict[str, type] = field(default_factory=dict)
     verdicts: dict[str, Any] = field(default_factory=dict)
+    rewrites: dict[tuple[str, ...], Any] = field(default_factory=dict)
+    _instance: Any = None  # weakref to the traced instance, to analyse its children
+
+    def child(self, name: str) -> ClassAnalysis | None:
+        """The analysis of a child's class (from the cache, else traced without inputs)."""
+        instance = self._instance() if self._instance is not None else None
+        child = instance._modules.get(name) if instance is not None else None
+        if child is None:
+            return None
+        key = class_key(child)
+        with _LOCK:
+            cached = _CACHE.get(key[0], {}).get(key[1:])
+        if cached is not None:
+            return cached
+        return _store(child, f"{self.traced_path}.{name}", trace_module(child), had_example=False)
 
     def verdict(self, fuser: Fuser) -> Any | Refusal | None:
         if fuser.kind not in self.verdicts:
@@ -83,7 +99,19 @@ def analyse(module: nn.Module, path: str, probe: Probe) -> ClassAnalysis:
         return cached
     example = (call.args, call.kwargs) if call is not None else None
     trace = trace_module(module, example, _children_outputs(path, module, probe))
-    analysis = ClassAnalysis(cls=type(module), trace=trace, traced_path=path, had_example=example is not None)
+    return _store(module, path, trace, had_example=example is not None)
+
+
+def _store(module: nn.Module, path: str, trace: Trace, had_example: bool) -> ClassAnalysis:
+    key = class_key(module)
+    analysis = ClassAnalysis(
+        cls=type(module),
+        trace=trace,
+        traced_path=path,
+        had_example=had_example,
+        children={name: cls for name, cls in key[1]},
+        _instance=weakref.ref(module),
+    )
     with _LOCK:
         _CACHE.setdefault(key[0], {})[key[1:]] = analysis
     return analysis

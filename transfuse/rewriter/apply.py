@@ -4,11 +4,14 @@ The steps, in order:
 
 1. probe: one short forward of the original model records each module's first call;
 2. plan: each module class is traced and matched once; each instance is validated;
-3. fuse: each planned fusion builds its modules from the instance's own tensors;
-4. verify: each fused module is run on its recorded inputs and compared with its
-   recorded outputs, then the whole model with its original output; any fusion that
-   does not match is undone and reported. No copy of the model is made: only the probe's
-   inputs and outputs of the fused modules are kept.
+   source fusers' edits to a class's forward are composed and compiled once per class;
+3. fuse: per instance, a replacing fuser swaps the module, source fusers rebuild the
+   instance's children, and the edited forward is bound to the instance (the object
+   stays an instance of its class and keeps every other attribute);
+4. verify: each fused instance is run on its recorded inputs and compared with its
+   recorded outputs, then the whole model with its original output; an instance that
+   does not match has all its fusions undone and reported. No copy of the model is made:
+   only the probe's inputs and outputs of the fused modules are kept.
 """
 
 from __future__ import annotations
@@ -16,39 +19,65 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+import types
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 
-from .analysis import analyse
+from .analysis import ClassAnalysis, analyse
 from .capture import Probe, is_meta_model, make_probe, record_calls
-from .fusion import Fused, Fuser, Refusal
+from .fusion import Fused, Fuser, Refusal, SourceFuser
 from .report import FusionRecord, RewriteReport, SkipRecord
+from .source import MethodRewrite, rewrite_method
+from .tracer import unwrapped_forward
 from .verify import LOCAL_TOLERANCE, MODEL_TOLERANCE, relative_error, tolerance
 
-__all__ = ["REPORT_ATTR", "is_fused", "rewrite_model"]
+__all__ = ["REPORT_ATTR", "REWRITTEN_ATTR", "is_fused", "rewrite_model", "rewrites_of"]
 
 logger = logging.getLogger("transfuse")
 
 REPORT_ATTR = "_transfuse_report"
-# Set on an instance whose methods were rewritten in place.
-REWRITTEN_ATTR = "_transfuse_rewritten"
+# On an instance whose forward was rewritten: the MethodRewrite it runs.
+REWRITTEN_ATTR = "_transfuse_rewrite"
 
 
 def is_fused(module: nn.Module) -> bool:
     """A transfuse layer, or an instance transfuse already rewrote."""
-    return getattr(type(module), "__transfuse_layer__", False) or getattr(module, REWRITTEN_ATTR, False)
+    return getattr(type(module), "__transfuse_layer__", False) or REWRITTEN_ATTR in module.__dict__
+
+
+def rewrites_of(model: nn.Module) -> list[MethodRewrite]:
+    """The distinct method rewrites running in ``model``, in module order."""
+    found: dict[int, MethodRewrite] = {}
+    for module in model.modules():
+        rewrite = module.__dict__.get(REWRITTEN_ATTR)
+        if rewrite is not None:
+            found.setdefault(id(rewrite), rewrite)
+    return list(found.values())
 
 
 @dataclass
 class _Planned:
-    path: str
-    module: nn.Module
     fuser: Fuser
     found: Any
     fused: Fused | None = None
+
+
+@dataclass
+class _Instance:
+    """One module instance and the fusions planned for it."""
+
+    path: str
+    module: nn.Module
+    analysis: ClassAnalysis
+    plans: list[_Planned] = field(default_factory=list)
+    rewrite: MethodRewrite | None = None
+
+    @property
+    def replacing(self) -> _Planned | None:
+        return next((p for p in self.plans if p.fuser.replaces_module), None)
 
 
 def _set_submodule(model: nn.Module, path: str, new: nn.Module) -> None:
@@ -69,8 +98,8 @@ def _evaluating(module: nn.Module):
             m.training = flag
 
 
-def _plan(model: nn.Module, fusers: Sequence[Fuser], probe: Probe, report: RewriteReport) -> list[_Planned]:
-    planned: list[_Planned] = []
+def _plan(model: nn.Module, fusers: Sequence[Fuser], probe: Probe, report: RewriteReport) -> list[_Instance]:
+    instances: list[_Instance] = []
     replaced_prefixes: list[str] = []
     classes = set()
     for path, module in model.named_modules():
@@ -81,6 +110,7 @@ def _plan(model: nn.Module, fusers: Sequence[Fuser], probe: Probe, report: Rewri
             continue
         analysis = analyse(module, path, probe)
         classes.add(analysis.cls)
+        instance = _Instance(path, module, analysis)
         for fuser in wanting:
             verdict = analysis.verdict(fuser)
             if verdict is None:
@@ -92,68 +122,112 @@ def _plan(model: nn.Module, fusers: Sequence[Fuser], probe: Probe, report: Rewri
             if refusal is not None:
                 report.add_skip(SkipRecord.of(type(module).__name__, fuser.kind, refusal, path))
                 continue
-            planned.append(_Planned(path, module, fuser, verdict))
+            instance.plans.append(_Planned(fuser, verdict))
             if fuser.replaces_module:
+                if not path:
+                    raise ValueError("A fusion cannot replace the model itself; rewrite its parent instead.")
                 replaced_prefixes.append(path + ".")
+                instance.plans = [instance.plans[-1]]
                 break
-    logger.info("transfuse: analysed %d module classes, %d fusions planned", len(classes), len(planned))
-    return planned
+        if instance.plans:
+            instances.append(instance)
+    for instance in instances:
+        _compose_source_edits(instance, report)
+    instances = [i for i in instances if i.plans]
+    logger.info(
+        "transfuse: analysed %d module classes, %d fusions planned",
+        len(classes),
+        sum(len(i.plans) for i in instances),
+    )
+    return instances
 
 
-def _apply(model: nn.Module, item: _Planned) -> None:
-    item.fused = item.fuser.fuse(item.module, item.found)
-    if item.fused.replacement is not None:
-        if not item.path:
-            raise ValueError("A fusion cannot replace the model itself; rewrite its parent instead.")
-        _set_submodule(model, item.path, item.fused.replacement)
+def _compose_source_edits(instance: _Instance, report: RewriteReport) -> None:
+    """The class's forward with every planned source edit that proves out (once per class)."""
+    source_plans = [p for p in instance.plans if isinstance(p.fuser, SourceFuser)]
+    if not source_plans:
+        return
+    analysis = instance.analysis
+    kinds = tuple(p.fuser.kind for p in source_plans)
+    if kinds not in analysis.rewrites:
+        edits = [(p.fuser.kind, _edit_for(p)) for p in source_plans]
+        analysis.rewrites[kinds] = rewrite_method(analysis.cls, unwrapped_forward(analysis.cls), edits)
+    rewrite, refusals = analysis.rewrites[kinds]
+    for kind, refusal in refusals.items():
+        where = analysis.where()
+        report.add_skip(SkipRecord(analysis.cls.__name__, kind, refusal.reason, refusal.tag, where))
+    instance.plans = [p for p in instance.plans if p.fuser.kind not in refusals]
+    instance.rewrite = rewrite
 
 
-def _undo(model: nn.Module, item: _Planned) -> None:
-    if item.fused.replacement is not None:
-        _set_submodule(model, item.path, item.module)
-    elif item.fused.undo is not None:
-        item.fused.undo()
+def _edit_for(plan: _Planned):
+    return lambda tree, context: plan.fuser.edit(tree, plan.found, context)
 
 
-def _verify_locally(model: nn.Module, applied: list[_Planned], io: Probe, report: RewriteReport) -> list[_Planned]:
-    """Run each fused module on its recorded inputs; undo those whose outputs differ."""
+def _apply(model: nn.Module, instance: _Instance) -> None:
+    for plan in instance.plans:
+        plan.fused = plan.fuser.fuse(instance.module, plan.found)
+        if plan.fused.replacement is not None:
+            _set_submodule(model, instance.path, plan.fused.replacement)
+    if instance.rewrite is not None:
+        module = instance.module
+        module.forward = types.MethodType(instance.rewrite.compile(), module)
+        module.__dict__[REWRITTEN_ATTR] = instance.rewrite
+
+
+def _undo(model: nn.Module, instance: _Instance) -> None:
+    module = instance.module
+    if instance.rewrite is not None:
+        module.__dict__.pop("forward", None)
+        module.__dict__.pop(REWRITTEN_ATTR, None)
+    for plan in reversed(instance.plans):
+        if plan.fused is None:
+            continue
+        if plan.fused.replacement is not None:
+            _set_submodule(model, instance.path, module)
+        elif plan.fused.undo is not None:
+            plan.fused.undo()
+
+
+def _verify_locally(model: nn.Module, applied: list[_Instance], io: Probe, report: RewriteReport) -> list[_Instance]:
+    """Run each fused instance on its recorded inputs; undo those whose outputs differ."""
     kept = []
     unverified = 0
-    for item in applied:
-        call = io.real_calls.get(item.path)
+    for instance in applied:
+        call = io.real_calls.get(instance.path)
         if call is None or call.output is None:
             unverified += 1
-            kept.append(item)
+            kept.append(instance)
             continue
-        module = model.get_submodule(item.path)
+        module = model.get_submodule(instance.path)
         with _evaluating(module):
             try:
-                output = module(*call.args, **call.kwargs)
-                error = relative_error(output, call.output)
+                error = relative_error(module(*call.args, **call.kwargs), call.output)
             except Exception as exc:  # a fused module that fails to run is undone, not fatal
-                output, error = None, float("inf")
-                logger.warning("transfuse: fused %s failed on its probe input: %s", item.path, exc)
+                error = float("inf")
+                logger.warning("transfuse: fused %s failed on its probe input: %s", instance.path, exc)
         tol = tolerance(call.output, LOCAL_TOLERANCE)
         if error <= tol:
-            kept.append(item)
+            kept.append(instance)
             continue
-        _undo(model, item)
-        report.add_skip(
-            SkipRecord(
-                type(item.module).__name__,
-                item.fuser.kind,
-                f"the fused module's output differs from the original's by {error:.3g} of its scale "
-                f"(tolerance {tol:.1g}); undone.",
-                "verify.mismatch",
-                path=item.path,
+        _undo(model, instance)
+        for plan in instance.plans:
+            report.add_skip(
+                SkipRecord(
+                    type(instance.module).__name__,
+                    plan.fuser.kind,
+                    f"the fused module's output differs from the original's by {error:.3g} of its scale "
+                    f"(tolerance {tol:.1g}); undone.",
+                    "verify.mismatch",
+                    path=instance.path,
+                )
             )
-        )
     if unverified:
         report.notes.append(f"{unverified} fused modules were not called by the probe input and were not checked alone")
     return kept
 
 
-def _verify_model(model: nn.Module, applied: list[_Planned], probe: Probe, report: RewriteReport) -> list[_Planned]:
+def _verify_model(model: nn.Module, applied: list[_Instance], probe: Probe, report: RewriteReport) -> list[_Instance]:
     with _evaluating(model):
         output = model(*probe.args, **probe.kwargs)
     error = relative_error(output, probe.output)
@@ -161,11 +235,11 @@ def _verify_model(model: nn.Module, applied: list[_Planned], probe: Probe, repor
     if error <= tol:
         report.notes.append(f"verified: the model's output on the probe input differs by {error:.3g} of its scale")
         return applied
-    for item in reversed(applied):
-        _undo(model, item)
+    for instance in reversed(applied):
+        _undo(model, instance)
     report.notes.append(
         f"the rewritten model's output differed from the original's by {error:.3g} of its scale "
-        f"(tolerance {tol:.1g}), though each fused module matched alone; all {len(applied)} fusions were undone"
+        f"(tolerance {tol:.1g}), though each fused module matched alone; all fusions were undone"
     )
     return []
 
@@ -189,20 +263,22 @@ def rewrite_model(
     checking = verify and not meta and probe.error is None and bool(planned)
     io = None
     if checking:
-        io = record_calls(model, Probe(probe.args, probe.kwargs), real_paths={p.path for p in planned})
-    for item in planned:
-        _apply(model, item)
+        io = record_calls(model, Probe(probe.args, probe.kwargs), real_paths={i.path for i in planned})
+    for instance in planned:
+        _apply(model, instance)
     applied = planned
     if checking:
         applied = _verify_locally(model, applied, io, report)
         applied = _verify_model(model, applied, probe, report) if applied else applied
     elif verify and meta:
         report.notes.append("not verified: the model's parameters are on the meta device")
-    for item in applied:
-        report.fusions.append(
-            FusionRecord(item.path, type(item.module).__name__, item.fuser.kind, item.fused.replaced, item.fused.into)
-        )
-    elapsed = time.perf_counter() - start
-    logger.info("transfuse: %d fusions in %.2f s", len(applied), elapsed)
+    for instance in applied:
+        for plan in instance.plans:
+            report.fusions.append(
+                FusionRecord(
+                    instance.path, type(instance.module).__name__, plan.fuser.kind, plan.fused.replaced, plan.fused.into
+                )
+            )
+    logger.info("transfuse: %d fusions in %.2f s", sum(len(i.plans) for i in applied), time.perf_counter() - start)
     object.__setattr__(model, REPORT_ATTR, report)
     return report

@@ -16,9 +16,12 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 from torch import nn
 
 if TYPE_CHECKING:
-    from .analysis import ClassAnalysis
+    import libcst as cst
 
-__all__ = ["Fused", "Fuser", "Refusal"]
+    from .analysis import ClassAnalysis
+    from .source import EditContext
+
+__all__ = ["Fused", "Fuser", "Refusal", "SourceFuser"]
 
 
 @dataclass(frozen=True)
@@ -71,3 +74,17 @@ class Fuser(ABC):
     @abstractmethod
     def fuse(self, module: nn.Module, found: Any) -> Fused:
         """Build the fused module(s) from the instance's own tensors."""
+
+
+class SourceFuser(Fuser):
+    """A fuser that edits the class's forward source (once per class) and, per instance,
+    changes the instance's children in place; the rewriter binds the edited forward.
+
+    ``edit`` must re-prove on the syntax tree whatever the (possibly partial) graph could
+    not show, and raise ``NoMatch`` otherwise. Several source fusers may edit one class:
+    their edits compose, each on the output of the previous one.
+    """
+
+    @abstractmethod
+    def edit(self, tree: cst.FunctionDef, found: Any, context: EditContext) -> cst.FunctionDef:
+        """The forward with this fusion's change made."""

@@ -1,22 +1,45 @@
-"""The libcst source layer: find a class's methods in its real source file and reason about them.
+"""The libcst source layer: one transformation of a class's method, three outputs.
 
-A traced graph is evidence of what ran for one input. What it cannot show (a branch
-not taken, a loop, a name rebound) is proved here on the syntax tree, before any
-fusion that depends on it is made.
+A traced graph is evidence of what ran for one input. What it cannot show (a branch not
+taken, a name rebound, a second use) is proved here on the syntax tree before an edit
+is made. The edited method is the single source of truth for:
+
+* the runtime rewrite: compiled into the original module's globals, under the original
+  file name and line numbers (tracebacks point at real code), inside a shell of the
+  original class so that decorators, ``__qualname__`` and zero-argument ``super()``
+  behave as in the original;
+* the emitted modeling file: the original file with the method replaced, formatting
+  and comments kept;
+* the diff between the two texts.
 """
 
 from __future__ import annotations
 
+import ast
+import builtins
+import difflib
 import functools
+import importlib
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import libcst as cst
 import libcst.matchers as m
-from libcst.metadata import MetadataWrapper, PositionProvider
+from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
 
-__all__ = ["MethodSource", "control_flow", "method_source", "self_method_calls"]
+from .graph import NoMatch
+
+__all__ = [
+    "EditContext",
+    "MethodRewrite",
+    "MethodSource",
+    "control_flow",
+    "method_source",
+    "rewrite_method",
+    "self_calls",
+    "self_method_calls",
+]
 
 
 @dataclass(frozen=True)
@@ -25,6 +48,7 @@ class ParsedFile:
     text: str
     module: cst.Module
     positions: dict  # node -> CodeRange
+    parents: dict  # node -> parent node
 
 
 @functools.lru_cache(maxsize=64)
@@ -36,15 +60,17 @@ def _parse_file(filename: str) -> ParsedFile | None:
         return None
     wrapper = MetadataWrapper(cst.parse_module(text), unsafe_skip_copy=True)
     positions = wrapper.resolve(PositionProvider)
-    return ParsedFile(filename, text, wrapper.module, positions)
+    parents = wrapper.resolve(ParentNodeProvider)
+    return ParsedFile(filename, text, wrapper.module, positions, parents)
 
 
 @dataclass(frozen=True)
 class MethodSource:
-    """A method's syntax tree in its real file, and the line it starts on."""
+    """A method's syntax tree in its real file."""
 
     file: ParsedFile
     node: cst.FunctionDef
+    function: Callable  # the unwrapped function object
 
     @property
     def filename(self) -> str:
@@ -53,12 +79,20 @@ class MethodSource:
     def line(self, node: cst.CSTNode | None = None) -> int:
         return self.file.positions[node if node is not None else self.node].start.line
 
+    def parent(self, node: cst.CSTNode) -> cst.CSTNode:
+        return self.file.parents[node]
+
 
 def method_source(fn: Callable) -> MethodSource | None:
     """The FunctionDef of ``fn`` (unwrapped) in its source file, or None without a source file."""
     fn = inspect.unwrap(fn)
     code = getattr(fn, "__code__", None)
-    filename = inspect.getsourcefile(fn) if code is not None else None
+    if code is None:
+        return None
+    try:
+        filename = inspect.getsourcefile(fn)
+    except TypeError:
+        return None
     parsed = _parse_file(filename) if filename else None
     if parsed is None:
         return None
@@ -67,7 +101,7 @@ def method_source(fn: Callable) -> MethodSource | None:
         def_line = parsed.positions[node].start.line  # libcst's range starts at `def`, after decorators
         top = parsed.positions[node.decorators[0]].start.line if node.decorators else def_line
         if top <= first <= def_line:
-            return MethodSource(parsed, node)
+            return MethodSource(parsed, node, fn)
     return None
 
 
@@ -93,3 +127,248 @@ def self_method_calls(source: MethodSource) -> set[str]:
     """Names ``n`` of calls written ``self.n(...)`` in a method."""
     calls = m.findall(source.node, m.Call(func=m.Attribute(value=m.Name("self"))))
     return {c.func.attr.value for c in calls}
+
+
+def self_calls(tree: cst.CSTNode, name: str) -> list[cst.Call]:
+    """Calls written ``self.<name>(...)`` in ``tree``."""
+    return list(m.findall(tree, m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name(name)))))
+
+
+def self_references(tree: cst.CSTNode, name: str) -> list[cst.Attribute]:
+    """Every ``self.<name>`` in ``tree``, called or not."""
+    return list(m.findall(tree, m.Attribute(value=m.Name("self"), attr=m.Name(name))))
+
+
+# -- editing ------------------------------------------------------------------------------
+
+
+@dataclass
+class EditContext:
+    """What an edit may ask of the rewriter: fresh local names, imports, the class's other code."""
+
+    cls: type
+    source: MethodSource
+    names: set[str]
+    imports: dict[str, tuple[str, str]] = field(default_factory=dict)  # alias -> (module, name)
+
+    def fresh_name(self, base: str) -> str:
+        """A local name not used anywhere in the method (nor a builtin)."""
+        name, i = base, 1
+        while name in self.names or hasattr(builtins, name):
+            i += 1
+            name = f"{base}_{i}"
+        self.names.add(name)
+        return name
+
+    def require(self, module: str, name: str) -> str:
+        """A name under which ``module.name`` is available to the method; recorded as an import."""
+        for alias, target in self.imports.items():
+            if target == (module, name):
+                return alias
+        alias = name
+        globals_ = self.source.function.__globals__
+        while alias in self.names or (alias in globals_ and globals_[alias] is not _resolve(module, name)):
+            alias = f"_transfuse_{alias}"
+        self.names.add(alias)
+        self.imports[alias] = (module, name)
+        return alias
+
+    def uses_elsewhere(self, attr: str) -> int | None:
+        """Line of a ``self.<attr>`` in another method of the class (or its bases in source), else None."""
+        for klass in self.cls.__mro__:
+            for value in vars(klass).values():
+                fn = inspect.unwrap(value) if callable(value) else None
+                if fn is None or fn is self.source.function or not hasattr(fn, "__code__"):
+                    continue
+                if attr not in fn.__code__.co_names:
+                    continue
+                other = method_source(fn)
+                if other is not None and _reads(other.node, attr):
+                    return other.line()
+        return None
+
+
+def _reads(tree: cst.CSTNode, attr: str) -> bool:
+    """Whether ``self.<attr>`` is read in ``tree`` (being assigned, as in ``__init__``, is not a read)."""
+    targets = {
+        id(t.target)
+        for a in m.findall(tree, m.Assign())
+        for t in a.targets
+    } | {id(a.target) for a in m.findall(tree, m.AnnAssign())}
+    return any(id(ref) not in targets for ref in self_references(tree, attr))
+
+
+def _resolve(module: str, name: str):
+    return getattr(importlib.import_module(module), name)
+
+
+Edit = Callable[[cst.FunctionDef, EditContext], cst.FunctionDef]
+
+
+@dataclass
+class MethodRewrite:
+    """A class's method after a sequence of edits, and its three outputs."""
+
+    cls: type
+    original: MethodSource
+    edited: cst.FunctionDef
+    imports: dict[str, tuple[str, str]]
+    kinds: tuple[str, ...]
+    _compiled: Callable | None = None
+
+    @property
+    def method_name(self) -> str:
+        return self.original.node.name.value
+
+    @property
+    def defining_class(self) -> type:
+        for klass in self.cls.__mro__:
+            value = vars(klass).get(self.method_name)
+            if value is not None and inspect.unwrap(value) is self.original.function:
+                return klass
+        return self.cls
+
+    def edited_file_text(self) -> str:
+        """The original file with this method replaced (formatting and comments kept)."""
+        return self.original.file.module.deep_replace(self.original.node, self.edited).code
+
+    def diff(self, context: int = 3) -> str:
+        """Unified diff of the original file against the rewritten one, with real line numbers."""
+        name = self.original.filename
+        return "".join(
+            difflib.unified_diff(
+                self.original.file.text.splitlines(keepends=True),
+                self.edited_file_text().splitlines(keepends=True),
+                fromfile=f"{name}",
+                tofile=f"{name} (transfuse: {', '.join(self.kinds)})",
+                n=context,
+            )
+        )
+
+    def compile(self) -> Callable:
+        """The edited method as a function in the original module's globals (decorators applied)."""
+        if self._compiled is None:
+            self._compiled = _compile(self)
+        return self._compiled
+
+
+def _method_code(node: cst.FunctionDef) -> str:
+    return cst.Module(body=[]).code_for_node(node)
+
+
+def _line_map(original: MethodSource, edited_code: str) -> list[int]:
+    """For each line of the edited method's code, the line of the original file it stands for.
+
+    Unchanged lines keep their line; a changed line takes the most similar original line of
+    its block (in order); an inserted line takes the line it was inserted before.
+    """
+    old_lines = _method_code(original.node).splitlines()
+    new_lines = edited_code.splitlines()
+    def_index = next(i for i, line in enumerate(old_lines) if line.lstrip().startswith(("def ", "async def ")))
+    base = original.line() - def_index  # file line of old_lines[0]
+    mapping = [base] * len(new_lines)
+    matcher = difflib.SequenceMatcher(a=old_lines, b=new_lines, autojunk=False)
+    for tag, a0, a1, b0, b1 in matcher.get_opcodes():
+        if tag == "equal":
+            for j in range(b0, b1):
+                mapping[j] = base + a0 + (j - b0)
+            continue
+        floor = a0
+        for j in range(b0, b1):
+            scores = [(difflib.SequenceMatcher(a=old_lines[i], b=new_lines[j]).ratio(), i) for i in range(floor, a1)]
+            best, i = max(scores, default=(0.0, a0), key=lambda s: (s[0], -s[1]))
+            if best < 0.6:
+                i = min(floor, len(old_lines) - 1)
+            mapping[j] = base + i
+            floor = i
+    return mapping
+
+
+def _compile(rewrite: MethodRewrite) -> Callable:
+    code = _method_code(rewrite.edited)
+    tree = ast.parse(code)
+    mapping = _line_map(rewrite.original, code)
+    for node in ast.walk(tree):
+        if hasattr(node, "lineno"):
+            node.lineno = mapping[min(node.lineno, len(mapping)) - 1]
+            node.end_lineno = max(node.lineno, mapping[min(node.end_lineno or node.lineno, len(mapping)) - 1])
+    klass = rewrite.defining_class
+    # A class shell with the original name: __qualname__, decorators and super() see what they expect.
+    shell = ast.ClassDef(name=klass.__name__, bases=[], keywords=[], body=tree.body, decorator_list=[])
+    shell.lineno = shell.end_lineno = tree.body[0].lineno
+    shell.col_offset = shell.end_col_offset = 0
+    module = ast.fix_missing_locations(ast.Module(body=[shell], type_ignores=[]))
+    globals_ = rewrite.original.function.__globals__
+    for alias, (mod, name) in rewrite.imports.items():
+        globals_.setdefault(alias, _resolve(mod, name))
+    namespace: dict = {}
+    exec(compile(module, rewrite.original.filename, "exec"), globals_, namespace)
+    function = vars(namespace[klass.__name__])[rewrite.method_name]
+    _point_class_cell(function, klass)
+    return function
+
+
+def _point_class_cell(function: Callable, klass: type) -> None:
+    """Zero-argument super() reads the ``__class__`` cell: make it the real class, not the shell."""
+    fn = function
+    while fn is not None:
+        code = getattr(fn, "__code__", None)
+        if code is not None and "__class__" in code.co_freevars:
+            fn.__closure__[code.co_freevars.index("__class__")].cell_contents = klass
+        fn = getattr(fn, "__wrapped__", None)
+
+
+def _identifiers(node: cst.CSTNode) -> set[str]:
+    return {n.value for n in m.findall(node, m.Name())}
+
+
+def _precheck(source: MethodSource) -> None:
+    """Refusals that apply to any edit of this method."""
+    fn = source.function
+    free = [v for v in fn.__code__.co_freevars if v != "__class__"]
+    if free:
+        raise NoMatch(
+            "source.closure",
+            f"{fn.__qualname__} is a closure over {', '.join(free)}; its source cannot be recompiled on its own.",
+        )
+    mangled = sorted(
+        n for n in _identifiers(source.node) if n.startswith("__") and not n.endswith("__")
+    )
+    if mangled:
+        raise NoMatch(
+            "source.name-mangled",
+            f"{fn.__qualname__} uses the name-mangled {mangled[0]}, which means another name outside its class.",
+        )
+    if source.node.asynchronous is not None:
+        raise NoMatch("source.async", f"{fn.__qualname__} is a coroutine.")
+
+
+def rewrite_method(
+    cls: type, function: Callable, edits: list[tuple[str, Edit]]
+) -> tuple[MethodRewrite | None, dict[str, NoMatch]]:
+    """Apply ``edits`` (kind, edit) in order to ``function``'s source; an edit that refuses is left out.
+
+    Returns the rewrite of the edits that succeeded (None if none did) and the refusals by kind.
+    """
+    refusals: dict[str, NoMatch] = {}
+    source = method_source(function)
+    if source is None:
+        refusal = NoMatch("source.unavailable", f"the source of {cls.__name__}.{function.__name__} is not available.")
+        return None, {kind: refusal for kind, _ in edits}
+    try:
+        _precheck(source)
+    except NoMatch as refusal:
+        return None, {kind: refusal for kind, _ in edits}
+    context = EditContext(cls, source, _identifiers(source.node))
+    tree, applied = source.node, []
+    for kind, edit in edits:
+        saved = (set(context.names), dict(context.imports))
+        try:
+            tree = edit(tree, context)
+            applied.append(kind)
+        except NoMatch as refusal:
+            refusals[kind] = refusal
+            context.names, context.imports = saved
+    if not applied:
+        return None, refusals
+    return MethodRewrite(cls, source, tree, context.imports, tuple(applied)), refusals

@@ -1,0 +1,255 @@
+"""Gate/up GLU: ``act(self.gate(x)) * self.up(x)`` → ``act_and_mul(self.gate_up_proj(x), activation)``.
+
+The gate and up projections read the same value, so they are one matrix multiply with
+their weights concatenated, and the activation and product become one fused
+``act_and_mul`` op over the merged output ``[gate | up]``. Found by dataflow in either
+operand order, with ``*`` or ``torch.mul``, and the activation as a child module (the
+classes of transformers' ``ACT2FN``, ``nn.SiLU``, ``nn.GELU(approximate=...)``) or a
+function (``F.silu``, ``F.gelu(..., approximate=...)``).
+
+The activation must be one the fused op has (silu, gelu with erf, gelu with tanh): an
+activation module's class is identified from its own traced graph, and each instance is
+then checked numerically against the fused op, so an instance configured differently
+(``nn.GELU(approximate="tanh")`` next to ``nn.GELU()``) is identified on its own. Any
+other activation is refused with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import libcst as cst
+import libcst.matchers as m
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops import ACTIVATIONS, act_and_mul
+from ..rewriter.analysis import ClassAnalysis
+from ..rewriter.fusion import Fused, Refusal, SourceFuser
+from ..rewriter.graph import NoMatch, is_op, op_name, operand, operands
+from ..rewriter.source import EditContext, self_calls, self_references
+from ..rewriter.syntax import expression_code, replace_nodes
+from ..rewriter.weights import MergeError, _check_mergeable, merge_linears, unmerge_linears
+
+__all__ = ["GLUFuser", "GLUMatch", "identify_activation"]
+
+
+@dataclass(frozen=True)
+class GLUMatch:
+    """The gate and up projections, the merged child's name, and where the activation comes from."""
+
+    gate: str
+    up: str
+    into: str
+    act_module: str | None  # a child module applies the activation ...
+    act_function: str | None  # ... or a function call in the forward does (its ACTIVATIONS name)
+
+
+def _activation_of_function(node: fx.Node) -> str | None:
+    """ACTIVATIONS name of an ``F.silu`` / ``F.gelu(approximate=...)`` call node, else None."""
+    name = op_name(node)
+    if name == "silu":
+        return "silu"
+    if name == "gelu":
+        approximate = operand(node, 1, "approximate", "none")
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate)
+    return None
+
+
+def _class_activation(analysis: ClassAnalysis) -> str:
+    """The activation an activation module's class computes, from its graph: one silu/gelu call."""
+    trace = analysis.trace
+    calls = [
+        n
+        for n in trace.graph.nodes
+        if n.op in ("call_function", "call_method", "call_module") and not is_op(n, "getattr")
+    ]
+    inputs = trace.placeholders()
+    if not trace.partial and len(calls) == 1 and inputs and operand(calls[0], 0) is inputs[0]:
+        activation = _activation_of_function(calls[0])
+        if activation is not None:
+            return activation
+    ops = ", ".join(op_name(n) or n.op for n in calls[:6]) or "nothing"
+    raise NoMatch(
+        "glu.activation",
+        f"the activation {analysis.cls.__name__} computes {ops}; the fused op has only {', '.join(ACTIVATIONS)}.",
+        calls[0] if calls else None,
+    )
+
+
+_PROBE = torch.linspace(-8.0, 8.0, 257)
+
+
+def identify_activation(module: nn.Module) -> str | None:
+    """Which fused activation a stateless activation module computes, checked bit for bit."""
+    if any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
+        return None
+    gate = torch.cat([_PROBE, torch.randn(256, generator=torch.Generator().manual_seed(0)) * 3])
+    x = torch.cat([gate, torch.ones_like(gate)])
+    for dtype in (torch.float32, torch.bfloat16):
+        with torch.no_grad():
+            got = module(gate.to(dtype))
+        matches = [a for a in ACTIVATIONS if torch.equal(act_and_mul(x.to(dtype), a), got)]
+        if dtype == torch.float32:
+            candidates = matches
+        else:
+            candidates = [a for a in candidates if a in matches]
+    return candidates[0] if len(candidates) == 1 else None
+
+
+def _free_name(analysis: ClassAnalysis, base: str) -> str:
+    name, i = base, 1
+    while name in analysis.children:
+        i += 1
+        name = f"{base}_{i}"
+    return name
+
+
+class GLUFuser(SourceFuser):
+    kind = "gate_up"
+
+    def wants(self, module: nn.Module) -> bool:
+        return sum(isinstance(c, nn.Linear) for c in module.children()) >= 2
+
+    def match(self, analysis: ClassAnalysis) -> GLUMatch | Refusal | None:
+        linears = {name for name, cls in analysis.children.items() if issubclass(cls, nn.Linear)}
+        for node in analysis.trace.graph.nodes:
+            if not is_op(node, "mul"):
+                continue
+            for act_side, up_side in (operands(node)[:2], operands(node)[1::-1]):
+                found = self._match_product(analysis, linears, act_side, up_side)
+                if found is not None:
+                    return found
+        return None
+
+    def _match_product(self, analysis, linears, act_side, up_side) -> GLUMatch | Refusal | None:
+        if not (_is_linear_call(up_side, linears) and isinstance(act_side, fx.Node)):
+            return None
+        gate = operand(act_side, 0)
+        if not _is_linear_call(gate, linears) or gate.args[0] is not up_side.args[0] or gate.target == up_side.target:
+            return None
+        into = _free_name(analysis, "gate_up_proj")
+        try:
+            if act_side.op == "call_module" and act_side.target not in linears:
+                child = analysis.child(act_side.target)
+                if child is None:
+                    raise NoMatch("glu.activation", f"the activation module {act_side.target} cannot be analysed.")
+                _class_activation(child)
+                return GLUMatch(gate.target, up_side.target, into, act_side.target, None)
+            activation = _activation_of_function(act_side)
+            if activation is None:
+                raise NoMatch(
+                    "glu.activation",
+                    f"the gate goes through {op_name(act_side) or act_side.op}; the fused op has only "
+                    f"{', '.join(ACTIVATIONS)}.",
+                    act_side,
+                )
+        except NoMatch as refusal:
+            return Refusal(refusal.tag, refusal.reason, analysis.where(refusal.node))
+        return GLUMatch(gate.target, up_side.target, into, None, activation)
+
+    def edit(self, tree: cst.FunctionDef, found: GLUMatch, context: EditContext) -> cst.FunctionDef:
+        gate_call = _single_call(tree, found.gate, context)
+        up_call = _single_call(tree, found.up, context)
+        product = _product(tree, gate_call, up_call, found)
+        x = gate_call.args[0].value
+        if not (isinstance(x, cst.Name) and up_call.args[0].value.deep_equals(x)):
+            raise NoMatch(
+                "glu.inputs-differ",
+                f"gate and up read {expression_code(gate_call.args[0].value)} and "
+                f"{expression_code(up_call.args[0].value)}, not one variable.",
+            )
+        fused_op = context.require("transfuse.ops", "act_and_mul")
+        merged = cst.parse_expression(f"{fused_op}(self.{found.into}({x.value}), self.{found.into}.activation)")
+        return replace_nodes(tree, [(product, merged)])
+
+    def validate(self, module: nn.Module, found: GLUMatch) -> Refusal | None:
+        if hasattr(module, found.into):
+            return Refusal("gate_up.name-taken", f"the instance already has an attribute {found.into!r}.")
+        if self._activation(module, found) is None:
+            act = getattr(module, found.act_module)
+            return Refusal(
+                "glu.activation-instance",
+                f"this instance's {found.act_module} ({act!r}) is not exactly one of {', '.join(ACTIVATIONS)}.",
+            )
+        try:
+            _check_mergeable(module, found.into, (found.gate, found.up))
+        except MergeError as exc:
+            return Refusal("gate_up.instance", str(exc))
+        return None
+
+    def fuse(self, module: nn.Module, found: GLUMatch) -> Fused:
+        activation = self._activation(module, found)
+        merged = merge_linears(module, found.into, (found.gate, found.up), activation=activation)
+        return Fused(
+            replaced=(found.gate, found.up),
+            into=type(merged).__name__,
+            undo=lambda: unmerge_linears(module, found.into),
+        )
+
+    @staticmethod
+    def _activation(module: nn.Module, found: GLUMatch) -> str | None:
+        if found.act_function is not None:
+            return found.act_function
+        return identify_activation(getattr(module, found.act_module))
+
+
+def _is_linear_call(node, linears: set[str]) -> bool:
+    return (
+        isinstance(node, fx.Node)
+        and node.op == "call_module"
+        and node.target in linears
+        and len(node.args) == 1
+        and not node.kwargs
+    )
+
+
+def _single_call(tree: cst.FunctionDef, name: str, context: EditContext) -> cst.Call:
+    calls = self_calls(tree, name)
+    if len(calls) != 1 or len(self_references(tree, name)) != 1:
+        raise NoMatch("glu.called-twice", f"self.{name} is used {len(self_references(tree, name))} times, not once.")
+    line = context.uses_elsewhere(name)
+    if line is not None:
+        raise NoMatch("glu.other-use", f"self.{name} is also used by another method (line {line}).")
+    call = calls[0]
+    if len(call.args) != 1 or call.args[0].keyword is not None or call.args[0].star:
+        raise NoMatch("glu.input-expression", f"self.{name} is not called with one positional argument.")
+    return call
+
+
+_FUNCTIONS = {"silu", "gelu"}
+
+
+def _product(tree: cst.FunctionDef, gate_call: cst.Call, up_call: cst.Call, found: GLUMatch) -> cst.CSTNode:
+    """The ``act(gate(x)) * up(x)`` (or ``torch.mul``) expression holding both calls."""
+    for node in m.findall(tree, m.BinaryOperation(operator=m.Multiply()) | m.Call()):
+        if isinstance(node, cst.BinaryOperation):
+            pair = (node.left, node.right)
+        elif _is_torch_mul(node) and len(node.args) == 2:
+            pair = (node.args[0].value, node.args[1].value)
+        else:
+            continue
+        for act, up in (pair, pair[::-1]):
+            if up is up_call and _applies_activation(act, gate_call, found):
+                return node
+    raise NoMatch("glu.placement", "the gate's activation and the up projection are not multiplied in one expression.")
+
+
+def _applies_activation(node: cst.CSTNode, gate_call: cst.Call, found: GLUMatch) -> bool:
+    if not (isinstance(node, cst.Call) and node.args and node.args[0].value is gate_call):
+        return False
+    if found.act_module is not None:
+        return m.matches(node.func, m.Attribute(value=m.Name("self"), attr=m.Name(found.act_module)))
+    name = node.func.attr.value if isinstance(node.func, cst.Attribute) else getattr(node.func, "value", None)
+    if name not in _FUNCTIONS:
+        return False
+    for arg in node.args[1:]:
+        if arg.keyword is not None and arg.keyword.value == "approximate" and not isinstance(arg.value, cst.SimpleString):
+            raise NoMatch("glu.activation", "gelu's approximate= is not a string literal, so it may differ per call.")
+    return True
+
+
+def _is_torch_mul(call: cst.Call) -> bool:
+    return m.matches(call.func, m.Attribute(value=m.Name("torch"), attr=m.Name("mul")))

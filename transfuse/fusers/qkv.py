@@ -1,0 +1,223 @@
+"""QKV: ``self.q(x)``, ``self.k(x)``, ``self.v(x)`` → ``q, k, v = self.qkv_proj(x).split(sizes)``.
+
+Three linear projections that read the same value are one matrix multiply with their
+weights concatenated. The graph finds them by dataflow (any names: ``wq/wk/wv``,
+``query/key/value``); q is the projection whose width differs (GQA), or the first
+called when all are equal, and k and v have equal widths. The split sizes are read from
+the merged module at run time, never written into the source.
+
+What one trace cannot show is proved on the source before the edit: each projection is
+called exactly once as ``self.<name>(<name>)`` and used nowhere else in the class; the
+three calls read the same variable; the calls sit in sibling statements, and between the
+first and the last nothing rebinds that variable, writes a tensor in place, or hands the
+variable to another call; no other linear reads it there. The merged call goes right
+before the first of the three statements, so it dominates every use.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import libcst as cst
+import torch.fx as fx
+from torch import nn
+
+from ..rewriter.analysis import ClassAnalysis
+from ..rewriter.fusion import Fused, Refusal, SourceFuser
+from ..rewriter.graph import NoMatch, value
+from ..rewriter.source import EditContext, self_calls, self_references
+from ..rewriter.syntax import (
+    ParentMap,
+    assigned_names,
+    calls_taking,
+    comment_line,
+    expression_code,
+    in_place_writes,
+    replace_nodes,
+    statement_block,
+)
+from ..rewriter.weights import MergeError, _check_mergeable, merge_linears, unmerge_linears
+
+__all__ = ["QKVFuser", "QKVMatch", "linear_calls_by_input"]
+
+
+@dataclass(frozen=True)
+class QKVMatch:
+    """The projections in merged order (q, k, v), the merged child's name, every linear child."""
+
+    parts: tuple[str, str, str]
+    into: str
+    linears: frozenset[str]
+
+
+def _linear_children(analysis: ClassAnalysis) -> set[str]:
+    return {name for name, cls in analysis.children.items() if issubclass(cls, nn.Linear)}
+
+
+def linear_calls_by_input(analysis: ClassAnalysis) -> dict[fx.Node, list[fx.Node]]:
+    """Calls of linear children with one positional input, grouped by that input."""
+    linears = _linear_children(analysis)
+    groups: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+    for node in analysis.trace.graph.nodes:
+        if node.op == "call_module" and node.target in linears and len(node.args) == 1 and not node.kwargs:
+            groups[node.args[0]].append(node)
+    return groups
+
+
+def _width(node: fx.Node) -> int | None:
+    out = value(node)
+    return out.shape[-1] if hasattr(out, "shape") else None
+
+
+def _roles(calls: list[fx.Node], analysis: ClassAnalysis) -> tuple[str, str, str]:
+    """(q, k, v): q is the one whose width differs, or the first called when all are equal."""
+    widths = [_width(c) for c in calls]
+    names = [c.target for c in calls]
+    if None in widths or len(set(widths)) == 1:
+        return tuple(names)
+    for i in range(3):
+        others = [w for j, w in enumerate(widths) if j != i]
+        if others[0] == others[1]:
+            return (names[i], *[n for j, n in enumerate(names) if j != i])
+    raise NoMatch(
+        "qkv.widths",
+        f"the three projections {', '.join(names)} have three different widths {widths}; k and v should be equal.",
+        calls[0],
+    )
+
+
+def _free_name(analysis: ClassAnalysis, base: str) -> str:
+    taken = set(analysis.children)
+    name, i = base, 1
+    while name in taken:
+        i += 1
+        name = f"{base}_{i}"
+    return name
+
+
+class QKVFuser(SourceFuser):
+    kind = "qkv"
+
+    def wants(self, module: nn.Module) -> bool:
+        return sum(isinstance(c, nn.Linear) for c in module.children()) >= 3
+
+    def match(self, analysis: ClassAnalysis) -> QKVMatch | Refusal | None:
+        groups = [calls for calls in linear_calls_by_input(analysis).values() if len(calls) >= 3]
+        if not groups:
+            return None
+        calls = groups[0]
+        try:
+            names = [c.target for c in calls]
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:
+                raise NoMatch("qkv.called-twice", f"{twice[0]} is called more than once on the same input.", calls[0])
+            if len(calls) > 3:
+                raise NoMatch(
+                    "qkv.extra-reader",
+                    f"{len(calls)} linears read the same input ({', '.join(names)}), not three.",
+                    calls[3],
+                )
+            parts = _roles(calls, analysis)
+        except NoMatch as refusal:
+            return Refusal(refusal.tag, refusal.reason, analysis.where(refusal.node))
+        return QKVMatch(parts, _free_name(analysis, "qkv_proj"), frozenset(_linear_children(analysis)))
+
+    def edit(self, tree: cst.FunctionDef, found: QKVMatch, context: EditContext) -> cst.FunctionDef:
+        calls = [_single_call(tree, name, context) for name in found.parts]
+        source = _common_input(calls)
+        parents = ParentMap(tree)
+        block, first, last = _sibling_statements(calls, parents)
+        _prove_input_unchanged(block.body[first : last + 1], source, calls, found, last - first)
+        outputs = [context.fresh_name(f"{name}_out") for name in found.parts]
+        merged_call = cst.parse_expression(
+            f"self.{found.into}({source}).split(self.{found.into}.split_sizes, dim=-1)"
+        )
+        statement = cst.SimpleStatementLine(
+            body=[cst.Assign(targets=[cst.AssignTarget(cst.parse_expression(", ".join(outputs)))], value=merged_call)],
+            leading_lines=[
+                *block.body[first].leading_lines,
+                comment_line(f"transfuse: {', '.join(found.parts)} run as one merged projection"),
+            ],
+        )
+        replacements = [(call, cst.Name(out)) for call, out in zip(calls, outputs)]
+        # The first statement's comments now stand above the merged call.
+        replacements.append((block.body[first], lambda updated: updated.with_changes(leading_lines=[])))
+        return replace_nodes(tree, replacements, insert=(block, first, [statement]))
+
+    def validate(self, module: nn.Module, found: QKVMatch) -> Refusal | None:
+        if hasattr(module, found.into):
+            return Refusal("qkv.name-taken", f"the instance already has an attribute {found.into!r}.")
+        try:
+            _check_mergeable(module, found.into, found.parts)
+        except MergeError as exc:
+            return Refusal("qkv.instance", str(exc))
+        return None
+
+    def fuse(self, module: nn.Module, found: QKVMatch) -> Fused:
+        merged = merge_linears(module, found.into, found.parts)
+        return Fused(replaced=found.parts, into=type(merged).__name__, undo=lambda: unmerge_linears(module, found.into))
+
+
+def _single_call(tree: cst.FunctionDef, name: str, context: EditContext) -> cst.Call:
+    calls = self_calls(tree, name)
+    if len(calls) != 1:
+        tag = "qkv.called-twice" if calls else "qkv.not-called"
+        raise NoMatch(tag, f"self.{name}(...) is written {len(calls)} times in {tree.name.value}, not once.")
+    references = self_references(tree, name)
+    if len(references) != 1:
+        raise NoMatch("qkv.other-use", f"self.{name} is used other than in its one call.")
+    line = context.uses_elsewhere(name)
+    if line is not None:
+        raise NoMatch("qkv.other-use", f"self.{name} is also used by another method (line {line}).")
+    call = calls[0]
+    if len(call.args) != 1 or call.args[0].keyword is not None or call.args[0].star:
+        raise NoMatch("qkv.input-expression", f"self.{name} is not called with one positional argument.")
+    if not isinstance(call.args[0].value, cst.Name):
+        raise NoMatch(
+            "qkv.input-expression",
+            f"self.{name} is called on {expression_code(call.args[0].value)}, an expression, not a variable: "
+            "merging would change how often it is evaluated.",
+        )
+    return call
+
+
+def _common_input(calls: list[cst.Call]) -> str:
+    names = [call.args[0].value.value for call in calls]
+    if len(set(names)) != 1:
+        raise NoMatch("qkv.inputs-differ", f"the projections read different variables: {', '.join(names)}.")
+    return names[0]
+
+
+def _sibling_statements(calls: list[cst.Call], parents: ParentMap) -> tuple[cst.IndentedBlock, int, int]:
+    """The block holding the three calls' statements, and the first and last statement's index."""
+    placed = []
+    for call in calls:
+        if parents.in_nested_scope(call):
+            raise NoMatch("qkv.placement", "a projection is called inside a lambda, comprehension or nested function.")
+        statement = parents.statement(call)
+        if not isinstance(statement, cst.SimpleStatementLine):
+            raise NoMatch("qkv.placement", "a projection is called in the header of a compound statement.")
+        placed.append(statement_block(parents, statement))
+    blocks = {id(block) for block, _ in placed}
+    if len(blocks) != 1:
+        raise NoMatch("qkv.placement", "the projections are called in different blocks (one is under a branch or loop).")
+    indices = [i for _, i in placed]
+    return placed[0][0], min(indices), max(indices)
+
+
+def _prove_input_unchanged(statements, source: str, calls, found: QKVMatch, span: int) -> None:
+    """Between the first and the last call, the input keeps its value."""
+    for offset, statement in enumerate(statements):
+        if offset < span and source in assigned_names(statement):
+            raise NoMatch("qkv.input-mutated", f"{source} is rebound between the projections.")
+        writes = in_place_writes(statement)
+        if writes:
+            raise NoMatch("qkv.input-mutated", f"{writes[0]} may change a tensor in place between the projections.")
+        others = calls_taking(statement, source, exclude=tuple(calls))
+        if others:
+            callee = expression_code(others[0].func)
+            if isinstance(others[0].func, cst.Attribute) and expression_code(others[0].func.value) == "self":
+                if others[0].func.attr.value in found.linears:
+                    raise NoMatch("qkv.extra-reader", f"{callee} also reads {source} between the projections.")
+            raise NoMatch("qkv.input-mutated", f"{source} is passed to {callee} between the projections.")

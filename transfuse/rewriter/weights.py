@@ -1,0 +1,155 @@
+"""Merged projections that keep their original ``state_dict`` keys.
+
+``merge_linears(parent, "qkv_proj", ["q_proj", "k_proj", "v_proj"])`` replaces the
+parent's linear children by one ``MergedLinear`` whose weight (and bias) is their
+concatenation along the output dimension, and removes the originals. The layout change
+lives at the load/save boundary, never in ``forward``:
+
+* ``parent.state_dict()`` shows the originals' keys and shapes, as slices of the merged
+  tensors (no copies), so ``save_pretrained`` writes files stock transformers loads;
+* ``parent.load_state_dict`` of a state dict with the original keys concatenates them
+  into the merged parameters.
+
+``unmerge_linears`` undoes a merge with views of the merged tensors, so neither direction
+keeps a second copy of the weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ..ops import layer
+
+__all__ = ["MergeError", "merge_linears", "merges_of", "unmerge_linears"]
+
+_MERGES = "_transfuse_merges"
+_HOOKS = "_transfuse_merge_hooks"
+_TENSORS = ("weight", "bias")
+
+
+class MergeError(ValueError):
+    """The linears cannot be merged (different inputs, dtypes, devices, or bias presence)."""
+
+
+@dataclass
+class _Merge:
+    parts: tuple[str, ...]
+    sizes: tuple[int, ...]
+    originals: tuple[nn.Linear, ...]  # the original modules, emptied of their tensors
+
+
+def merges_of(parent: nn.Module) -> dict[str, _Merge]:
+    """The merges made on ``parent``: merged child name → parts."""
+    return parent.__dict__.get(_MERGES, {})
+
+
+def _check_mergeable(parent: nn.Module, into: str, parts: Sequence[str]) -> list[nn.Linear]:
+    if len(parts) < 2:
+        raise MergeError(f"Merging needs at least two linears, got {list(parts)}.")
+    if hasattr(parent, into):
+        raise MergeError(f"{type(parent).__name__} already has an attribute {into!r}.")
+    linears = []
+    for name in parts:
+        child = parent._modules.get(name)
+        if not isinstance(child, nn.Linear) or type(child).forward is not nn.Linear.forward:
+            raise MergeError(f"{name!r} is a {type(child).__name__}, not an nn.Linear with Linear's own forward.")
+        if type(child.weight) is not nn.Parameter:
+            raise MergeError(f"{name}.weight is a {type(child.weight).__name__}, not a plain Parameter.")
+        linears.append(child)
+    first = linears[0].weight
+    for name, lin in zip(parts, linears):
+        if lin.in_features != linears[0].in_features:
+            raise MergeError(f"{name} reads {lin.in_features} features, {parts[0]} reads {linears[0].in_features}.")
+        if lin.weight.dtype != first.dtype or lin.weight.device != first.device:
+            raise MergeError(
+                f"{name}.weight is {lin.weight.dtype} on {lin.weight.device}, "
+                f"{parts[0]}.weight is {first.dtype} on {first.device}."
+            )
+        if (lin.bias is None) != (linears[0].bias is None):
+            raise MergeError(f"{name} and {parts[0]} differ in having a bias.")
+        if lin.bias is not None and lin.bias.dtype != first.dtype:
+            raise MergeError(f"{name}.bias is {lin.bias.dtype}, its weight is {first.dtype}.")
+    return linears
+
+
+def merge_linears(
+    parent: nn.Module, into: str, parts: Sequence[str], *, activation: str | None = None
+) -> nn.Module:
+    """Replace ``parent``'s linear children ``parts`` by one merged linear named ``into``."""
+    linears = _check_mergeable(parent, into, parts)
+    first = linears[0]
+    with torch.device("meta"):
+        merged = layer("MergedLinear")(
+            first.in_features,
+            tuple(lin.out_features for lin in linears),
+            bias=first.bias is not None,
+            parts=tuple(parts),
+            activation=activation,
+            dtype=first.weight.dtype,
+        )
+    with torch.no_grad():
+        for tensor in _TENSORS:
+            pieces = [getattr(lin, tensor) for lin in linears]
+            if pieces[0] is not None:
+                joined = nn.Parameter(torch.cat([p.detach() for p in pieces]), requires_grad=pieces[0].requires_grad)
+                setattr(merged, tensor, joined)
+    for name, lin in zip(parts, linears):
+        delattr(parent, name)
+        for tensor in _TENSORS:
+            if getattr(lin, tensor) is not None:
+                setattr(lin, tensor, None)  # the merged module holds the only copy
+    setattr(parent, into, merged)
+    parent.__dict__.setdefault(_MERGES, {})[into] = _Merge(tuple(parts), merged.split_sizes, tuple(linears))
+    _ensure_hooks(parent)
+    return merged
+
+
+def unmerge_linears(parent: nn.Module, into: str) -> None:
+    """Put back the original linears of a merge, as views of the merged tensors."""
+    record = merges_of(parent).pop(into)
+    merged = parent._modules[into]
+    for tensor in _TENSORS:
+        joined = getattr(merged, tensor)
+        if joined is None:
+            continue
+        for lin, piece in zip(record.originals, joined.detach().split(record.sizes, dim=0)):
+            setattr(lin, tensor, nn.Parameter(piece, requires_grad=joined.requires_grad))
+    delattr(parent, into)
+    for name, lin in zip(record.parts, record.originals):
+        setattr(parent, name, lin)
+    if not merges_of(parent):
+        for handle in parent.__dict__.pop(_HOOKS):
+            handle.remove()
+        del parent.__dict__[_MERGES]
+
+
+def _ensure_hooks(parent: nn.Module) -> None:
+    if _HOOKS not in parent.__dict__:
+        parent.__dict__[_HOOKS] = (
+            parent.register_state_dict_post_hook(_split_on_save),
+            parent.register_load_state_dict_pre_hook(_merge_on_load),
+        )
+
+
+def _split_on_save(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    for into, record in merges_of(module).items():
+        for tensor in _TENSORS:
+            key = f"{prefix}{into}.{tensor}"
+            if key in state_dict:
+                pieces = state_dict.pop(key).split(record.sizes, dim=0)
+                for part, piece in zip(record.parts, pieces):
+                    state_dict[f"{prefix}{part}.{tensor}"] = piece
+
+
+def _merge_on_load(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    for into, record in merges_of(module).items():
+        for tensor in _TENSORS:
+            keys = [f"{prefix}{part}.{tensor}" for part in record.parts]
+            # All parts or none: a partial set is left as is, so loading reports the
+            # merged key as missing and the parts as unexpected.
+            if all(k in state_dict for k in keys):
+                state_dict[f"{prefix}{into}.{tensor}"] = torch.cat([state_dict.pop(k) for k in keys])
