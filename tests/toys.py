@@ -238,3 +238,243 @@ class TinyNormModel(nn.Module):
 
     def forward(self, x):
         return self.out(self.norm(self.inp(x)))
+
+
+# ---- attention and MLP idioms for the QKV and gate/up fusions ----------------------
+
+
+def _attend(q, k, v, heads):
+    """Causal attention with heads of 8 channels; k and v repeated for grouped queries."""
+    b, s, _ = q.shape
+    q, k, v = (t.view(b, s, -1, 8).transpose(1, 2) for t in (q, k, v))
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return out.transpose(1, 2).reshape(b, s, -1)
+
+
+class WqWkWvAttention(nn.Module):
+    """GQA attention with projections named wq/wk/wv (q wider than k and v) → fuses."""
+
+    def __init__(self, hidden=32, heads=4, kv_heads=2):
+        super().__init__()
+        self.heads = heads
+        self.wk = nn.Linear(hidden, kv_heads * 8, bias=False)
+        self.wq = nn.Linear(hidden, heads * 8, bias=False)
+        self.wv = nn.Linear(hidden, kv_heads * 8, bias=False)
+        self.wo = nn.Linear(heads * 8, hidden, bias=False)
+
+    def forward(self, x):
+        # keys first: q is still found as the one whose width differs
+        k = self.wk(x)
+        q = self.wq(x)
+        v = self.wv(x)
+        return self.wo(_attend(q, k, v, self.heads))
+
+
+class QueryKeyValueAttention(nn.Module):
+    """Multi-head attention with query/key/value (equal widths, with biases) → fuses."""
+
+    def __init__(self, hidden=32):
+        super().__init__()
+        self.query = nn.Linear(hidden, hidden)
+        self.key = nn.Linear(hidden, hidden)
+        self.value = nn.Linear(hidden, hidden)
+        self.dense = nn.Linear(hidden, hidden)
+
+    def forward(self, hidden_states):
+        return self.dense(_attend(self.query(hidden_states), self.key(hidden_states), self.value(hidden_states), 4))
+
+
+class ScaleBase(nn.Module):
+    def finish(self, x):
+        return x * 0.5
+
+
+class SuperCallingAttention(ScaleBase):
+    """A forward that calls zero-argument super() → fuses, and super() still works."""
+
+    def __init__(self, hidden=32):
+        super().__init__()
+        self.q = nn.Linear(hidden, hidden)
+        self.k = nn.Linear(hidden, hidden)
+        self.v = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        q = self.q(x)
+        k = self.k(x)
+        v = self.v(x)
+        return super().finish(_attend(q, k, v, 4))
+
+
+def _renamed_kwarg(old, new):
+    """Like transformers' @deprecate_kwarg: maps an old keyword name to the new one."""
+
+    def decorator(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if old in kwargs:
+                kwargs[new] = kwargs.pop(old)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    return decorator
+
+
+class RenamedKwargAttention(nn.Module):
+    """A decorated forward whose decorator maps ``scale_by`` to ``scale`` → fuses, decorator kept."""
+
+    def __init__(self, hidden=32):
+        super().__init__()
+        self.q = nn.Linear(hidden, hidden)
+        self.k = nn.Linear(hidden, hidden)
+        self.v = nn.Linear(hidden, hidden)
+
+    @_renamed_kwarg("scale_by", "scale")
+    def forward(self, x, scale=1.0):
+        return _attend(self.q(x), self.k(x), self.v(x), 4) * scale
+
+
+class ProjectionUsedTwice(nn.Module):
+    """q computed twice → refused (qkv.called-twice)."""
+
+    def __init__(self, hidden=32):
+        super().__init__()
+        self.q = nn.Linear(hidden, hidden)
+        self.k = nn.Linear(hidden, hidden)
+        self.v = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        q = self.q(x)
+        k = self.k(x)
+        v = self.v(x)
+        return _attend(q, k, v, 4) + self.q(x)
+
+
+class InputMutatedBetween(nn.Module):
+    """The input is scaled in place between the projections → refused (qkv.input-mutated)."""
+
+    def __init__(self, hidden=32):
+        super().__init__()
+        self.q = nn.Linear(hidden, hidden)
+        self.k = nn.Linear(hidden, hidden)
+        self.v = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        x = x.clone()
+        q = self.q(x)
+        x.mul_(2.0)
+        k = self.k(x)
+        v = self.v(x)
+        return _attend(q, k, v, 4)
+
+
+class AliasedInputs(nn.Module):
+    """Same value under two names → refused (qkv.inputs-differ): the syntax cannot prove them equal."""
+
+    def __init__(self, hidden=32):
+        super().__init__()
+        self.q = nn.Linear(hidden, hidden)
+        self.k = nn.Linear(hidden, hidden)
+        self.v = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        h = x
+        return _attend(self.q(x), self.k(h), self.v(h), 4)
+
+
+class FourReaders(nn.Module):
+    """A fourth linear reads the same input → refused (qkv.extra-reader)."""
+
+    def __init__(self, hidden=32):
+        super().__init__()
+        self.q = nn.Linear(hidden, hidden)
+        self.k = nn.Linear(hidden, hidden)
+        self.v = nn.Linear(hidden, hidden)
+        self.gate = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        return _attend(self.q(x), self.k(x), self.v(x), 4) * torch.sigmoid(self.gate(x))
+
+
+def make_closure_attention(scale):
+    """A class made in a factory: its forward closes over ``scale`` → refused (source.closure)."""
+
+    class ClosureAttention(nn.Module):
+        def __init__(self, hidden=32):
+            super().__init__()
+            self.q = nn.Linear(hidden, hidden)
+            self.k = nn.Linear(hidden, hidden)
+            self.v = nn.Linear(hidden, hidden)
+
+        def forward(self, x):
+            return _attend(self.q(x), self.k(x), self.v(x), 4) * scale
+
+    return ClosureAttention
+
+
+class NameMangledAttention(nn.Module):
+    """A forward reading ``self.__scale`` (stored as ``_NameMangledAttention__scale``) → refused (source.name-mangled)."""
+
+    def __init__(self, hidden=32):
+        super().__init__()
+        self.q = nn.Linear(hidden, hidden)
+        self.k = nn.Linear(hidden, hidden)
+        self.v = nn.Linear(hidden, hidden)
+        self.__scale = 0.5
+
+    def forward(self, x):
+        return _attend(self.q(x), self.k(x), self.v(x), 4) * self.__scale
+
+
+class FunctionalSiluMLP(nn.Module):
+    """``F.silu(gate(x)) * up(x)`` with the function, not a module → fuses."""
+
+    def __init__(self, hidden=32, inner=48):
+        super().__init__()
+        self.w1 = nn.Linear(hidden, inner, bias=False)
+        self.w3 = nn.Linear(hidden, inner, bias=False)
+        self.w2 = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TorchMulGeluTanhMLP(nn.Module):
+    """``torch.mul(up(x), act(gate(x)))``, up first, nn.GELU(approximate="tanh") → fuses."""
+
+    def __init__(self, hidden=32, inner=48):
+        super().__init__()
+        self.gate = nn.Linear(hidden, inner)
+        self.up = nn.Linear(hidden, inner)
+        self.down = nn.Linear(inner, hidden)
+        self.act = nn.GELU(approximate="tanh")
+
+    def forward(self, x):
+        return self.down(torch.mul(self.up(x), self.act(self.gate(x))))
+
+
+class ReluGLU(nn.Module):
+    """A ReLU-gated GLU: the fused op has no relu → refused (glu.activation)."""
+
+    def __init__(self, hidden=32, inner=48):
+        super().__init__()
+        self.gate = nn.Linear(hidden, inner)
+        self.up = nn.Linear(hidden, inner)
+        self.down = nn.Linear(inner, hidden)
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        return self.down(self.act(self.gate(x)) * self.up(x))
+
+
+class Wrapper(nn.Module):
+    """Holds one module under ``inner``, as a decoder layer holds its attention."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x) + x

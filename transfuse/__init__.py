@@ -7,7 +7,7 @@
 
 __version__ = "0.1.0"
 
-from .api import report, rewrite
+from .api import diff, report, rewrite
 from .rewriter.report import FusionRecord, RewriteReport, SkipRecord
 
-__all__ = ["FusionRecord", "RewriteReport", "SkipRecord", "__version__", "report", "rewrite"]
+__all__ = ["FusionRecord", "RewriteReport", "SkipRecord", "__version__", "diff", "report", "rewrite"]

@@ -7,10 +7,10 @@ from typing import Any, TypeVar
 from torch import nn
 
 from .fusers import fusers_for
-from .rewriter.apply import REPORT_ATTR, rewrite_model
+from .rewriter.apply import REPORT_ATTR, rewrite_model, rewrites_of
 from .rewriter.report import RewriteReport
 
-__all__ = ["report", "rewrite"]
+__all__ = ["diff", "report", "rewrite"]
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -42,3 +42,10 @@ def report(model: nn.Module) -> RewriteReport:
     if found is None:
         raise ValueError(f"This {type(model).__name__} has not been rewritten; call transfuse.rewrite(model) first.")
     return found
+
+
+def diff(model: nn.Module, context: int = 3) -> str:
+    """What ``rewrite`` changed in the source: a unified diff per rewritten class, with real
+    file names and line numbers. Empty when only modules were swapped (e.g. norms)."""
+    report(model)  # raises for a model that was never rewritten
+    return "".join(rewrite.diff(context) for rewrite in rewrites_of(model))

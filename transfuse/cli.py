@@ -23,6 +23,38 @@ def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
+_COLOURS = {"+": "\033[32m", "-": "\033[31m", "@": "\033[36m"}
+_RESET = "\033[0m"
+
+
+def _colour_diff(text: str) -> str:
+    lines = []
+    for line in text.splitlines():
+        if line.startswith(("+++", "---")):
+            lines.append(f"\033[1m{line}{_RESET}")
+        elif line[:1] in _COLOURS:
+            lines.append(f"{_COLOURS[line[0]]}{line}{_RESET}")
+        else:
+            lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from .api import diff, rewrite
+    from .models import load_model
+
+    logging.getLogger("transfuse").info("transfuse: loading %s", args.model)
+    model = load_model(args.model)
+    rewrite(model, fusions=args.fusions)
+    text = diff(model, context=args.context)
+    if not text:
+        print("transfuse: no source was rewritten (only modules were replaced, or nothing fused).", file=sys.stderr)
+        return 0
+    colour = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+    sys.stdout.write(_colour_diff(text) if colour else text)
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="transfuse",
@@ -39,6 +71,14 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("model", metavar="MODEL", help=model_help)
     explain.add_argument("--fusions", nargs="+", metavar="KIND", help="only these fusion kinds")
     explain.set_defaults(run=_explain)
+    diff = commands.add_parser("diff", parents=[common], help="rewrite MODEL and print what changed in its source")
+    diff.add_argument("model", metavar="MODEL", help=model_help)
+    diff.add_argument("--fusions", nargs="+", metavar="KIND", help="only these fusion kinds")
+    diff.add_argument("--context", type=int, default=3, metavar="N", help="lines of context (default 3)")
+    diff.add_argument(
+        "--color", choices=("auto", "always", "never"), default="auto", help="colour the diff (default: on a terminal)"
+    )
+    diff.set_defaults(run=_diff)
     return parser
 
 

@@ -16,13 +16,13 @@ other activation is refused with the reason.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import libcst as cst
 import libcst.matchers as m
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch import nn
 
 from ..ops import ACTIVATIONS, act_and_mul
@@ -79,24 +79,27 @@ def _class_activation(analysis: ClassAnalysis) -> str:
     )
 
 
-_PROBE = torch.linspace(-8.0, 8.0, 257)
+@functools.cache
+def _probe(dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A gate probe in ``dtype`` (a sweep plus random values) and each fused activation's output on it."""
+    sweep = torch.linspace(-8.0, 8.0, 257)
+    noise = torch.randn(256, generator=torch.Generator().manual_seed(0)) * 3
+    gate = torch.cat([sweep, noise]).to(dtype)
+    gate_up = torch.cat([gate, torch.ones_like(gate)])
+    return gate, {a: act_and_mul(gate_up, a) for a in ACTIVATIONS}
 
 
 def identify_activation(module: nn.Module) -> str | None:
-    """Which fused activation a stateless activation module computes, checked bit for bit."""
+    """Which fused activation a stateless activation module computes, checked bit for bit in fp32 and bf16."""
     if any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
         return None
-    gate = torch.cat([_PROBE, torch.randn(256, generator=torch.Generator().manual_seed(0)) * 3])
-    x = torch.cat([gate, torch.ones_like(gate)])
+    candidates = set(ACTIVATIONS)
     for dtype in (torch.float32, torch.bfloat16):
+        gate, expected = _probe(dtype)
         with torch.no_grad():
-            got = module(gate.to(dtype))
-        matches = [a for a in ACTIVATIONS if torch.equal(act_and_mul(x.to(dtype), a), got)]
-        if dtype == torch.float32:
-            candidates = matches
-        else:
-            candidates = [a for a in candidates if a in matches]
-    return candidates[0] if len(candidates) == 1 else None
+            got = module(gate)
+        candidates &= {a for a, want in expected.items() if torch.equal(want, got)}
+    return candidates.pop() if len(candidates) == 1 else None
 
 
 def _free_name(analysis: ClassAnalysis, base: str) -> str:

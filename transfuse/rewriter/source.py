@@ -26,7 +26,7 @@ from typing import Callable
 
 import libcst as cst
 import libcst.matchers as m
-from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
+from libcst.metadata import MetadataWrapper, PositionProvider
 
 from .graph import NoMatch
 
@@ -48,7 +48,7 @@ class ParsedFile:
     text: str
     module: cst.Module
     positions: dict  # node -> CodeRange
-    parents: dict  # node -> parent node
+    functions: dict  # (name, line of `def`) -> FunctionDef
 
 
 @functools.lru_cache(maxsize=64)
@@ -60,8 +60,10 @@ def _parse_file(filename: str) -> ParsedFile | None:
         return None
     wrapper = MetadataWrapper(cst.parse_module(text), unsafe_skip_copy=True)
     positions = wrapper.resolve(PositionProvider)
-    parents = wrapper.resolve(ParentNodeProvider)
-    return ParsedFile(filename, text, wrapper.module, positions, parents)
+    functions = {
+        (node.name.value, positions[node].start.line): node for node in positions if isinstance(node, cst.FunctionDef)
+    }
+    return ParsedFile(filename, text, wrapper.module, positions, functions)
 
 
 @dataclass(frozen=True)
@@ -79,9 +81,6 @@ class MethodSource:
     def line(self, node: cst.CSTNode | None = None) -> int:
         return self.file.positions[node if node is not None else self.node].start.line
 
-    def parent(self, node: cst.CSTNode) -> cst.CSTNode:
-        return self.file.parents[node]
-
 
 def method_source(fn: Callable) -> MethodSource | None:
     """The FunctionDef of ``fn`` (unwrapped) in its source file, or None without a source file."""
@@ -96,12 +95,12 @@ def method_source(fn: Callable) -> MethodSource | None:
     parsed = _parse_file(filename) if filename else None
     if parsed is None:
         return None
-    first = code.co_firstlineno
-    for node in m.findall(parsed.module, m.FunctionDef(name=m.Name(fn.__name__))):
-        def_line = parsed.positions[node].start.line  # libcst's range starts at `def`, after decorators
-        top = parsed.positions[node.decorators[0]].start.line if node.decorators else def_line
-        if top <= first <= def_line:
-            return MethodSource(parsed, node, fn)
+    first = code.co_firstlineno  # the first decorator's line, or the `def` line
+    for (name, def_line), node in parsed.functions.items():  # libcst's range starts at `def`
+        if name == fn.__name__:
+            top = parsed.positions[node.decorators[0]].start.line if node.decorators else def_line
+            if top <= first <= def_line:
+                return MethodSource(parsed, node, fn)
     return None
 
 

@@ -1,0 +1,246 @@
+"""QKV and gate/up GLU fusion: real families, toy idioms, refusals, weights round trip, compile."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+import transfuse
+from tests import toys
+from transfuse.ops import MergedLinear
+from transfuse.rewriter.apply import rewrite_model
+from transfuse.tiny import tiny_model
+
+ACCEPTANCE = [
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
+    "olmo2", "granite", "ernie4_5", "cohere", "mixtral", "qwen3_moe", "olmoe",
+]  # fmt: skip
+
+
+def _attention_paths(model):
+    """Modules with q/k/v/o-style projections: three linears of one width family plus an output."""
+    return [p for p, m in model.named_modules() if all(hasattr(m, n) for n in ("q_proj", "k_proj", "v_proj"))]
+
+
+def _dense_glu_paths(model):
+    return [p for p, m in model.named_modules() if all(isinstance(getattr(m, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))]
+
+
+def _ids(model, batch=2, seq=10, seed=0):
+    return torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("model_type", ACCEPTANCE)
+def test_every_attention_and_dense_glu_is_fused_and_outputs_match(model_type):
+    model = tiny_model(model_type)
+    attention, glu = _attention_paths(model), _dense_glu_paths(model)
+    assert attention
+    ids = _ids(model)
+    prompt = ids[:1, :4]
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    generated = model.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    transfuse.rewrite(model)
+    report = transfuse.report(model)
+    assert sorted(f.path for f in report.fusions if f.kind == "qkv") == sorted(attention)
+    assert sorted(f.path for f in report.fusions if f.kind == "gate_up") == sorted(glu)
+    assert all(isinstance(model.get_submodule(p).qkv_proj, MergedLinear) for p in attention)
+    with torch.no_grad():
+        after = model(input_ids=ids).logits
+    assert (after - before).abs().max().item() <= 1e-5
+    assert torch.equal(model.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0), generated)
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "glm"])
+def test_models_that_already_merge_projections_are_left_alone_or_fused_correctly(model_type):
+    model = tiny_model(model_type)
+    ids = _ids(model)
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    transfuse.rewrite(model)
+    with torch.no_grad():
+        assert (model(input_ids=ids).logits - before).abs().max().item() <= 1e-5
+    kinds = transfuse.report(model).counts()
+    assert "gate_up" not in kinds  # their MLPs already run one gate_up_proj
+    assert kinds.get("qkv", 0) == len(_attention_paths(tiny_model(model_type)))
+
+
+def test_rewritten_instance_keeps_its_class_and_attributes():
+    model = tiny_model("llama")
+    attention = model.model.layers[0].self_attn
+    cls, head_dim = type(attention), attention.head_dim
+    transfuse.rewrite(model)
+    assert type(attention) is cls and attention.head_dim == head_dim
+    assert not hasattr(attention, "q_proj") and isinstance(attention.qkv_proj, MergedLinear)
+    assert attention.qkv_proj.split_sizes == (64, 32, 32)
+    # The new forward runs under the original file name, from the original line on.
+    code = inspect.unwrap(attention.forward).__code__
+    assert code.co_filename == inspect.getsourcefile(cls)
+    assert code.co_firstlineno == inspect.unwrap(cls.forward).__code__.co_firstlineno
+    # The decorators of the original forward wrap the new one (transformers' @deprecate_kwarg
+    # maps past_key_values to its new name where it has one).
+    assert hasattr(attention.forward, "__wrapped__") == hasattr(cls.forward, "__wrapped__")
+    hidden = torch.randn(1, 3, 64)
+    cos_sin = model.model.rotary_emb(hidden, torch.arange(3)[None])
+    with torch.no_grad():
+        out, _ = attention(hidden, position_embeddings=cos_sin, attention_mask=None, past_key_values=None)
+    assert out.shape == (1, 3, 64)
+    # Other instances of the class (in another model) are untouched.
+    assert not hasattr(tiny_model("llama").model.layers[0].self_attn, "qkv_proj")
+
+
+def test_decorators_survive_the_rewrite():
+    model = toys.Wrapper(toys.RenamedKwargAttention())
+    x = torch.randn(2, 6, 32)
+    with torch.no_grad():
+        expected = model.inner(x, scale=3.0)
+    transfuse.rewrite(model, example_inputs=(x,))
+    assert transfuse.report(model).counts() == {"qkv": 1}
+    with torch.no_grad():
+        torch.testing.assert_close(model.inner(x, scale_by=3.0), expected, rtol=0, atol=1e-6)
+
+
+def test_zero_argument_super_works_in_a_rewritten_forward():
+    model = toys.Wrapper(toys.SuperCallingAttention())
+    x = torch.randn(2, 6, 32)
+    with torch.no_grad():
+        expected = model(x)
+    transfuse.rewrite(model, example_inputs=(x,))
+    assert transfuse.report(model).counts() == {"qkv": 1}
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=1e-6)
+
+
+FUSING = [
+    (toys.WqWkWvAttention, "qkv", ("wq", "wk", "wv")),
+    (toys.QueryKeyValueAttention, "qkv", ("query", "key", "value")),
+    (toys.FunctionalSiluMLP, "gate_up", ("w1", "w3")),
+    (toys.TorchMulGeluTanhMLP, "gate_up", ("gate", "up")),
+]
+
+
+@pytest.mark.parametrize("cls, kind, parts", FUSING, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_toy_idioms_fuse_by_dataflow_whatever_the_names(cls, kind, parts):
+    torch.manual_seed(0)
+    model = toys.Wrapper(cls())
+    x = torch.randn(2, 7, 32)
+    with torch.no_grad():
+        before = model(x)
+    transfuse.rewrite(model, example_inputs=(x,))
+    (fusion,) = transfuse.report(model).fusions
+    assert (fusion.kind, fusion.replaced, fusion.path) == (kind, parts, "inner")
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), before, rtol=0, atol=1e-6)
+
+
+REFUSED = [
+    (toys.ProjectionUsedTwice, "qkv.called-twice"),
+    (toys.InputMutatedBetween, "qkv.input-mutated"),
+    (toys.AliasedInputs, "qkv.inputs-differ"),
+    (toys.FourReaders, "qkv.extra-reader"),
+    (toys.make_closure_attention(0.5), "source.closure"),
+    (toys.NameMangledAttention, "source.name-mangled"),
+    (toys.ReluGLU, "glu.activation"),
+]
+
+
+@pytest.mark.parametrize("cls, tag", REFUSED, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_each_rule_refuses_with_its_reason(cls, tag):
+    torch.manual_seed(0)
+    model = toys.Wrapper(cls())
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        before = model(x)
+    transfuse.rewrite(model, example_inputs=(x,))
+    report = transfuse.report(model)
+    assert report.fusions == []
+    (skip,) = report.skipped
+    assert skip.tag == tag and skip.cls == cls.__name__ and skip.reason.endswith(".")
+    assert transfuse.diff(model) == ""
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
+
+
+def test_state_dict_keeps_original_keys_and_load_state_dict_of_an_original_checkpoint_works():
+    model = tiny_model("qwen2")  # q/k/v with biases
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    transfuse.rewrite(model)
+    state = model.state_dict()
+    assert state.keys() == original.keys()
+    assert all(torch.equal(state[k], original[k]) for k in original)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    model.load_state_dict(original)
+    assert all(torch.equal(model.state_dict()[k], original[k]) for k in original)
+
+
+def test_save_pretrained_round_trip_loads_in_stock_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model("llama")
+    ids = _ids(model)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    transfuse.rewrite(model)
+    model.save_pretrained(tmp_path)
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert not any(isinstance(m, MergedLinear) for m in stock.modules())
+    with torch.no_grad():
+        assert torch.equal(stock(input_ids=ids).logits, expected)
+
+
+class _SwappedKV:
+    """A deliberately wrong QKV rewrite: k and v trade places in the merged split."""
+
+    @staticmethod
+    def make():
+        from transfuse.fusers.qkv import QKVFuser, QKVMatch
+
+        class SwappedKV(QKVFuser):
+            def match(self, analysis):
+                found = super().match(analysis)
+                if isinstance(found, QKVMatch):
+                    q, k, v = found.parts
+                    return QKVMatch((q, v, k), found.into, found.linears)
+                return found
+
+            def edit(self, tree, found, context):
+                q, v, k = found.parts
+                return super().edit(tree, QKVMatch((q, k, v), found.into, found.linears), context)
+
+        return SwappedKV()
+
+
+def test_verification_undoes_a_wrong_source_rewrite():
+    from transfuse.rewriter.analysis import clear_cache
+
+    clear_cache()
+    model = tiny_model("llama", num_key_value_heads=4)  # k and v of equal width, so the swap runs
+    ids = _ids(model)
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    report = rewrite_model(model, [_SwappedKV.make()])
+    clear_cache()
+    assert report.fusions == [] and {s.tag for s in report.skipped} == {"verify.mismatch"}
+    attention = model.model.layers[0].self_attn
+    assert isinstance(attention.q_proj, nn.Linear) and "forward" not in vars(attention)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, before)
+
+
+@pytest.mark.slow
+def test_torch_compile_of_a_rewritten_model_matches_the_original():
+    torch._dynamo.reset()
+    model = tiny_model("llama")
+    ids = _ids(model, batch=1, seq=6)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    transfuse.rewrite(model)
+    compiled = torch.compile(model)
+    with torch.no_grad():
+        got = compiled(input_ids=ids).logits
+    assert (got - expected).abs().max().item() <= 1e-5
