@@ -50,3 +50,57 @@ def test_directory_without_config_is_a_one_line_error(tmp_path):
     result = run("explain", str(tmp_path))
     assert result.returncode == 1
     assert "no config.json" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_demo_runs_and_checks_generation():
+    result = run("demo", "-q")
+    assert result.returncode == 0, result.stderr
+    assert "identical before and after" in result.stdout
+    assert "original" in result.stdout and "rewritten" in result.stdout
+
+
+def test_diff_is_plain_when_piped_coloured_on_request_and_html_on_request(tmp_path):
+    plain = run("diff", "llama", "-q")
+    assert plain.returncode == 0, plain.stderr
+    assert "+        # transfuse: q_proj, k_proj, v_proj run as one merged projection" in plain.stdout
+    assert "\033[" not in plain.stdout
+    coloured = run("diff", "llama", "-q", "--color", "always", "--html", str(tmp_path / "d.html"))
+    assert "\033[32m+" in coloured.stdout
+    page = (tmp_path / "d.html").read_text()
+    assert page.startswith("<!DOCTYPE html") and "LlamaAttention" in page and "qkv_proj" in page
+
+
+def test_emit_writes_a_directory_stock_transformers_loads(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "emitted"
+    result = run("emit", "llama", "--out", str(out), "-q")
+    assert result.returncode == 0, result.stderr
+    assert "trust_remote_code=True" in result.stdout
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    with torch.no_grad():
+        assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, model.config.vocab_size)
+    again = run("emit", "llama", "--out", str(out), "-q")
+    assert again.returncode == 1
+    assert "already exists; pass --force" in again.stderr and "Traceback" not in again.stderr
+    assert run("emit", "llama", "--out", str(out), "--force", "-q").returncode == 0
+
+
+def test_a_checkpoint_that_is_not_a_causal_lm_is_a_one_line_error(tmp_path):
+    from transformers import AutoConfig, T5Model
+
+    T5Model(AutoConfig.for_model("t5", d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16, vocab_size=64)).save_pretrained(tmp_path)
+    result = run("explain", str(tmp_path))
+    assert result.returncode == 1
+    assert "is not a causal language model" in result.stderr and "Traceback" not in result.stderr
+    assert run("explain", "t5").stderr.strip().endswith(")")
+
+
+def test_missing_weights_are_a_one_line_error(tmp_path):
+    from transfuse.tiny import tiny_config
+
+    tiny_config("llama").save_pretrained(tmp_path)  # a config, no weights
+    result = run("explain", str(tmp_path))
+    assert result.returncode == 1
+    assert "transfuse: error:" in result.stderr and "Traceback" not in result.stderr

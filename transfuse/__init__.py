@@ -3,11 +3,24 @@
     import transfuse
     model = transfuse.rewrite(model)      # in place; returns the same object
     print(transfuse.report(model))        # what was fused, what was refused and why
+
+    model = transfuse.AutoModelForCausalLM.from_pretrained(path_or_id, dtype=torch.bfloat16)
 """
 
 __version__ = "0.1.0"
 
 from .api import diff, report, rewrite
+from .auto import AutoModelForCausalLM, from_pretrained
 from .rewriter.report import FusionRecord, RewriteReport, SkipRecord
 
-__all__ = ["FusionRecord", "RewriteReport", "SkipRecord", "__version__", "diff", "report", "rewrite"]
+__all__ = [
+    "AutoModelForCausalLM",
+    "FusionRecord",
+    "RewriteReport",
+    "SkipRecord",
+    "__version__",
+    "diff",
+    "from_pretrained",
+    "report",
+    "rewrite",
+]

@@ -1,58 +1,78 @@
-"""The ``transfuse`` command line."""
+"""The ``transfuse`` command line: demo, explain, diff, emit."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+import time
 import warnings
 
 from . import __version__
 
 __all__ = ["main"]
 
+log = logging.getLogger("transfuse")
 
-def _explain(args: argparse.Namespace) -> int:
-    from .api import report, rewrite
+MODEL_HELP = "a checkpoint directory, a hub id in the local cache, or a model_type (tiny random model)"
+
+
+def _load_and_rewrite(args: argparse.Namespace):
+    from .api import rewrite
     from .models import load_model
 
-    logging.getLogger("transfuse").info("transfuse: loading %s", args.model)
+    log.info("transfuse: loading %s", args.model)
     model = load_model(args.model)
-    rewrite(model, fusions=args.fusions)
+    return rewrite(model, fusions=args.fusions)
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from .api import report
+
+    model = _load_and_rewrite(args)
+    parameters = sum(p.numel() for p in model.parameters())
+    print(f"{type(model).__name__} from {args.model}: {parameters / 1e6:.2f} M parameters")
     print(report(model))
     return 0
 
 
-_COLOURS = {"+": "\033[32m", "-": "\033[31m", "@": "\033[36m"}
-_RESET = "\033[0m"
-
-
-def _colour_diff(text: str) -> str:
-    lines = []
-    for line in text.splitlines():
-        if line.startswith(("+++", "---")):
-            lines.append(f"\033[1m{line}{_RESET}")
-        elif line[:1] in _COLOURS:
-            lines.append(f"{_COLOURS[line[0]]}{line}{_RESET}")
-        else:
-            lines.append(line)
-    return "\n".join(lines) + "\n"
-
-
 def _diff(args: argparse.Namespace) -> int:
-    from .api import diff, rewrite
-    from .models import load_model
+    from .api import diff
+    from .rewriter.apply import rewrites_of
+    from .rewriter.diffview import colour, html_page
 
-    logging.getLogger("transfuse").info("transfuse: loading %s", args.model)
-    model = load_model(args.model)
-    rewrite(model, fusions=args.fusions)
+    model = _load_and_rewrite(args)
     text = diff(model, context=args.context)
+    if args.html:
+        with open(args.html, "w", encoding="utf-8") as f:
+            f.write(html_page(rewrites_of(model), title=f"transfuse diff {args.model}"))
+        log.info("transfuse: wrote %s", args.html)
     if not text:
         print("transfuse: no source was rewritten (only modules were replaced, or nothing fused).", file=sys.stderr)
         return 0
-    colour = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
-    sys.stdout.write(_colour_diff(text) if colour else text)
+    use_colour = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+    sys.stdout.write(colour(text) if use_colour else text)
     return 0
+
+
+def _emit(args: argparse.Namespace) -> int:
+    from .models import resolve_checkpoint
+    from .rewriter.emit import emit
+
+    checkpoint = resolve_checkpoint(args.model)
+    model = _load_and_rewrite(args)
+    result = emit(model, args.out, checkpoint_dir=checkpoint, force=args.force, link=args.link)
+    for note in result.notes:
+        print(f"note: {note}")
+    print(f"wrote {result.out_dir}: {', '.join(result.files)}")
+    print(f"load it with: AutoModelForCausalLM.from_pretrained({result.out_dir!r}, trust_remote_code=True)")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args.model, tokens=args.tokens, new_tokens=args.new_tokens)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,22 +83,37 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"transfuse {__version__}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-q", "--quiet", action="store_true", help="print results only, no progress")
+    with_model = argparse.ArgumentParser(add_help=False, parents=[common])
+    with_model.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    with_model.add_argument("--fusions", nargs="+", metavar="KIND", help="only these fusion kinds")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    model_help = "a checkpoint directory, a hub id in the local cache, or a model_type (tiny random model)"
+
+    demo = commands.add_parser(
+        "demo", parents=[common], help="rewrite a built-in small model; check and time it against the original"
+    )
+    demo.add_argument("model", metavar="MODEL", nargs="?", default=None, help="a model_type (default: a small llama)")
+    demo.add_argument("--tokens", type=int, default=128, help="prompt length for the timing (default 128)")
+    demo.add_argument("--new-tokens", type=int, default=20, help="tokens to generate greedily (default 20)")
+    demo.set_defaults(run=_demo)
+
     explain = commands.add_parser(
-        "explain", parents=[common], help="rewrite MODEL and show what was fused and what was refused, and why"
+        "explain", parents=[with_model], help="rewrite MODEL and show what was fused and what was refused, and why"
     )
-    explain.add_argument("model", metavar="MODEL", help=model_help)
-    explain.add_argument("--fusions", nargs="+", metavar="KIND", help="only these fusion kinds")
     explain.set_defaults(run=_explain)
-    diff = commands.add_parser("diff", parents=[common], help="rewrite MODEL and print what changed in its source")
-    diff.add_argument("model", metavar="MODEL", help=model_help)
-    diff.add_argument("--fusions", nargs="+", metavar="KIND", help="only these fusion kinds")
+
+    diff = commands.add_parser("diff", parents=[with_model], help="rewrite MODEL and print what changed in its source")
     diff.add_argument("--context", type=int, default=3, metavar="N", help="lines of context (default 3)")
-    diff.add_argument(
-        "--color", choices=("auto", "always", "never"), default="auto", help="colour the diff (default: on a terminal)"
-    )
+    diff.add_argument("--color", choices=("auto", "always", "never"), default="auto", help="default: on a terminal")
+    diff.add_argument("--html", metavar="FILE", help="also write a side-by-side HTML page to FILE")
     diff.set_defaults(run=_diff)
+
+    emit = commands.add_parser(
+        "emit", parents=[with_model], help="write the rewritten modeling file(s), config and weights to a directory"
+    )
+    emit.add_argument("--out", required=True, metavar="DIR", help="output directory (must not exist, unless --force)")
+    emit.add_argument("--force", action="store_true", help="replace DIR if it exists")
+    emit.add_argument("--link", action="store_true", help="link the checkpoint's weight files instead of copying them")
+    emit.set_defaults(run=_emit)
     return parser
 
 
@@ -88,20 +123,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    if not args.quiet:
-        logging.basicConfig(format="%(message)s", level=logging.WARNING)
-        logging.getLogger("transfuse").setLevel(logging.INFO)
+    logging.basicConfig(format="%(message)s", level=logging.WARNING)
+    log.setLevel(logging.WARNING if args.quiet else logging.INFO)
     warnings.filterwarnings("ignore", module="transformers")
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     from .models import ModelError
+    from .rewriter.emit import EmitError
 
+    start = time.perf_counter()
     try:
-        return args.run(args)
-    except (ModelError, ValueError) as exc:
+        status = args.run(args)
+    except (ModelError, EmitError, ValueError, OSError) as exc:
         print(f"transfuse: error: {exc}", file=sys.stderr)
         return 1
+    log.info("transfuse: done in %.1f s", time.perf_counter() - start)
+    return status
 
 
 if __name__ == "__main__":

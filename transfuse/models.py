@@ -7,7 +7,7 @@ import os
 import torch
 from torch import nn
 
-__all__ = ["ModelError", "load_model"]
+__all__ = ["ModelError", "load_model", "resolve_checkpoint"]
 
 
 class ModelError(Exception):
@@ -18,6 +18,20 @@ def _is_model_type(name: str) -> bool:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     return name in CONFIG_MAPPING
+
+
+def resolve_checkpoint(spec: str) -> str | None:
+    """The local directory of a checkpoint MODEL (a directory, or a hub id in the cache); None for a model_type."""
+    if os.path.isdir(spec):
+        return os.path.abspath(spec)
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        from huggingface_hub import snapshot_download
+
+        try:
+            return snapshot_download(spec, local_files_only=True)
+        except Exception as exc:  # huggingface_hub raises several types for a missing cache entry
+            raise ModelError(f"{spec!r} is not in the local Hugging Face cache ({type(exc).__name__}).") from None
+    return None
 
 
 def load_model(spec: str, *, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -34,7 +48,8 @@ def load_model(spec: str, *, dtype: torch.dtype = torch.float32) -> nn.Module:
         try:
             return tiny_model(spec, dtype=dtype)
         except ValueError as exc:
-            raise ModelError(f"model type {spec!r} has no causal LM class in transformers ({exc}).") from None
+            first = str(exc).strip().splitlines()[0]
+            raise ModelError(f"model type {spec!r} is not a causal language model in transformers ({first})") from None
     if spec.startswith(("/", ".", "~")) or spec.count("/") > 1:
         raise ModelError(f"{spec}: no such directory.")
     if spec.count("/") == 1:

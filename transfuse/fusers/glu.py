@@ -16,7 +16,6 @@ other activation is refused with the reason.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import libcst as cst
@@ -25,15 +24,15 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..ops import ACTIVATIONS, act_and_mul
+from ..ops import ACTIVATIONS, identify_activation
 from ..rewriter.analysis import ClassAnalysis
 from ..rewriter.fusion import Fused, Refusal, SourceFuser
 from ..rewriter.graph import NoMatch, is_op, op_name, operand, operands
 from ..rewriter.source import EditContext, self_calls, self_references
 from ..rewriter.syntax import expression_code, replace_nodes
-from ..rewriter.weights import MergeError, _check_mergeable, merge_linears, unmerge_linears
+from ..rewriter.weights import ActivationError, Merge, MergeError
 
-__all__ = ["GLUFuser", "GLUMatch", "identify_activation"]
+__all__ = ["GLUFuser", "GLUMatch"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +44,10 @@ class GLUMatch:
     into: str
     act_module: str | None  # a child module applies the activation ...
     act_function: str | None  # ... or a function call in the forward does (its ACTIVATIONS name)
+
+    @property
+    def merge(self) -> Merge:
+        return Merge(self.into, (self.gate, self.up), self.act_function, self.act_module)
 
 
 def _activation_of_function(node: fx.Node) -> str | None:
@@ -77,29 +80,6 @@ def _class_activation(analysis: ClassAnalysis) -> str:
         f"the activation {analysis.cls.__name__} computes {ops}; the fused op has only {', '.join(ACTIVATIONS)}.",
         calls[0] if calls else None,
     )
-
-
-@functools.cache
-def _probe(dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """A gate probe in ``dtype`` (a sweep plus random values) and each fused activation's output on it."""
-    sweep = torch.linspace(-8.0, 8.0, 257)
-    noise = torch.randn(256, generator=torch.Generator().manual_seed(0)) * 3
-    gate = torch.cat([sweep, noise]).to(dtype)
-    gate_up = torch.cat([gate, torch.ones_like(gate)])
-    return gate, {a: act_and_mul(gate_up, a) for a in ACTIVATIONS}
-
-
-def identify_activation(module: nn.Module) -> str | None:
-    """Which fused activation a stateless activation module computes, checked bit for bit in fp32 and bf16."""
-    if any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
-        return None
-    candidates = set(ACTIVATIONS)
-    for dtype in (torch.float32, torch.bfloat16):
-        gate, expected = _probe(dtype)
-        with torch.no_grad():
-            got = module(gate)
-        candidates &= {a for a, want in expected.items() if torch.equal(want, got)}
-    return candidates.pop() if len(candidates) == 1 else None
 
 
 def _free_name(analysis: ClassAnalysis, base: str) -> str:
@@ -168,35 +148,21 @@ class GLUFuser(SourceFuser):
         merged = cst.parse_expression(f"{fused_op}(self.{found.into}({x.value}), self.{found.into}.activation)")
         return replace_nodes(tree, [(product, merged)])
 
+    def declaration(self, found: GLUMatch) -> Merge:
+        return found.merge
+
     def validate(self, module: nn.Module, found: GLUMatch) -> Refusal | None:
-        if hasattr(module, found.into):
-            return Refusal("gate_up.name-taken", f"the instance already has an attribute {found.into!r}.")
-        if self._activation(module, found) is None:
-            act = getattr(module, found.act_module)
-            return Refusal(
-                "glu.activation-instance",
-                f"this instance's {found.act_module} ({act!r}) is not exactly one of {', '.join(ACTIVATIONS)}.",
-            )
         try:
-            _check_mergeable(module, found.into, (found.gate, found.up))
+            found.merge.check(module)
+        except ActivationError as exc:
+            return Refusal("glu.activation-instance", str(exc))
         except MergeError as exc:
             return Refusal("gate_up.instance", str(exc))
         return None
 
     def fuse(self, module: nn.Module, found: GLUMatch) -> Fused:
-        activation = self._activation(module, found)
-        merged = merge_linears(module, found.into, (found.gate, found.up), activation=activation)
-        return Fused(
-            replaced=(found.gate, found.up),
-            into=type(merged).__name__,
-            undo=lambda: unmerge_linears(module, found.into),
-        )
-
-    @staticmethod
-    def _activation(module: nn.Module, found: GLUMatch) -> str | None:
-        if found.act_function is not None:
-            return found.act_function
-        return identify_activation(getattr(module, found.act_module))
+        merged = found.merge.apply(module)
+        return Fused(replaced=(found.gate, found.up), into=type(merged).__name__, undo=lambda: found.merge.undo(module))
 
 
 def _is_linear_call(node, linears: set[str]) -> bool:

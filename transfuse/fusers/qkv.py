@@ -37,7 +37,7 @@ from ..rewriter.syntax import (
     replace_nodes,
     statement_block,
 )
-from ..rewriter.weights import MergeError, _check_mergeable, merge_linears, unmerge_linears
+from ..rewriter.weights import Merge, MergeError
 
 __all__ = ["QKVFuser", "QKVMatch", "linear_calls_by_input"]
 
@@ -49,6 +49,10 @@ class QKVMatch:
     parts: tuple[str, str, str]
     into: str
     linears: frozenset[str]
+
+    @property
+    def merge(self) -> Merge:
+        return Merge(self.into, self.parts)
 
 
 def _linear_children(analysis: ClassAnalysis) -> set[str]:
@@ -145,18 +149,19 @@ class QKVFuser(SourceFuser):
         replacements.append((block.body[first], lambda updated: updated.with_changes(leading_lines=[])))
         return replace_nodes(tree, replacements, insert=(block, first, [statement]))
 
+    def declaration(self, found: QKVMatch) -> Merge:
+        return found.merge
+
     def validate(self, module: nn.Module, found: QKVMatch) -> Refusal | None:
-        if hasattr(module, found.into):
-            return Refusal("qkv.name-taken", f"the instance already has an attribute {found.into!r}.")
         try:
-            _check_mergeable(module, found.into, found.parts)
+            found.merge.check(module)
         except MergeError as exc:
             return Refusal("qkv.instance", str(exc))
         return None
 
     def fuse(self, module: nn.Module, found: QKVMatch) -> Fused:
-        merged = merge_linears(module, found.into, found.parts)
-        return Fused(replaced=found.parts, into=type(merged).__name__, undo=lambda: unmerge_linears(module, found.into))
+        merged = found.merge.apply(module)
+        return Fused(replaced=found.parts, into=type(merged).__name__, undo=lambda: found.merge.undo(module))
 
 
 def _single_call(tree: cst.FunctionDef, name: str, context: EditContext) -> cst.Call:

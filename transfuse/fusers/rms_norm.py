@@ -17,7 +17,11 @@ float attribute (eps is read per instance from that attribute).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+import libcst as cst
+import libcst.matchers as m
 
 import torch
 import torch.fx as fx
@@ -26,8 +30,9 @@ from torch import nn
 from ..ops import RMSNormSpec, layer
 from ..rewriter.analysis import ClassAnalysis
 from ..rewriter.fusion import Fused, Fuser, Refusal
-from ..rewriter.graph import Cast, NoMatch, is_op, op_name, operand, operands, peel_casts, value
-from ..rewriter.source import control_flow, method_source, self_method_calls
+from ..rewriter.graph import Cast, NoMatch, calls_fused_op, is_op, op_name, operand, operands, peel_casts, value
+from ..rewriter.source import EditContext, control_flow, method_source, self_method_calls
+from ..rewriter.syntax import comment_line
 from ..rewriter.tracer import unwrapped_forward
 
 __all__ = ["RMSNormFuser", "RMSNormMatch"]
@@ -35,11 +40,13 @@ __all__ = ["RMSNormFuser", "RMSNormMatch"]
 
 @dataclass(frozen=True)
 class RMSNormMatch:
-    """What was found in the class: the rounding, the weight parameter's name, the eps attribute."""
+    """What was found in the class: the rounding, the weight parameter's name, the eps attribute,
+    and the name of the forward's input."""
 
     spec: RMSNormSpec
     weight: str | None
     eps_attr: str
+    input: str
 
 
 class RMSNormFuser(Fuser):
@@ -50,6 +57,8 @@ class RMSNormFuser(Fuser):
         return next(module.children(), None) is None and len(module._parameters) <= 1
 
     def match(self, analysis: ClassAnalysis) -> RMSNormMatch | Refusal | None:
+        if calls_fused_op(analysis.trace.graph):
+            return None  # already fused (an emitted modeling file's norm)
         try:
             found = _match_graph(analysis)
             _check_source(analysis)
@@ -68,6 +77,19 @@ class RMSNormFuser(Fuser):
             if weight is None or weight.dim() != 1:
                 return Refusal("rms_norm.weight-shape", f"{found.weight!r} is not a 1-D parameter of this instance.")
         return None
+
+    def emitted_forward(self, found: RMSNormMatch, context: EditContext) -> cst.FunctionDef:
+        """``return rms_norm(x, self.weight, self.eps, RMSNormSpec(...))``, docstring kept."""
+        op = context.require("transfuse.ops", "rms_norm")
+        spec_cls = context.require("transfuse.ops", "RMSNormSpec")
+        flags = ", ".join(f"{f.name}={getattr(found.spec, f.name)}" for f in dataclasses.fields(found.spec))
+        weight = f"self.{found.weight}" if found.weight is not None else "None"
+        body = cst.parse_statement(f"return {op}({found.input}, {weight}, self.{found.eps_attr}, {spec_cls}({flags}))")
+        body = body.with_changes(leading_lines=[comment_line(f"transfuse: one fused op ({found.spec.describe()})")])
+        node = context.source.node
+        first = node.body.body[0] if node.body.body else None
+        docstring = [first] if first is not None and m.matches(first, m.SimpleStatementLine([m.Expr(m.SimpleString())])) else []
+        return node.with_changes(body=node.body.with_changes(body=[*docstring, body]))
 
     def fuse(self, module: nn.Module, found: RMSNormMatch) -> Fused:
         weight = module._parameters[found.weight] if found.weight is not None else None
@@ -89,6 +111,14 @@ def _match_graph(analysis: ClassAnalysis) -> RMSNormMatch:
     trace = analysis.trace
     if trace.partial:
         raise NoMatch("rms_norm.partial-trace", f"the forward could not be traced to the end ({trace.describe_stop()}).")
+    if trace.guards:
+        guard = trace.guards[0]
+        raise NoMatch(
+            "rms_norm.value-branch",
+            f"the forward branches on the traced value {guard.name}; another input (another dtype) may take "
+            "another path, which the module replacement would not follow.",
+            guard,
+        )
     used = [p for p in trace.placeholders() if p.users]
     if len(used) != 1:
         names = ", ".join(p.name for p in used) or "none"
@@ -140,7 +170,7 @@ def _match_result(result: fx.Node, x: fx.Node, matched: set[fx.Node]) -> RMSNorm
     upcast, eps_attr = _match_normalisation(normed, x, matched)
     name, offset, weight_fp32 = weight or (None, False, False)
     spec = RMSNormSpec(upcast, cast_before_weight, offset, weight_fp32, cast_output)
-    return RMSNormMatch(spec, name, eps_attr)
+    return RMSNormMatch(spec, name, eps_attr, x.target)
 
 
 def _peel(node: fx.Node, matched: set[fx.Node]) -> tuple[fx.Node, list[Cast]]:
@@ -316,7 +346,7 @@ def _match_builtin(node: fx.Node, x: fx.Node, matched: set[fx.Node], cast_output
     if weight is not None:
         matched.add(weight)
     spec = RMSNormSpec(upcast=True, cast_before_weight=False, offset=False, weight_fp32=True, cast_output=True)
-    return RMSNormMatch(spec, name, attr)
+    return RMSNormMatch(spec, name, attr, x.target)
 
 
 def _check_source(analysis: ClassAnalysis) -> None:

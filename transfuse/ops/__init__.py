@@ -4,7 +4,7 @@ ops knows nothing about tracing or Hugging Face: each op is a native PyTorch def
 plus providers (torch builtins, Triton, CUDA C++, plugins) picked per platform and call.
 """
 
-from .act_and_mul import ACTIVATIONS, act_and_mul, gelu_and_mul_native, silu_and_mul_native
+from .act_and_mul import ACTIVATIONS, act_and_mul, gelu_and_mul_native, identify_activation, silu_and_mul_native
 from .dispatch import (
     Dispatch,
     Op,
@@ -33,6 +33,7 @@ __all__ = [
     "act_and_mul",
     "current_platform",
     "gelu_and_mul_native",
+    "identify_activation",
     "get_op",
     "layer",
     "priority",

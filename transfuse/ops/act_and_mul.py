@@ -7,13 +7,23 @@ exactly as ``act_fn(gate_proj(x)) * up_proj(x)`` does.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from .dispatch import Op, under_compile_use_library_op
 
-__all__ = ["ACTIVATIONS", "SILU_AND_MUL", "GELU_AND_MUL", "act_and_mul", "gelu_and_mul_native", "silu_and_mul_native"]
+__all__ = [
+    "ACTIVATIONS",
+    "GELU_AND_MUL",
+    "SILU_AND_MUL",
+    "act_and_mul",
+    "gelu_and_mul_native",
+    "identify_activation",
+    "silu_and_mul_native",
+]
 
 # Activation names act_and_mul accepts, as F.gelu's ``approximate`` names them for gelu.
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
@@ -76,3 +86,31 @@ def act_and_mul(x: Tensor, activation: str) -> Tensor:
             return gelu_and_mul_native(x, approximate)
         return GELU_AND_MUL(x, approximate)
     raise ValueError(f"act_and_mul has no activation {activation!r}; it has: {', '.join(ACTIVATIONS)}.")
+
+
+@functools.cache
+def _probe(dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A gate probe in ``dtype`` (a sweep plus random values) and each fused activation's output on it."""
+    sweep = torch.linspace(-8.0, 8.0, 257)
+    noise = torch.randn(256, generator=torch.Generator().manual_seed(0)) * 3
+    gate = torch.cat([sweep, noise]).to(dtype)
+    gate_up = torch.cat([gate, torch.ones_like(gate)])
+    native = {
+        "silu": silu_and_mul_native(gate_up),
+        "gelu": gelu_and_mul_native(gate_up, "none"),
+        "gelu_tanh": gelu_and_mul_native(gate_up, "tanh"),
+    }
+    return gate, native
+
+
+def identify_activation(module: nn.Module) -> str | None:
+    """Which fused activation a stateless activation module computes, checked bit for bit in fp32 and bf16."""
+    if any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
+        return None
+    candidates = set(ACTIVATIONS)
+    for dtype in (torch.float32, torch.bfloat16):
+        gate, expected = _probe(dtype)
+        with torch.no_grad():
+            got = module(gate)
+        candidates &= {a for a, want in expected.items() if torch.equal(want, got)}
+    return candidates.pop() if len(candidates) == 1 else None

@@ -34,13 +34,15 @@ from .source import MethodRewrite, rewrite_method
 from .tracer import unwrapped_forward
 from .verify import LOCAL_TOLERANCE, MODEL_TOLERANCE, relative_error, tolerance
 
-__all__ = ["REPORT_ATTR", "REWRITTEN_ATTR", "is_fused", "rewrite_model", "rewrites_of"]
+__all__ = ["REPLACED_ATTR", "REPORT_ATTR", "REWRITTEN_ATTR", "is_fused", "rewrite_model", "rewrites_of"]
 
 logger = logging.getLogger("transfuse")
 
 REPORT_ATTR = "_transfuse_report"
 # On an instance whose forward was rewritten: the MethodRewrite it runs.
 REWRITTEN_ATTR = "_transfuse_rewrite"
+# On the model: {original class: (fuser, found)} for classes whose instances were replaced.
+REPLACED_ATTR = "_transfuse_replaced"
 
 
 def is_fused(module: nn.Module) -> bool:
@@ -74,6 +76,7 @@ class _Instance:
     analysis: ClassAnalysis
     plans: list[_Planned] = field(default_factory=list)
     rewrite: MethodRewrite | None = None
+    previous_forward: Any = None  # what the rewritten forward displaced in the instance's __dict__
 
     @property
     def replacing(self) -> _Planned | None:
@@ -98,15 +101,26 @@ def _evaluating(module: nn.Module):
             m.training = flag
 
 
+_OFFLOADED = (
+    "its parameters are on the meta device in a model that has real ones (offloaded by accelerate), "
+    "so they cannot be merged or shared."
+)
+
+
 def _plan(model: nn.Module, fusers: Sequence[Fuser], probe: Probe, report: RewriteReport) -> list[_Instance]:
     instances: list[_Instance] = []
     replaced_prefixes: list[str] = []
     classes = set()
+    meta_model = is_meta_model(model)
     for path, module in model.named_modules():
         if is_fused(module) or any(path.startswith(p) for p in replaced_prefixes):
             continue
         wanting = [f for f in fusers if f.wants(module)]
         if not wanting:
+            continue
+        if not meta_model and any(p.is_meta for p in module.parameters()):
+            for fuser in wanting:
+                report.add_skip(SkipRecord(type(module).__name__, fuser.kind, _OFFLOADED, "instance.offloaded", path=path))
             continue
         analysis = analyse(module, path, probe)
         classes.add(analysis.cls)
@@ -158,10 +172,20 @@ def _compose_source_edits(instance: _Instance, report: RewriteReport) -> None:
         report.add_skip(SkipRecord(analysis.cls.__name__, kind, refusal.reason, refusal.tag, where))
     instance.plans = [p for p in instance.plans if p.fuser.kind not in refusals]
     instance.rewrite = rewrite
+    if rewrite is not None:
+        rewrite.declarations = tuple(p.fuser.declaration(p.found) for p in instance.plans if isinstance(p.fuser, SourceFuser))
 
 
 def _edit_for(plan: _Planned):
     return lambda tree, context: plan.fuser.edit(tree, plan.found, context)
+
+
+# accelerate's hooks replace an instance's forward with a wrapper that calls _old_forward.
+_HOOKED_FORWARD = "_old_forward"
+
+
+def _forward_slot(module: nn.Module) -> str:
+    return _HOOKED_FORWARD if "_hf_hook" in module.__dict__ and _HOOKED_FORWARD in module.__dict__ else "forward"
 
 
 def _apply(model: nn.Module, instance: _Instance) -> None:
@@ -171,14 +195,20 @@ def _apply(model: nn.Module, instance: _Instance) -> None:
             _set_submodule(model, instance.path, plan.fused.replacement)
     if instance.rewrite is not None:
         module = instance.module
-        module.forward = types.MethodType(instance.rewrite.compile(), module)
+        slot = _forward_slot(module)
+        instance.previous_forward = module.__dict__.get(slot)
+        module.__dict__[slot] = types.MethodType(instance.rewrite.compile(), module)
         module.__dict__[REWRITTEN_ATTR] = instance.rewrite
 
 
 def _undo(model: nn.Module, instance: _Instance) -> None:
     module = instance.module
     if instance.rewrite is not None:
-        module.__dict__.pop("forward", None)
+        slot = _forward_slot(module)
+        if instance.previous_forward is None:
+            module.__dict__.pop(slot, None)
+        else:
+            module.__dict__[slot] = instance.previous_forward
         module.__dict__.pop(REWRITTEN_ATTR, None)
     for plan in reversed(instance.plans):
         if plan.fused is None:
@@ -272,8 +302,11 @@ def rewrite_model(
         applied = _verify_model(model, applied, probe, report) if applied else applied
     elif verify and meta:
         report.notes.append("not verified: the model's parameters are on the meta device")
+    replaced = model.__dict__.setdefault(REPLACED_ATTR, {})
     for instance in applied:
         for plan in instance.plans:
+            if plan.fuser.replaces_module:
+                replaced[type(instance.module)] = (plan.fuser, plan.found)
             report.fusions.append(
                 FusionRecord(
                     instance.path, type(instance.module).__name__, plan.fuser.kind, plan.fused.replaced, plan.fused.into

@@ -49,7 +49,9 @@ class Probe:
 
 
 def is_meta_model(model: nn.Module) -> bool:
-    return any(p.is_meta for p in model.parameters())
+    """All of the model's parameters are on the meta device: it has shapes but no data."""
+    params = list(model.parameters())
+    return bool(params) and all(p.is_meta for p in params)
 
 
 def _model_device(model: nn.Module) -> torch.device:

@@ -71,6 +71,11 @@ class Fuser(ABC):
         """Whether this instance fits what was found in its class."""
         return None
 
+    def emitted_forward(self, found: Any, context: EditContext) -> cst.FunctionDef | None:
+        """For a fuser that replaces modules: the forward an emitted modeling file gives the
+        original class instead (calling the same fused op), or None if it cannot emit one."""
+        return None
+
     @abstractmethod
     def fuse(self, module: nn.Module, found: Any) -> Fused:
         """Build the fused module(s) from the instance's own tensors."""
@@ -88,3 +93,8 @@ class SourceFuser(Fuser):
     @abstractmethod
     def edit(self, tree: cst.FunctionDef, found: Any, context: EditContext) -> cst.FunctionDef:
         """The forward with this fusion's change made."""
+
+    @abstractmethod
+    def declaration(self, found: Any) -> Any:
+        """What an emitted modeling file declares on the class so that loading builds the fused
+        children (a ``rewriter.weights.Merge``); ``fuse`` builds the same at run time."""

@@ -21,6 +21,7 @@ from .tracer import UNKNOWN
 
 __all__ = [
     "Cast",
+    "calls_fused_op",
     "NoMatch",
     "cast_of",
     "location",
@@ -72,7 +73,11 @@ def _raw_name(node: fx.Node) -> str | None:
         known = _OPERATOR_NAMES.get(node.target)
         if known is not None:
             return known
-        return getattr(node.target, "__name__", None)
+        name = getattr(node.target, "__name__", None)
+        module = getattr(node.target, "__module__", None) or ""
+        if name is not None and not module.startswith("torch") and module not in ("builtins", "_operator", "math"):
+            return f"{module}.{name}"  # a library's own function is not the torch op of the same name
+        return name
     return None
 
 
@@ -176,3 +181,14 @@ def peel_casts(node: Any) -> tuple[Any, list[Cast]]:
         node = node.args[0]
         cast = cast_of(node)
     return node, casts
+
+
+def calls_fused_op(graph: fx.Graph) -> bool:
+    """The graph already calls a transfuse op (an emitted or already rewritten module)."""
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        module = getattr(node.target, "__module__", None) or ""
+        if module.startswith("transfuse.") or str(node.target).startswith("transfuse."):
+            return True
+    return False

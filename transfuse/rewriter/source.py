@@ -213,6 +213,8 @@ class MethodRewrite:
     edited: cst.FunctionDef
     imports: dict[str, tuple[str, str]]
     kinds: tuple[str, ...]
+    # What an emitted file declares on the class (rewriter.weights.Merge), set by the rewriter.
+    declarations: tuple = ()
     _compiled: Callable | None = None
 
     @property

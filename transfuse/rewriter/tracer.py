@@ -418,6 +418,23 @@ def _attention_interface_as_leaf():
         AttentionInterface.__getitem__ = original_getitem
 
 
+@contextlib.contextmanager
+def _fused_ops_as_leaves(fn: Callable):
+    """transfuse's own ops called from a forward (emitted files call them) are single leaf nodes,
+    so their dispatch code is never traced as if it were the model's."""
+    namespace = fn.__globals__
+    patched = {
+        name: value
+        for name, value in namespace.items()
+        if callable(value) and (getattr(value, "__module__", None) or "").startswith("transfuse.ops")
+    }
+    namespace.update({name: leaf_callable(value) for name, value in patched.items()})
+    try:
+        yield
+    finally:
+        namespace.update(patched)
+
+
 def _is_cache(name: str, value: Any) -> bool:
     if name in CACHE_ARG_NAMES:
         return True
@@ -534,7 +551,7 @@ def trace_module(
         try:
             tracer.self_node = tracer.graph.placeholder("self")
             tracer.self_node.meta["val"] = module
-            with _patched_module_call(tracer), _attention_interface_as_leaf():
+            with _patched_module_call(tracer), _attention_interface_as_leaf(), _fused_ops_as_leaves(fn):
                 with _self_state_as_nodes(tracer, module) as float_nodes:
                     trace.float_attrs = float_nodes
                     try:

@@ -22,9 +22,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ..ops import layer
+from ..ops import identify_activation, layer
 
-__all__ = ["MergeError", "merge_linears", "merges_of", "unmerge_linears"]
+__all__ = ["ActivationError", "Merge", "MergeError", "merge_declared", "merge_linears", "merges_of", "unmerge_linears"]
 
 _MERGES = "_transfuse_merges"
 _HOOKS = "_transfuse_merge_hooks"
@@ -33,6 +33,10 @@ _TENSORS = ("weight", "bias")
 
 class MergeError(ValueError):
     """The linears cannot be merged (different inputs, dtypes, devices, or bias presence)."""
+
+
+class ActivationError(MergeError):
+    """A GLU's activation module is not exactly one of the fused activations."""
 
 
 @dataclass
@@ -153,3 +157,52 @@ def _merge_on_load(module, state_dict, prefix, local_metadata, strict, missing_k
             # merged key as missing and the parts as unexpected.
             if all(k in state_dict for k in keys):
                 state_dict[f"{prefix}{into}.{tensor}"] = torch.cat([state_dict.pop(k) for k in keys])
+
+
+@dataclass(frozen=True)
+class Merge:
+    """A merge to make on every instance of a class: ``parts`` into ``into``.
+
+    For a GLU's gate and up projections, the activation is either named (``activation``,
+    from the source) or read off a child module (``activation_module``) per instance.
+    Fusers apply it at run time; emitted modeling files declare it in ``_transfuse_merges``
+    and ``merge_declared`` applies it after loading, so both build the same modules.
+    """
+
+    into: str
+    parts: tuple[str, ...]
+    activation: str | None = None
+    activation_module: str | None = None
+
+    def __repr__(self) -> str:
+        extra = "".join(
+            f", {name}={getattr(self, name)!r}" for name in ("activation", "activation_module") if getattr(self, name)
+        )
+        return f"Merge({self.into!r}, {self.parts!r}{extra})"
+
+    def activation_of(self, module: nn.Module) -> str | None:
+        if self.activation_module is None:
+            return self.activation
+        return identify_activation(getattr(module, self.activation_module))
+
+    def check(self, module: nn.Module) -> None:
+        """Raise MergeError unless this instance can be merged."""
+        _check_mergeable(module, self.into, self.parts)
+        if self.activation_module is not None and self.activation_of(module) is None:
+            act = getattr(module, self.activation_module)
+            raise ActivationError(f"{self.activation_module} ({act!r}) is not exactly one of the fused activations.")
+
+    def apply(self, module: nn.Module) -> nn.Module:
+        return merge_linears(module, self.into, self.parts, activation=self.activation_of(module))
+
+    def undo(self, module: nn.Module) -> None:
+        unmerge_linears(module, self.into)
+
+
+def merge_declared(model: nn.Module) -> nn.Module:
+    """Make the merges that modules' classes declare in ``_transfuse_merges`` (emitted files do)."""
+    for module in model.modules():
+        for merge in getattr(type(module), "_transfuse_merges", ()):
+            if merge.into not in merges_of(module):
+                merge.apply(module)
+    return model

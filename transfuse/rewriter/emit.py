@@ -1,0 +1,317 @@
+"""Emitted modeling files: a rewritten model as source a person can read, diff and load.
+
+For each modeling file that holds a fused class, the emitted copy is the original file
+(libcst: formatting and comments kept) with:
+
+* each rewritten method replaced by its edited version (the same edit the runtime
+  rewrite compiled), and each replaced module class given a forward that calls the same
+  fused op, so the emitted model and the runtime rewrite compute the same numbers;
+* ``_transfuse_merges = (Merge(...), ...)`` on each class whose children are merged; the
+  original ``__init__`` is kept, so checkpoints load with their own keys, and the file's
+  ``PreTrainedModel`` base merges them once ``from_pretrained`` (or ``_from_config``) has
+  built the model;
+* relative imports made absolute (or pointed at a sibling emitted file), the transfuse
+  imports it needs, and a header that says what generated it.
+
+``emit`` writes those files, ``config.json`` with ``auto_map`` pointing at them, and the
+weights, into a temporary directory that replaces the output directory only at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import libcst as cst
+import libcst.matchers as m
+from torch import nn
+
+from .. import __version__
+from .apply import REPLACED_ATTR, REWRITTEN_ATTR
+from .source import EditContext, MethodRewrite, _identifiers, _parse_file, method_source
+from .syntax import comment_line
+from .tracer import unwrapped_forward
+
+__all__ = ["EmitError", "EmitResult", "emit", "emitted_sources"]
+
+# Files of a checkpoint directory that emit copies or links besides the weights.
+_SKIPPED_FILES = {"config.json"}
+
+
+class EmitError(Exception):
+    """Emission cannot proceed; the message is one line meant for the user."""
+
+
+@dataclass
+class EmitResult:
+    out_dir: str
+    files: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _FileEdits:
+    filename: str
+    module_name: str
+    methods: list[MethodRewrite] = field(default_factory=list)
+    declarations: dict[str, tuple] = field(default_factory=dict)  # class name -> Merge objects
+
+    @property
+    def imports(self) -> dict[str, tuple[str, str]]:
+        merged: dict[str, tuple[str, str]] = {}
+        for rewrite in self.methods:
+            merged.update(rewrite.imports)
+        if self.declarations:
+            merged.setdefault("Merge", ("transfuse.rewriter.weights", "Merge"))
+        return merged
+
+
+def _class_file(cls: type) -> tuple[str, str]:
+    module = sys.modules[cls.__module__]
+    return module.__file__, module.__name__
+
+
+def _uniform(model: nn.Module, cls: type, key) -> bool:
+    """Whether every instance of ``cls`` in the model was fused the same way (key(instance))."""
+    values = {key(m) for m in model.modules() if type(m) is cls}
+    return len(values) == 1 and None not in values
+
+
+def _collect(model: nn.Module, notes: list[str]) -> dict[str, _FileEdits]:
+    files: dict[str, _FileEdits] = {}
+
+    def edits_for(cls: type) -> _FileEdits:
+        filename, module_name = _class_file(cls)
+        return files.setdefault(filename, _FileEdits(filename, module_name))
+
+    rewrites = {type(mod): mod.__dict__[REWRITTEN_ATTR] for mod in model.modules() if REWRITTEN_ATTR in mod.__dict__}
+    for cls, rewrite in rewrites.items():
+        if not _uniform(model, cls, lambda mod: id(mod.__dict__.get(REWRITTEN_ATTR))):
+            notes.append(f"{cls.__name__} is emitted unchanged: not all its instances were fused alike.")
+            continue
+        target = edits_for(rewrite.defining_class)
+        target.methods.append(rewrite)
+        edits_for(cls).declarations[cls.__name__] = rewrite.declarations
+    for cls, (fuser, found) in model.__dict__.get(REPLACED_ATTR, {}).items():
+        if any(type(mod) is cls for mod in model.modules()):
+            notes.append(f"{cls.__name__} is emitted unchanged: some of its instances were not replaced.")
+            continue
+        source = method_source(unwrapped_forward(cls))
+        context = EditContext(cls, source, _identifiers(source.node)) if source is not None else None
+        forward = fuser.emitted_forward(found, context) if context is not None else None
+        if forward is None:
+            notes.append(f"{cls.__name__} is emitted unchanged: its {fuser.kind} fusion has no emitted form.")
+            continue
+        edits_for(cls).methods.append(MethodRewrite(cls, source, forward, context.imports, (fuser.kind,)))
+    edits_for(type(model))  # the model's own file carries the loading hook
+    return files
+
+
+def _absolute_module(module_name: str, relative: cst.ImportFrom) -> str:
+    """The absolute module a relative ``from ...x import y`` in ``module_name`` refers to."""
+    level = len(relative.relative)
+    package = module_name.rsplit(".", level)[0]
+    tail = cst.Module(body=[]).code_for_node(relative.module) if relative.module is not None else ""
+    return f"{package}.{tail}" if tail else package
+
+
+class _FileTransformer(cst.CSTTransformer):
+    """Method replacements, merge declarations, the loading hook, and import fixes for one file."""
+
+    def __init__(self, edits: _FileEdits, parsed, emitted_modules: dict[str, str], base_classes: set[str]):
+        # Methods are found by name and line in this parse of the file (not by node identity,
+        # which a re-parse would change).
+        self.methods = {id(parsed.functions[(r.original.node.name.value, r.original.line())]): r.edited for r in edits.methods}
+        self.edits = edits
+        self.emitted_modules = emitted_modules  # absolute module name -> emitted file stem
+        self.base_classes = base_classes
+
+    def leave_FunctionDef(self, original_node, updated_node):
+        return self.methods.get(id(original_node), updated_node)
+
+    def leave_ClassDef(self, original_node, updated_node):
+        name = original_node.name.value
+        body = list(updated_node.body.body)
+        declarations = self.edits.declarations.get(name)
+        if declarations:
+            merges = ", ".join(repr(d) for d in declarations)
+            line = cst.parse_statement(f"_transfuse_merges = ({merges},)").with_changes(
+                leading_lines=[comment_line("transfuse: children merged once the model is built (see merge_declared)")]
+            )
+            at = 1 if body and m.matches(body[0], m.SimpleStatementLine([m.Expr(m.SimpleString())])) else 0
+            if at < len(body) and not body[at].leading_lines:
+                body[at] = body[at].with_changes(leading_lines=[cst.EmptyLine(indent=False)])
+            body.insert(at, line)
+        if name in self.base_classes:
+            body.extend(_loading_hooks())
+        return updated_node.with_changes(body=updated_node.body.with_changes(body=body))
+
+    def leave_ImportFrom(self, original_node, updated_node):
+        if original_node.relative:
+            absolute = _absolute_module(self.edits.module_name, original_node)
+        elif original_node.module is not None:
+            absolute = cst.Module(body=[]).code_for_node(original_node.module)
+        else:
+            return updated_node
+        sibling = self.emitted_modules.get(absolute)
+        if sibling is not None:
+            return updated_node.with_changes(relative=[cst.Dot()], module=cst.Name(sibling))
+        if original_node.relative:
+            return updated_node.with_changes(relative=[], module=cst.parse_expression(absolute))
+        return updated_node
+
+
+def _loading_hooks() -> list[cst.BaseStatement]:
+    code = '''
+@classmethod
+def from_pretrained(cls, *args, **kwargs):
+    # transfuse: load the checkpoint as it is, then merge the projections classes declare
+    return merge_declared(super().from_pretrained(*args, **kwargs))
+
+@classmethod
+def _from_config(cls, config, **kwargs):
+    return merge_declared(super()._from_config(config, **kwargs))
+'''
+    hooks = list(cst.parse_module(code).body)
+    return [h.with_changes(leading_lines=[cst.EmptyLine(indent=False)]) for h in hooks]
+
+
+def _pretrained_bases(module_name: str) -> set[str]:
+    """Classes of the module that derive directly from transformers' PreTrainedModel."""
+    from transformers import PreTrainedModel
+
+    module = sys.modules[module_name]
+    return {
+        name
+        for name, value in vars(module).items()
+        if isinstance(value, type) and value.__module__ == module_name and PreTrainedModel in value.__bases__
+    }
+
+
+def _header(edits: _FileEdits) -> list[cst.EmptyLine]:
+    import transformers
+
+    lines = [
+        f"This file was generated by transfuse {__version__} from {edits.module_name}",
+        f"({os.path.basename(edits.filename)}, transformers {transformers.__version__}).",
+        "It is that file with fused layers: do not edit it; regenerate it with `transfuse emit`.",
+    ]
+    return [comment_line(line) for line in lines] + [cst.EmptyLine()]
+
+
+def _with_imports(module: cst.Module, imports: dict[str, tuple[str, str]], needs_hook: bool) -> cst.Module:
+    names: dict[str, list[str]] = {}
+    for alias, (mod, name) in sorted(imports.items()):
+        names.setdefault(mod, []).append(name if alias == name else f"{name} as {alias}")
+    if needs_hook:
+        names.setdefault("transfuse.rewriter.weights", []).append("merge_declared")
+    statements = [cst.parse_statement(f"from {mod} import {', '.join(sorted(set(n)))}") for mod, n in names.items()]
+    body = list(module.body)
+    last_import = max(
+        (i for i, s in enumerate(body) if m.matches(s, m.SimpleStatementLine([m.Import() | m.ImportFrom()]))),
+        default=-1,
+    )
+    body[last_import + 1 : last_import + 1] = statements
+    return module.with_changes(body=body)
+
+
+def emitted_sources(model: nn.Module) -> tuple[dict[str, str], str, list[str]]:
+    """The emitted files' text by file name, the auto_map entry for the model class, and notes."""
+    notes: list[str] = []
+    files = _collect(model, notes)
+    stems = {e.module_name: os.path.splitext(os.path.basename(e.filename))[0] for e in files.values()}
+    if len(set(stems.values())) != len(stems):
+        raise EmitError(f"Two modeling files share a name ({sorted(stems.values())}); cannot emit them side by side.")
+    texts = {}
+    for edits in files.values():
+        parsed = _parse_file(edits.filename)
+        if parsed is None:
+            raise EmitError(f"The source of {edits.module_name} ({edits.filename}) cannot be read.")
+        bases = _pretrained_bases(edits.module_name)
+        tree = parsed.module.visit(_FileTransformer(edits, parsed, stems, bases))
+        tree = _with_imports(tree, edits.imports, needs_hook=bool(bases))
+        tree = tree.with_changes(header=_header(edits) + list(tree.header))
+        texts[f"{stems[edits.module_name]}.py"] = tree.code
+    top_module = type(model).__module__
+    auto_map = f"{stems[top_module]}.{type(model).__name__}"
+    return texts, auto_map, notes
+
+
+def _copy_checkpoint_files(source_dir: str, out: str, link: bool, skip: Iterable[str]) -> list[str]:
+    written = []
+    for name in sorted(os.listdir(source_dir)):
+        path = os.path.join(source_dir, name)
+        if name in skip or name.endswith(".py") or not os.path.isfile(path):
+            continue
+        target = os.path.join(out, name)
+        if link:
+            os.symlink(os.path.abspath(path), target)
+        else:
+            shutil.copy2(path, target)
+        written.append(name)
+    return written
+
+
+def emit(
+    model: nn.Module,
+    out_dir: str,
+    *,
+    checkpoint_dir: str | None = None,
+    force: bool = False,
+    link: bool = False,
+) -> EmitResult:
+    """Write the rewritten ``model`` as a loadable directory (see the module docstring).
+
+    checkpoint_dir: the directory the model was loaded from; its weights and tokenizer files
+        are copied (or symbolically linked with ``link``). Without it the model's own weights
+        are saved (with their original keys).
+    """
+    out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir) and not force:
+        raise EmitError(f"{out_dir} already exists; pass --force (force=True) to replace it.")
+    texts, auto_map, notes = emitted_sources(model)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", dir=parent)
+    result = EmitResult(out_dir, notes=notes)
+    try:
+        for name, text in texts.items():
+            with open(os.path.join(staging, name), "w", encoding="utf-8") as f:
+                f.write(text)
+            result.files.append(name)
+        if checkpoint_dir is not None:
+            result.files += _copy_checkpoint_files(checkpoint_dir, staging, link, _SKIPPED_FILES | set(texts))
+        else:
+            model.save_pretrained(staging)
+            result.files += [n for n in os.listdir(staging) if n not in result.files and n != "config.json"]
+        config = model.config
+        previous = getattr(config, "auto_map", None)
+        config.auto_map = {"AutoModelForCausalLM": auto_map}
+        try:
+            config.save_pretrained(staging)
+        finally:
+            if previous is None:
+                del config.auto_map
+            else:
+                config.auto_map = previous
+        result.files.append("config.json")
+        _replace_directory(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return result
+
+
+def _replace_directory(staging: str, out_dir: str) -> None:
+    """Move the staged directory into place; an existing one is removed only once the new one is there."""
+    if not os.path.exists(out_dir):
+        os.rename(staging, out_dir)
+        return
+    old = f"{staging}.old"
+    os.rename(out_dir, old)
+    os.rename(staging, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
