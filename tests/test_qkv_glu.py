@@ -143,7 +143,7 @@ REFUSED = [
     (toys.FourReaders, "qkv.extra-reader"),
     (toys.make_closure_attention(0.5), "source.closure"),
     (toys.NameMangledAttention, "source.name-mangled"),
-    (toys.ReluGLU, "glu.activation"),
+    (toys.ReluGLU, "gate_up.activation"),
 ]
 
 

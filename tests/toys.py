@@ -456,7 +456,7 @@ class TorchMulGeluTanhMLP(nn.Module):
 
 
 class ReluGLU(nn.Module):
-    """A ReLU-gated GLU: the fused op has no relu → refused (glu.activation)."""
+    """A ReLU-gated GLU: the fused op has no relu → refused (gate_up.activation)."""
 
     def __init__(self, hidden=32, inner=48):
         super().__init__()

@@ -28,9 +28,10 @@ from ..ops import ACTIVATIONS, identify_activation
 from ..rewriter.analysis import ClassAnalysis
 from ..rewriter.fusion import Fused, Refusal, SourceFuser
 from ..rewriter.graph import NoMatch, is_op, op_name, operand, operands
-from ..rewriter.source import EditContext, self_calls, self_references
+from ..rewriter.source import EditContext
 from ..rewriter.syntax import expression_code, replace_nodes
 from ..rewriter.weights import ActivationError, Merge, MergeError
+from .projections import free_child_name, linear_children, single_call
 
 __all__ = ["GLUFuser", "GLUMatch"]
 
@@ -76,18 +77,10 @@ def _class_activation(analysis: ClassAnalysis) -> str:
             return activation
     ops = ", ".join(op_name(n) or n.op for n in calls[:6]) or "nothing"
     raise NoMatch(
-        "glu.activation",
+        "gate_up.activation",
         f"the activation {analysis.cls.__name__} computes {ops}; the fused op has only {', '.join(ACTIVATIONS)}.",
         calls[0] if calls else None,
     )
-
-
-def _free_name(analysis: ClassAnalysis, base: str) -> str:
-    name, i = base, 1
-    while name in analysis.children:
-        i += 1
-        name = f"{base}_{i}"
-    return name
 
 
 class GLUFuser(SourceFuser):
@@ -97,7 +90,7 @@ class GLUFuser(SourceFuser):
         return sum(isinstance(c, nn.Linear) for c in module.children()) >= 2
 
     def match(self, analysis: ClassAnalysis) -> GLUMatch | Refusal | None:
-        linears = {name for name, cls in analysis.children.items() if issubclass(cls, nn.Linear)}
+        linears = linear_children(analysis)
         for node in analysis.trace.graph.nodes:
             if not is_op(node, "mul"):
                 continue
@@ -113,18 +106,18 @@ class GLUFuser(SourceFuser):
         gate = operand(act_side, 0)
         if not _is_linear_call(gate, linears) or gate.args[0] is not up_side.args[0] or gate.target == up_side.target:
             return None
-        into = _free_name(analysis, "gate_up_proj")
+        into = free_child_name(analysis, "gate_up_proj")
         try:
             if act_side.op == "call_module" and act_side.target not in linears:
                 child = analysis.child(act_side.target)
                 if child is None:
-                    raise NoMatch("glu.activation", f"the activation module {act_side.target} cannot be analysed.")
+                    raise NoMatch("gate_up.activation", f"the activation module {act_side.target} cannot be analysed.")
                 _class_activation(child)
                 return GLUMatch(gate.target, up_side.target, into, act_side.target, None)
             activation = _activation_of_function(act_side)
             if activation is None:
                 raise NoMatch(
-                    "glu.activation",
+                    "gate_up.activation",
                     f"the gate goes through {op_name(act_side) or act_side.op}; the fused op has only "
                     f"{', '.join(ACTIVATIONS)}.",
                     act_side,
@@ -134,13 +127,13 @@ class GLUFuser(SourceFuser):
         return GLUMatch(gate.target, up_side.target, into, None, activation)
 
     def edit(self, tree: cst.FunctionDef, found: GLUMatch, context: EditContext) -> cst.FunctionDef:
-        gate_call = _single_call(tree, found.gate, context)
-        up_call = _single_call(tree, found.up, context)
+        gate_call = single_call(tree, found.gate, context, "gate_up")
+        up_call = single_call(tree, found.up, context, "gate_up")
         product = _product(tree, gate_call, up_call, found)
         x = gate_call.args[0].value
         if not (isinstance(x, cst.Name) and up_call.args[0].value.deep_equals(x)):
             raise NoMatch(
-                "glu.inputs-differ",
+                "gate_up.inputs-differ",
                 f"gate and up read {expression_code(gate_call.args[0].value)} and "
                 f"{expression_code(up_call.args[0].value)}, not one variable.",
             )
@@ -155,7 +148,7 @@ class GLUFuser(SourceFuser):
         try:
             found.merge.check(module)
         except ActivationError as exc:
-            return Refusal("glu.activation-instance", str(exc))
+            return Refusal("gate_up.activation-instance", str(exc))
         except MergeError as exc:
             return Refusal("gate_up.instance", str(exc))
         return None
@@ -175,19 +168,6 @@ def _is_linear_call(node, linears: set[str]) -> bool:
     )
 
 
-def _single_call(tree: cst.FunctionDef, name: str, context: EditContext) -> cst.Call:
-    calls = self_calls(tree, name)
-    if len(calls) != 1 or len(self_references(tree, name)) != 1:
-        raise NoMatch("glu.called-twice", f"self.{name} is used {len(self_references(tree, name))} times, not once.")
-    line = context.uses_elsewhere(name)
-    if line is not None:
-        raise NoMatch("glu.other-use", f"self.{name} is also used by another method (line {line}).")
-    call = calls[0]
-    if len(call.args) != 1 or call.args[0].keyword is not None or call.args[0].star:
-        raise NoMatch("glu.input-expression", f"self.{name} is not called with one positional argument.")
-    return call
-
-
 _FUNCTIONS = {"silu", "gelu"}
 
 
@@ -203,7 +183,7 @@ def _product(tree: cst.FunctionDef, gate_call: cst.Call, up_call: cst.Call, foun
         for act, up in (pair, pair[::-1]):
             if up is up_call and _applies_activation(act, gate_call, found):
                 return node
-    raise NoMatch("glu.placement", "the gate's activation and the up projection are not multiplied in one expression.")
+    raise NoMatch("gate_up.placement", "the gate's activation and the up projection are not multiplied in one expression.")
 
 
 def _applies_activation(node: cst.CSTNode, gate_call: cst.Call, found: GLUMatch) -> bool:
@@ -216,7 +196,7 @@ def _applies_activation(node: cst.CSTNode, gate_call: cst.Call, found: GLUMatch)
         return False
     for arg in node.args[1:]:
         if arg.keyword is not None and arg.keyword.value == "approximate" and not isinstance(arg.value, cst.SimpleString):
-            raise NoMatch("glu.activation", "gelu's approximate= is not a string literal, so it may differ per call.")
+            raise NoMatch("gate_up.activation", "gelu's approximate= is not a string literal, so it may differ per call.")
     return True
 
 

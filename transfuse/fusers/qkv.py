@@ -26,7 +26,7 @@ from torch import nn
 from ..rewriter.analysis import ClassAnalysis
 from ..rewriter.fusion import Fused, Refusal, SourceFuser
 from ..rewriter.graph import NoMatch, value
-from ..rewriter.source import EditContext, self_calls, self_references
+from ..rewriter.source import EditContext
 from ..rewriter.syntax import (
     ParentMap,
     assigned_names,
@@ -38,6 +38,7 @@ from ..rewriter.syntax import (
     statement_block,
 )
 from ..rewriter.weights import Merge, MergeError
+from .projections import free_child_name, linear_children, single_call
 
 __all__ = ["QKVFuser", "QKVMatch", "linear_calls_by_input"]
 
@@ -55,13 +56,9 @@ class QKVMatch:
         return Merge(self.into, self.parts)
 
 
-def _linear_children(analysis: ClassAnalysis) -> set[str]:
-    return {name for name, cls in analysis.children.items() if issubclass(cls, nn.Linear)}
-
-
 def linear_calls_by_input(analysis: ClassAnalysis) -> dict[fx.Node, list[fx.Node]]:
     """Calls of linear children with one positional input, grouped by that input."""
-    linears = _linear_children(analysis)
+    linears = linear_children(analysis)
     groups: dict[fx.Node, list[fx.Node]] = defaultdict(list)
     for node in analysis.trace.graph.nodes:
         if node.op == "call_module" and node.target in linears and len(node.args) == 1 and not node.kwargs:
@@ -91,15 +88,6 @@ def _roles(calls: list[fx.Node], analysis: ClassAnalysis) -> tuple[str, str, str
     )
 
 
-def _free_name(analysis: ClassAnalysis, base: str) -> str:
-    taken = set(analysis.children)
-    name, i = base, 1
-    while name in taken:
-        i += 1
-        name = f"{base}_{i}"
-    return name
-
-
 class QKVFuser(SourceFuser):
     kind = "qkv"
 
@@ -125,7 +113,7 @@ class QKVFuser(SourceFuser):
             parts = _roles(calls, analysis)
         except NoMatch as refusal:
             return Refusal(refusal.tag, refusal.reason, analysis.where(refusal.node))
-        return QKVMatch(parts, _free_name(analysis, "qkv_proj"), frozenset(_linear_children(analysis)))
+        return QKVMatch(parts, free_child_name(analysis, "qkv_proj"), frozenset(linear_children(analysis)))
 
     def edit(self, tree: cst.FunctionDef, found: QKVMatch, context: EditContext) -> cst.FunctionDef:
         calls = [_single_call(tree, name, context) for name in found.parts]
@@ -165,19 +153,7 @@ class QKVFuser(SourceFuser):
 
 
 def _single_call(tree: cst.FunctionDef, name: str, context: EditContext) -> cst.Call:
-    calls = self_calls(tree, name)
-    if len(calls) != 1:
-        tag = "qkv.called-twice" if calls else "qkv.not-called"
-        raise NoMatch(tag, f"self.{name}(...) is written {len(calls)} times in {tree.name.value}, not once.")
-    references = self_references(tree, name)
-    if len(references) != 1:
-        raise NoMatch("qkv.other-use", f"self.{name} is used other than in its one call.")
-    line = context.uses_elsewhere(name)
-    if line is not None:
-        raise NoMatch("qkv.other-use", f"self.{name} is also used by another method (line {line}).")
-    call = calls[0]
-    if len(call.args) != 1 or call.args[0].keyword is not None or call.args[0].star:
-        raise NoMatch("qkv.input-expression", f"self.{name} is not called with one positional argument.")
+    call = single_call(tree, name, context, "qkv")
     if not isinstance(call.args[0].value, cst.Name):
         raise NoMatch(
             "qkv.input-expression",
