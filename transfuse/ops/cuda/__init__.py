@@ -1,0 +1,68 @@
+"""CUDA C++ providers (kernels in ``csrc/``), built on demand where a CUDA toolchain exists.
+
+Registered here for rms_norm, fused_add_rms_norm and silu_and_mul. ``supported`` builds the
+extension on first use (``build.py``); ``supports_args`` takes the cases the kernels were
+written for (NVIDIA GPUs; rms_norm normalising in float32 with the weight and output in the
+input dtype; rows that fit in registers) and leaves the rest to the next provider.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..act_and_mul import SILU_AND_MUL
+from ..checks import rows_fit, same_rows, weight_fits
+from ..dispatch import Provider
+from ..fused_add_rms_norm import FUSED_ADD_RMS_NORM
+from ..platform import current_platform
+from ..rms_norm import RMS_NORM, rms_norm_out_dtype
+from . import launch
+from .build import extension
+
+__all__ = ["available"]
+
+# Widths the rms_norm kernel holds in registers (csrc/rms_norm.cu: 4096 vectors a row):
+# any row up to _SCALAR_WIDTH, and up to 4096 16-byte vectors when rows are contiguous and aligned.
+_SCALAR_WIDTH = 4096
+_VECTORS = 4096
+# silu_and_mul covers a row with at most 65535 blocks of 256 threads.
+_MAX_ACT_WIDTH = 2**24
+
+
+def available() -> bool:
+    """An NVIDIA GPU is the platform and the extension is built (or loads from the cache)."""
+    return current_platform().name == "cuda" and extension() is not None
+
+
+def _vectorizable(x: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
+    vec = 16 // x.element_size()
+    return x.shape[-1] % vec == 0 and all(
+        t is None or (t.is_contiguous() and t.data_ptr() % 16 == 0) for t in (x, *tensors)
+    )
+
+
+def _rms_norm_args(x, weight, eps, upcast, cast_before_weight, offset, weight_fp32, cast_output, residual=None):
+    if not (upcast and x.is_cuda and rows_fit(x, _VECTORS * 8) and weight_fits(weight, x)):
+        return False
+    if weight is not None and weight.dtype != x.dtype:
+        return False
+    flags = (upcast, cast_before_weight, offset, weight_fp32, cast_output)
+    if rms_norm_out_dtype(x.dtype, None if weight is None else weight.dtype, *flags) != x.dtype:
+        return False
+    width = x.shape[-1]
+    return width <= _SCALAR_WIDTH or (
+        width // (16 // x.element_size()) <= _VECTORS and _vectorizable(x, weight, residual)
+    )
+
+
+def _fused_add_rms_norm_args(x, residual, weight, eps, *flags) -> bool:
+    return same_rows(x, residual) and _rms_norm_args(x, weight, eps, *flags, residual=residual)
+
+
+def _silu_and_mul_args(x) -> bool:
+    return x.is_cuda and rows_fit(x, _MAX_ACT_WIDTH) and x.shape[-1] % 2 == 0
+
+
+RMS_NORM.register(Provider("cuda", launch.rms_norm, available, _rms_norm_args))
+FUSED_ADD_RMS_NORM.register(Provider("cuda", launch.fused_add_rms_norm, available, _fused_add_rms_norm_args))
+SILU_AND_MUL.register(Provider("cuda", launch.silu_and_mul, available, _silu_and_mul_args))
