@@ -7,8 +7,11 @@ into torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default
 one warning line says why and the CUDA providers step aside for the next ones;
 ``python -m transfuse.ops.cuda`` builds verbosely, to read the compiler's own output.
 
-The sources are looked for in ``$TRANSFUSE_CSRC``, then ``transfuse/csrc`` (a wheel ships
-them there), then ``csrc/`` beside the package (a source checkout or an editable install).
+The sources live in ``csrc/`` at the repository root. ``transfuse/csrc`` is a symlink to it,
+so a source checkout or an editable install finds them inside the package, and a wheel ships
+them there as files (``package-data`` in pyproject.toml). The loader looks in
+``$TRANSFUSE_CSRC``, then ``transfuse/csrc``, then ``csrc/`` beside the package (for a
+checkout made without symlinks).
 """
 
 from __future__ import annotations
