@@ -113,13 +113,17 @@ def _ulps(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     _, exponent = torch.frexp(ref.double())  # |ref| = m * 2**exponent with m in [0.5, 1)
     exponent = exponent.clamp(min=round(math.log2(finfo.tiny)) + 1)
     mantissa_bits = -round(math.log2(finfo.eps))
-    return (out.double() - ref.double()).abs() / torch.ldexp(torch.ones_like(ref, dtype=torch.double), exponent - 1 - mantissa_bits)
+    return (out.double() - ref.double()).abs() / torch.ldexp(
+        torch.ones_like(ref, dtype=torch.double), exponent - 1 - mantissa_bits
+    )
 
 
 def _check(out, ref, dtype: torch.dtype, exact: bool, what: str, extra_ulps: int = 0) -> None:
     """``out`` matches ``ref`` to the tolerance of ``dtype``, the op's input dtype; where ``exact``,
     it also rounds as ``ref`` does."""
-    assert out.dtype == ref.dtype and out.shape == ref.shape, f"{what}: {out.dtype} {out.shape} vs {ref.dtype} {ref.shape}"
+    assert out.dtype == ref.dtype and out.shape == ref.shape, (
+        f"{what}: {out.dtype} {out.shape} vs {ref.dtype} {ref.shape}"
+    )
     assert not out.isnan().any(), f"{what}: {int(out.isnan().sum())} output elements were never written"
     if dtype == torch.float32:
         torch.testing.assert_close(out, ref, **FLOAT32_TOLERANCE, msg=lambda m: f"{what}: {m}")

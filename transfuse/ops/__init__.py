@@ -4,8 +4,8 @@ ops knows nothing about tracing or Hugging Face: each op is a native PyTorch def
 plus providers (torch builtins, Triton, CUDA C++, plugins) picked per platform and call.
 """
 
-from . import cuda as _cuda  # registers the CUDA C++ providers (built on first use)
-from . import triton as _triton  # registers the Triton providers (imported on first use)
+# Importing these registers their providers: CUDA C++ (built on first use), Triton (imported on first use).
+from . import cuda, triton  # noqa: F401
 from .act_and_mul import ACTIVATIONS, act_and_mul, gelu_and_mul_native, silu_and_mul_native
 from .dispatch import (
     Dispatch,

@@ -82,12 +82,7 @@ def _fused_add_rms_norm_args(x, residual, weight, eps, *flags) -> bool:
 
 
 def _act_and_mul_args(x, approximate: str = "none") -> bool:
-    return (
-        on_device(x)
-        and rows_fit(x, _MAX_ACT_WIDTH)
-        and x.shape[-1] % 2 == 0
-        and approximate in ("none", "tanh")
-    )
+    return on_device(x) and rows_fit(x, _MAX_ACT_WIDTH) and x.shape[-1] % 2 == 0 and approximate in ("none", "tanh")
 
 
 RMS_NORM.register(Provider("triton", _lazy("rms_norm", "rms_norm"), available, _rms_norm_args))

@@ -21,7 +21,8 @@ from . import device_of
 __all__ = ["fused_add_rms_norm", "rms_norm"]
 
 
-@triton.jit
+# The row count only bounds the last program: specialising on it would only multiply compilations.
+@triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(
     x_ptr,
     residual_ptr,
