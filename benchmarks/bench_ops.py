@@ -66,8 +66,8 @@ class Case:
     op: str
     tokens: int
     make_inputs: Callable[[], tuple]
+    min_bytes: int
     variants: dict[str, Callable[..., object]] = field(default_factory=dict)
-    min_bytes: int = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,55 +97,68 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=False)
 
 
-def build_case(op: str, tokens: int, hidden: int, dtype: torch.dtype) -> Case:
-    """The inputs, HF eager and compiled references, and transfuse variants of one op at one size."""
-    size = 2 if dtype != torch.float32 else 4
-    if op in ("rms_norm", "fused_add_rms_norm"):
-        norm = _hf_rms_norm(hidden, dtype)
-        weight = norm.weight.detach()
-        if op == "rms_norm":
-            case = Case(
-                op, tokens, lambda: (_randn(tokens, hidden, dtype=dtype),), min_bytes=(2 * tokens + 1) * hidden * size
-            )
-            case.variants["hf eager"] = norm
-            case.variants["hf compile"] = _compiled(norm)
-            case.variants["default"] = lambda x: ops.rms_norm(x, weight, EPS, LLAMA)
-            for name, provider in ops.get_op(op).providers.items():
-                case.variants[name] = _bind(provider, lambda x: (x, weight, EPS, *LLAMA.flags()))
-            return case
+def _add_providers(case: Case, args_of) -> Case:
+    for name, provider in ops.get_op(case.op).providers.items():
+        case.variants[name] = _bind(provider, args_of)
+    return case
 
-        def hf_add_norm(x, residual):
-            residual = residual + x
-            return norm(residual), residual
 
-        case = Case(
-            op,
-            tokens,
-            lambda: (_randn(tokens, hidden, dtype=dtype), _randn(tokens, hidden, dtype=dtype)),
-            min_bytes=(4 * tokens + 1) * hidden * size,
-        )
-        case.variants["hf eager"] = hf_add_norm
-        case.variants["hf compile"] = _compiled(hf_add_norm)
-        case.variants["default"] = lambda x, r: ops.fused_add_rms_norm(x, r, weight, EPS, LLAMA)
-        for name, provider in ops.get_op(op).providers.items():
-            case.variants[name] = _bind(provider, lambda x, r: (x, r, weight, EPS, *LLAMA.flags()))
-        return case
+def _rms_norm_case(tokens: int, hidden: int, dtype: torch.dtype) -> Case:
+    norm = _hf_rms_norm(hidden, dtype)
+    weight = norm.weight.detach()
+    size = torch.finfo(dtype).bits // 8
+    case = Case("rms_norm", tokens, lambda: (_randn(tokens, hidden, dtype=dtype),), (2 * tokens + 1) * hidden * size)
+    case.variants["hf eager"] = norm
+    case.variants["hf compile"] = _compiled(norm)
+    case.variants["default"] = lambda x: ops.rms_norm(x, weight, EPS, LLAMA)
+    return _add_providers(case, lambda x: (x, weight, EPS, *LLAMA.flags()))
 
-    # A merged gate/up projection gives [gate | up]; LlamaMLP computes act(gate) * up on two tensors.
-    activation = "silu" if op == "silu_and_mul" else "gelu_tanh"
+
+def _fused_add_rms_norm_case(tokens: int, hidden: int, dtype: torch.dtype) -> Case:
+    norm = _hf_rms_norm(hidden, dtype)
+    weight = norm.weight.detach()
+
+    def hf_add_norm(x, residual):  # a decoder layer's `residual + hidden_states`, then its norm
+        residual = residual + x
+        return norm(residual), residual
+
+    size = torch.finfo(dtype).bits // 8
+    case = Case(
+        "fused_add_rms_norm",
+        tokens,
+        lambda: (_randn(tokens, hidden, dtype=dtype), _randn(tokens, hidden, dtype=dtype)),
+        (4 * tokens + 1) * hidden * size,
+    )
+    case.variants["hf eager"] = hf_add_norm
+    case.variants["hf compile"] = _compiled(hf_add_norm)
+    case.variants["default"] = lambda x, r: ops.fused_add_rms_norm(x, r, weight, EPS, LLAMA)
+    return _add_providers(case, lambda x, r: (x, r, weight, EPS, *LLAMA.flags()))
+
+
+def _act_and_mul_case(op: str, tokens: int, hidden: int, dtype: torch.dtype) -> Case:
+    """``act(gate) * up`` as LlamaMLP writes it, on the halves of a merged ``[gate | up]`` projection."""
     act = _hf_act("silu" if op == "silu_and_mul" else "gelu_pytorch_tanh")
-    case = Case(op, tokens, lambda: (_randn(tokens, 2 * hidden, dtype=dtype),), min_bytes=3 * tokens * hidden * size)
 
     def hf_act_and_mul(x):
         return act(x[:, :hidden]) * x[:, hidden:]
 
+    size = torch.finfo(dtype).bits // 8
+    case = Case(op, tokens, lambda: (_randn(tokens, 2 * hidden, dtype=dtype),), 3 * tokens * hidden * size)
     case.variants["hf eager"] = hf_act_and_mul
     case.variants["hf compile"] = _compiled(hf_act_and_mul)
+    activation = "silu" if op == "silu_and_mul" else "gelu_tanh"
     case.variants["default"] = lambda x: ops.act_and_mul(x, activation)
     extra = () if op == "silu_and_mul" else ("tanh",)
-    for name, provider in ops.get_op(op).providers.items():
-        case.variants[name] = _bind(provider, lambda x: (x, *extra))
-    return case
+    return _add_providers(case, lambda x: (x, *extra))
+
+
+def build_case(op: str, tokens: int, hidden: int, dtype: torch.dtype) -> Case:
+    """The inputs, HF eager and compiled references, and transfuse variants of one op at one size."""
+    if op == "rms_norm":
+        return _rms_norm_case(tokens, hidden, dtype)
+    if op == "fused_add_rms_norm":
+        return _fused_add_rms_norm_case(tokens, hidden, dtype)
+    return _act_and_mul_case(op, tokens, hidden, dtype)
 
 
 def _bind(provider, args_of):
@@ -263,6 +276,11 @@ def _ulps(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     return (out.double() - ref.double()).abs() / spacing
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:120] if text else ""
+
+
 def check_against_native(fn, native, inputs, dtype) -> str:
     """'' when fn matches native (every element written, within 2 ulps, 95% bit-identical), else why not."""
     torch.use_deterministic_algorithms(True)
@@ -309,42 +327,51 @@ def build_cuda_extension(out: Path) -> str:
 def run_case(case: Case, dtype: torch.dtype, copy_bps: float, launch_tokens: set[int]) -> list[Row]:
     """Check each kernel variant against native on this size, then time every variant that passes."""
     probe = case.make_inputs()
-    native = case.variants["native"]
     per_set = sum(t.numel() * t.element_size() for t in probe)
     input_sets = _input_sets(case.make_inputs, per_set)
     rows = []
     for name, fn in case.variants.items():
         row = Row(case.op, case.tokens, name)
         rows.append(row)
-        supports = getattr(fn, "supports", None)
-        if supports is not None and not fn.provider.supported():
-            row.note = "unavailable here"
-            continue
-        if supports is not None and not supports(*probe):
-            row.note = "refuses these arguments"  # e.g. F.rms_norm, whose rounding differs from Llama's
-            continue
-        if name == "default":
-            with ops.trace() as log:
-                fn(*probe)
-            row.provider = log[-1].provider
-        if name in KERNEL_PROVIDERS or name == "default":
-            problem = check_against_native(fn, native, probe, dtype)
-            if problem:
-                row.note = f"WRONG: {problem}"
-                continue
         try:
-            row.graph_us = time_graph(fn, input_sets)
-        except RuntimeError as exc:  # a variant that cannot be captured is still timed eagerly
-            row.note = f"no graph: {str(exc).splitlines()[0][:80]}"
-        row.eager_us = time_eager(fn, input_sets)
-        best = row.graph_us or row.eager_us
-        row.gbps = case.min_bytes / (best * 1e-6) / 1e9
-        row.copy_share = case.min_bytes / (best * 1e-6) / copy_bps
-        if case.tokens in launch_tokens:
-            row.launches = count_launches(fn, probe)
+            measure(row, fn, case, probe, input_sets, dtype, copy_bps, case.tokens in launch_tokens)
+        except Exception as exc:  # one broken variant (a compile or launch failure) must not lose the run
+            row.note = f"ERROR: {type(exc).__name__}: {_first_line(exc)}"
+            torch.cuda.synchronize()
     del input_sets
     torch.cuda.empty_cache()
     return rows
+
+
+def measure(row: Row, fn, case: Case, probe, input_sets, dtype, copy_bps: float, count: bool) -> None:
+    """Fill ``row`` for one variant: refused, WRONG against native, or its times, bandwidth and launches."""
+    supports = getattr(fn, "supports", None)
+    if supports is not None and not fn.provider.supported():
+        row.note = "unavailable here"
+        return
+    if supports is not None and not supports(*probe):
+        row.note = "refuses these arguments"  # e.g. F.rms_norm, whose rounding differs from Llama's
+        return
+    if row.variant == "default":
+        with ops.trace() as log:
+            fn(*probe)
+        row.provider = log[-1].provider
+    if row.variant in KERNEL_PROVIDERS or row.variant == "default":
+        problem = check_against_native(fn, case.variants["native"], probe, dtype)
+        if problem:
+            row.note = f"WRONG: {problem}"
+            return
+    try:
+        row.graph_us = time_graph(fn, input_sets)
+    except RuntimeError as exc:  # a variant that cannot be captured is still timed eagerly
+        row.note = f"no graph: {_first_line(exc)}"
+        torch.cuda.synchronize()
+    row.eager_us = time_eager(fn, input_sets)
+    best = row.graph_us or row.eager_us
+    row.gbps = case.min_bytes / (best * 1e-6) / 1e9
+    row.copy_share = case.min_bytes / (best * 1e-6) / copy_bps
+    if count:
+        row.launches = count_launches(fn, probe)
 
 
 def verdicts(rows: list[Row]) -> list[str]:
@@ -447,17 +474,28 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(0)
     rows: list[Row] = []
+    meta = environment(args, copy_bps)
     with torch.no_grad():
         for op in args.ops:
             for tokens in args.tokens:
                 case = build_case(op, tokens, args.hidden, dtype)
                 rows += run_case(case, dtype, copy_bps, launch_tokens={1, 16})
-                print(f"{op} @{tokens} done ({time.perf_counter() - started:.0f} s)", flush=True)
+                meta["seconds"] = round(time.perf_counter() - started)
+                write_results(args.out, rows, meta)  # after every case: a run cut short keeps what it measured
+                print(f"{op} @{tokens} done ({meta['seconds']} s)", flush=True)
 
+    print(f"\ncopy bandwidth {copy_bps / 1e9:.0f} GB/s; {args.dtype}, hidden {args.hidden}; {meta['seconds']} s")
+    print("\n".join(meta["verdicts"]))
+    print("\ngraph-replay us per call (WRONG: failed the check against native, not timed)")
+    print(summary_table(rows))
+    return 1 if any(r.note.startswith(("WRONG", "ERROR")) for r in rows) else 0
+
+
+def environment(args: argparse.Namespace, copy_bps: float) -> dict:
     import transformers
     import triton
 
-    meta = {
+    return {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -468,17 +506,13 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "hidden": args.hidden,
         "copy_gbps": copy_bps / 1e9,
-        "seconds": time.perf_counter() - started,
-        "verdicts": verdicts(rows),
     }
-    (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
-    (args.out / "results.md").write_text(markdown(rows, meta))
-    print(f"\ncopy bandwidth {copy_bps / 1e9:.0f} GB/s; {args.dtype}, hidden {args.hidden}; {meta['seconds']:.0f} s")
-    print("\n".join(meta["verdicts"]))
-    print("\ngraph-replay us per call (WRONG: failed the check against native, not timed)")
-    print(summary_table(rows))
-    wrong = [r for r in rows if r.note.startswith("WRONG")]
-    return 1 if wrong else 0
+
+
+def write_results(out: Path, rows: list[Row], meta: dict) -> None:
+    meta["verdicts"] = verdicts(rows)
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
+    (out / "results.md").write_text(markdown(rows, meta))
 
 
 if __name__ == "__main__":

@@ -29,8 +29,13 @@ import pytest
 import torch
 
 from transfuse import ops
-from transfuse.ops import RMSNormSpec, fused_add_rms_norm_native, gelu_and_mul_native, rms_norm_native
-from transfuse.ops import silu_and_mul_native
+from transfuse.ops import (
+    RMSNormSpec,
+    fused_add_rms_norm_native,
+    gelu_and_mul_native,
+    rms_norm_native,
+    silu_and_mul_native,
+)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
