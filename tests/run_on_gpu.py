@@ -14,6 +14,7 @@ Exit status: pytest's (0 when everything passed).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import subprocess
 import sys
 import time
@@ -56,6 +57,10 @@ def main() -> int:
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    missing = [name for name in ("pytest", "libcst") if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"{', '.join(missing)} not installed for {sys.executable}: install or carry it first.")
+        return 2
 
     build_code, build_s = _run([sys.executable, "-m", "transfuse.ops.cuda"], args.out / "cuda_build.log")
     print(f"cuda extension build: exit {build_code} in {build_s:.0f} s (log: {args.out / 'cuda_build.log'})", flush=True)

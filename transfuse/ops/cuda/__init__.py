@@ -1,9 +1,11 @@
 """CUDA C++ providers (kernels in ``csrc/``), built on demand where a CUDA toolchain exists.
 
-Registered here for rms_norm, fused_add_rms_norm and silu_and_mul. ``supported`` builds the
-extension on first use (``build.py``); ``supports_args`` takes the cases the kernels were
-written for (NVIDIA GPUs; rms_norm normalising in float32 with the weight and output in the
-input dtype; rows that fit in registers) and leaves the rest to the next provider.
+Registered here for rms_norm, fused_add_rms_norm and silu_and_mul. ``supported`` only asks
+whether the platform is an NVIDIA GPU; ``supports_args`` takes the cases the kernels were
+written for (CUDA tensors; rms_norm normalising in float32 with the weight and output in the
+input dtype; rows that fit in registers) and, for the first such call, builds the extension
+(``build.py``; cached afterwards). Everything else, and everything when the build fails,
+goes to the next provider.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from ..rms_norm import RMS_NORM, rms_norm_out_dtype
 from . import launch
 from .build import extension
 
-__all__ = ["available"]
+__all__ = ["on_cuda_platform"]
 
 # Widths the rms_norm kernel holds in registers (csrc/rms_norm.cu: 4096 vectors a row):
 # any row up to _SCALAR_WIDTH, and up to 4096 16-byte vectors when rows are contiguous and aligned.
@@ -29,9 +31,14 @@ _VECTORS = 4096
 _MAX_ACT_WIDTH = 2**24
 
 
-def available() -> bool:
-    """An NVIDIA GPU is the platform and the extension is built (or loads from the cache)."""
-    return current_platform().name == "cuda" and extension() is not None
+def on_cuda_platform() -> bool:
+    """The platform is an NVIDIA GPU (ROCm builds of torch report "rocm")."""
+    return current_platform().name == "cuda"
+
+
+def _built() -> bool:
+    """The extension is built or loaded; the first call builds it (a one-line warning if it cannot)."""
+    return extension() is not None
 
 
 def _vectorizable(x: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
@@ -50,9 +57,10 @@ def _rms_norm_args(x, weight, eps, upcast, cast_before_weight, offset, weight_fp
     if rms_norm_out_dtype(x.dtype, None if weight is None else weight.dtype, *flags) != x.dtype:
         return False
     width = x.shape[-1]
-    return width <= _SCALAR_WIDTH or (
+    fits = width <= _SCALAR_WIDTH or (
         width // (16 // x.element_size()) <= _VECTORS and _vectorizable(x, weight, residual)
     )
+    return fits and _built()
 
 
 def _fused_add_rms_norm_args(x, residual, weight, eps, *flags) -> bool:
@@ -60,9 +68,9 @@ def _fused_add_rms_norm_args(x, residual, weight, eps, *flags) -> bool:
 
 
 def _silu_and_mul_args(x) -> bool:
-    return x.is_cuda and rows_fit(x, _MAX_ACT_WIDTH) and x.shape[-1] % 2 == 0
+    return x.is_cuda and rows_fit(x, _MAX_ACT_WIDTH) and x.shape[-1] % 2 == 0 and _built()
 
 
-RMS_NORM.register(Provider("cuda", launch.rms_norm, available, _rms_norm_args))
-FUSED_ADD_RMS_NORM.register(Provider("cuda", launch.fused_add_rms_norm, available, _fused_add_rms_norm_args))
-SILU_AND_MUL.register(Provider("cuda", launch.silu_and_mul, available, _silu_and_mul_args))
+RMS_NORM.register(Provider("cuda", launch.rms_norm, on_cuda_platform, _rms_norm_args))
+FUSED_ADD_RMS_NORM.register(Provider("cuda", launch.fused_add_rms_norm, on_cuda_platform, _fused_add_rms_norm_args))
+SILU_AND_MUL.register(Provider("cuda", launch.silu_and_mul, on_cuda_platform, _silu_and_mul_args))
