@@ -41,11 +41,21 @@ def _built() -> bool:
     return extension() is not None
 
 
-def _vectorizable(x: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
+def _rows_aligned(t: torch.Tensor | None, vec: int) -> bool:
+    """Every row of ``t``'s rows view starts on 16 bytes, as csrc/rms_norm.cu's vector path checks."""
+    if t is None:
+        return True
+    try:
+        rows = t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return True  # leading dimensions that do not collapse: the launcher copies into fresh rows
+    return rows.stride(0) % vec == 0 and rows.data_ptr() % 16 == 0
+
+
+def _vectorizable(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None) -> bool:
     vec = 16 // x.element_size()
-    return x.shape[-1] % vec == 0 and all(
-        t is None or (t.is_contiguous() and t.data_ptr() % 16 == 0) for t in (x, *tensors)
-    )
+    weight_aligned = weight is None or weight.data_ptr() % 16 == 0
+    return x.shape[-1] % vec == 0 and weight_aligned and _rows_aligned(x, vec) and _rows_aligned(residual, vec)
 
 
 def _rms_norm_args(x, weight, eps, upcast, cast_before_weight, offset, weight_fp32, cast_output, residual=None):
