@@ -1,5 +1,6 @@
 // rms_norm and fused_add_rms_norm: one block per row, the row held in registers between the
-// sum of squares and the normalisation, so each input is read once and each output written once.
+// sum of squares and the normalisation (as float32, which the compiler keeps in registers without
+// spilling for every width handled here), so each input is read once and each output written once.
 // Rounding follows transfuse.ops.rms_norm_native for the float32 (upcast) variants whose weight and
 // output have the input dtype; the other variants are left to the Triton and native providers.
 
@@ -40,7 +41,7 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(
     const T* __restrict__ weight, int64_t x_stride, int64_t residual_stride, int hidden, float eps, NormFlags flags) {
   const int64_t row = blockIdx.x;
   const int n_vec = hidden / VEC;
-  Vec<T, VEC> cache[VPT];
+  float cache[VPT][VEC];
   float sum_sq = 0.f;
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
@@ -53,10 +54,10 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(
         for (int j = 0; j < VEC; ++j) h.v[j] = static_cast<T>(static_cast<float>(r.v[j]) + static_cast<float>(h.v[j]));
         store_vec<T, VEC>(residual_out + row * hidden + v * VEC, h);
       }
-      cache[i] = h;
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         const float f = static_cast<float>(h.v[j]);
+        cache[i][j] = f;
         sum_sq += f * f;
       }
     }
@@ -71,7 +72,7 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(
       Vec<T, VEC> o;
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        float h = static_cast<float>(cache[i].v[j]) * rstd;
+        float h = cache[i][j] * rstd;
         if (flags.cast_before_weight) h = round_to<T>(h);
         if (weight != nullptr) {
           float wj = static_cast<float>(w.v[j]);
