@@ -1,4 +1,9 @@
-"""Shared fixtures: quiet transformers, the real SmolLM2 checkpoint converted once per session."""
+"""Shared fixtures: quiet transformers, the real SmolLM2 checkpoint converted once per session.
+
+Without a CUDA GPU, Triton's interpreter is switched on here, before anything imports Triton,
+so the Triton kernels' tests run on CPU tensors; with one, the same tests run on the GPU.
+Tests marked ``gpu`` are skipped without a CUDA GPU.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 warnings.filterwarnings("ignore", module="transformers")
 
 
@@ -18,6 +25,15 @@ def pytest_configure(config):
 
     hf_logging.set_verbosity_error()
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -161,3 +161,31 @@ def test_library_op_is_registered_with_a_fake_implementation():
 def test_plugins_load_once_without_error():
     _load_plugins()
     _load_plugins()
+
+
+@pytest.mark.parametrize("spec", [RMSNormSpec(), RMSNormSpec(False, False, True, True, True)], ids=["llama", "in-dtype"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_add_rms_norm_is_the_residual_sum_then_rms_norm(spec, dtype):
+    torch.manual_seed(3)
+    x, residual, w = torch.randn(4, 3, 64, dtype=dtype), torch.randn(4, 3, 64, dtype=dtype), torch.randn(64, dtype=dtype)
+    with ops.trace() as log:
+        out, new_residual = ops.fused_add_rms_norm(x, residual, w, 1e-6, spec)
+    assert log[0].op == "fused_add_rms_norm" and log[0].provider in ("torch", "native")
+    assert torch.equal(new_residual, residual + x)
+    assert torch.equal(out, rms_norm_native(residual + x, w, 1e-6, *spec.flags()))
+
+
+def test_fused_add_rms_norm_backward_runs_natively():
+    torch.manual_seed(4)
+    x, residual, w = (torch.randn(*shape, dtype=torch.float64, requires_grad=True) for shape in [(3, 16), (3, 16), (16,)])
+    spec = RMSNormSpec(upcast=False, cast_before_weight=False)  # float64 throughout, for gradcheck
+    with ops.trace() as log:
+        torch.autograd.gradcheck(lambda *a: ops.fused_add_rms_norm(*a, 1e-6, spec), (x, residual, w))
+    assert {entry.provider for entry in log} == {"native"}
+
+
+def test_fused_add_rms_norm_library_op_has_a_fake_implementation():
+    x = torch.randn(2, 8, device="meta", dtype=torch.bfloat16)
+    out, residual = torch.ops.transfuse.fused_add_rms_norm(x, x, None, 1e-6, True, True, False, False, False)
+    assert out.device.type == residual.device.type == "meta"
+    assert out.shape == residual.shape == x.shape and out.dtype == residual.dtype == torch.bfloat16

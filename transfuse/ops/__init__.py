@@ -4,6 +4,8 @@ ops knows nothing about tracing or Hugging Face: each op is a native PyTorch def
 plus providers (torch builtins, Triton, CUDA C++, plugins) picked per platform and call.
 """
 
+# Importing these registers their providers: CUDA C++ (built on first use), Triton (imported on first use).
+from . import cuda, triton  # noqa: F401
 from .act_and_mul import ACTIVATIONS, act_and_mul, gelu_and_mul_native, identify_activation, silu_and_mul_native
 from .dispatch import (
     Dispatch,
@@ -17,6 +19,7 @@ from .dispatch import (
     set_priority,
     trace,
 )
+from .fused_add_rms_norm import fused_add_rms_norm, fused_add_rms_norm_native
 from .layers import MergedLinear, RMSNorm, layer, register_layer
 from .platform import Platform, current_platform
 from .rms_norm import RMSNormSpec, rms_norm, rms_norm_native
@@ -32,6 +35,8 @@ __all__ = [
     "RMSNormSpec",
     "act_and_mul",
     "current_platform",
+    "fused_add_rms_norm",
+    "fused_add_rms_norm_native",
     "gelu_and_mul_native",
     "identify_activation",
     "get_op",

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .dispatch import Op, Provider, under_compile_use_library_op
 
-__all__ = ["RMSNormSpec", "rms_norm", "rms_norm_native", "RMS_NORM"]
+__all__ = ["RMSNormSpec", "rms_norm", "rms_norm_native", "rms_norm_out_dtype", "RMS_NORM"]
 
 
 @dataclass(frozen=True)
@@ -78,10 +78,29 @@ def rms_norm_native(
     return h
 
 
+def rms_norm_out_dtype(
+    x_dtype: torch.dtype,
+    weight_dtype: torch.dtype | None,
+    upcast: bool,
+    cast_before_weight: bool,
+    offset: bool,
+    weight_fp32: bool,
+    cast_output: bool,
+) -> torch.dtype:
+    """The dtype ``rms_norm_native`` returns, without running it (kernels allocate their output with it)."""
+    if cast_output:
+        return x_dtype
+    normed = torch.float32 if upcast and not cast_before_weight else x_dtype
+    if weight_dtype is None:
+        return normed
+    # ``1.0 + w`` keeps w's dtype: a Python scalar does not promote a tensor.
+    return torch.promote_types(normed, torch.float32 if weight_fp32 else weight_dtype)
+
+
 RMS_NORM = Op("rms_norm", rms_norm_native)
 
 
-def _torch_rounds_alike(x, weight, eps, upcast, cast_before_weight, offset, weight_fp32, cast_output) -> bool:
+def builtin_rounds_alike(x, weight, eps, upcast, cast_before_weight, offset, weight_fp32, cast_output) -> bool:
     """``F.rms_norm`` normalises in float32, multiplies by the weight there and casts last."""
     if offset or not upcast or (weight is not None and weight.dtype != x.dtype):
         return False
@@ -96,7 +115,7 @@ def _torch_rms_norm(x, weight, eps, upcast, cast_before_weight, offset, weight_f
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-RMS_NORM.register(Provider("torch", _torch_rms_norm, supports_args=_torch_rounds_alike, differentiable=True))
+RMS_NORM.register(Provider("torch", _torch_rms_norm, supports_args=builtin_rounds_alike, differentiable=True))
 
 
 @torch.library.custom_op("transfuse::rms_norm", mutates_args=())

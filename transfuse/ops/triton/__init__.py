@@ -1,22 +1,36 @@
 """Triton kernels, imported lazily: importing transfuse never imports Triton.
 
-Providers backed by these kernels are registered eagerly with a ``supported`` check that
-only looks for the package; the kernel module is imported on first call. Under
+Providers backed by these kernels are registered eagerly (below) with a ``supported`` check
+that only looks for the package; the kernel module is imported on first call. Under
 ``TRITON_INTERPRET=1`` (set before Triton is imported) the kernels run on CPU tensors,
-which is how CI tests their logic without a GPU.
+which is how CI tests their logic without a GPU. Kernels live in one module per op family:
+``rms_norm.py`` (rms_norm, fused_add_rms_norm) and ``act_and_mul.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import importlib.util
 import os
+from typing import Any, Callable
 
 import torch
 
+from ..act_and_mul import GELU_AND_MUL, SILU_AND_MUL
+from ..checks import rows_fit, same_rows, weight_fits
+from ..dispatch import Provider
+from ..fused_add_rms_norm import FUSED_ADD_RMS_NORM
 from ..platform import current_platform
+from ..rms_norm import RMS_NORM
 
-__all__ = ["available", "interpreting", "on_device"]
+__all__ = ["MAX_HIDDEN", "available", "device_of", "interpreting", "on_device"]
+
+# The rms_norm kernels hold a row in registers; wider rows go to the next provider.
+MAX_HIDDEN = 65536
+# act_and_mul tiles its rows, so any width the grid can cover.
+_MAX_ACT_WIDTH = 2**30
 
 
 def interpreting() -> bool:
@@ -36,3 +50,44 @@ def on_device(*tensors: torch.Tensor) -> bool:
     """All tensors are where Triton kernels can read them: on the GPU, or on CPU when interpreting."""
     device = "cpu" if interpreting() else "cuda"
     return all(t.device.type == device for t in tensors)
+
+
+def device_of(x: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Make ``x``'s GPU the current one for a launch: Triton launches on the current device."""
+    if x.device.type != "cuda" or x.device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(x.device)
+
+
+def _lazy(module: str, name: str) -> Callable[..., Any]:
+    """A provider implementation that imports ``transfuse.ops.triton.<module>`` on its first call."""
+
+    @functools.cache
+    def resolve() -> Callable[..., Any]:
+        return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+    def impl(*args: Any, **kwargs: Any) -> Any:
+        return resolve()(*args, **kwargs)
+
+    impl.__name__ = impl.__qualname__ = f"triton_{name}"
+    return impl
+
+
+def _rms_norm_args(x, weight, eps, *flags) -> bool:
+    return on_device(x) and rows_fit(x, MAX_HIDDEN) and weight_fits(weight, x)
+
+
+def _fused_add_rms_norm_args(x, residual, weight, eps, *flags) -> bool:
+    return _rms_norm_args(x, weight, eps) and same_rows(x, residual)
+
+
+def _act_and_mul_args(x, approximate: str = "none") -> bool:
+    return on_device(x) and rows_fit(x, _MAX_ACT_WIDTH) and x.shape[-1] % 2 == 0 and approximate in ("none", "tanh")
+
+
+RMS_NORM.register(Provider("triton", _lazy("rms_norm", "rms_norm"), available, _rms_norm_args))
+FUSED_ADD_RMS_NORM.register(
+    Provider("triton", _lazy("rms_norm", "fused_add_rms_norm"), available, _fused_add_rms_norm_args)
+)
+SILU_AND_MUL.register(Provider("triton", _lazy("act_and_mul", "silu_and_mul"), available, _act_and_mul_args))
+GELU_AND_MUL.register(Provider("triton", _lazy("act_and_mul", "gelu_and_mul"), available, _act_and_mul_args))

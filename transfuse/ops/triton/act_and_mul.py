@@ -1,0 +1,67 @@
+"""Triton kernels for silu_and_mul and gelu_and_mul: ``act(x[..., :d]) * x[..., d:]``.
+
+Each program reads one block of the gate half and the matching block of the up half of one
+row and writes one block of the output. Like ``F.silu(gate) * up`` in a half dtype, the
+activation is computed in float32 and rounded to the input dtype before the multiply.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from . import device_of
+
+__all__ = ["gelu_and_mul", "silu_and_mul"]
+
+SILU, GELU, GELU_TANH = 0, 1, 2
+_GELU_APPROXIMATIONS = {"none": GELU, "tanh": GELU_TANH}
+
+# Elements per program along the row: 8 per thread at 4 warps, 16-byte accesses in half types.
+_BLOCK = 1024
+
+
+@triton.jit
+def _act_and_mul_kernel(x_ptr, out_ptr, d, x_row_stride, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    dtype = x_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * x_row_stride + d + cols, mask=mask, other=0.0).to(tl.float32)
+    if ACTIVATION == 0:
+        act = gate / (1.0 + tl.exp(-gate))
+    elif ACTIVATION == 1:
+        act = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
+    else:
+        # 0.5 * g * (1 + tanh(y)) == g * sigmoid(2y): exact algebra, and no tanh is needed.
+        y = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        act = gate / (1.0 + tl.exp(-2.0 * y))
+    act = act.to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * d + cols, (act * up).to(dtype), mask=mask)
+
+
+def _act_and_mul(x: Tensor, activation: int) -> Tensor:
+    d = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * d)  # a view whenever the leading dimensions collapse
+    out = x.new_empty((*x.shape[:-1], d))
+    n_rows = x2.shape[0]
+    if n_rows == 0:
+        return out
+    block = min(_BLOCK, triton.next_power_of_2(d))
+    with device_of(x):
+        _act_and_mul_kernel[(n_rows, triton.cdiv(d, block))](
+            x2, out, d, x2.stride(0), ACTIVATION=activation, BLOCK=block, num_warps=4
+        )
+    return out
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """The triton provider of ``silu_and_mul``."""
+    return _act_and_mul(x, SILU)
+
+
+def gelu_and_mul(x: Tensor, approximate: str = "none") -> Tensor:
+    """The triton provider of ``gelu_and_mul`` (``approximate`` as ``F.gelu``'s)."""
+    return _act_and_mul(x, _GELU_APPROXIMATIONS[approximate])

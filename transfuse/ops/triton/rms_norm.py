@@ -1,0 +1,135 @@
+"""Triton kernels for rms_norm and fused_add_rms_norm, rounding exactly as ``rms_norm_native``.
+
+One program normalises ``ROWS`` whole rows held in registers: each input element is read
+once and each output element written once, so the kernel runs at memory bandwidth. Every
+rounding the native definition makes (the squares, mean and rsqrt in the input dtype when
+it does not upcast; the normalised value cast back before the weight; ``1 + w`` in the
+weight's dtype) is reproduced by a round trip through that dtype. The rounding choices are
+runtime flags rather than ``constexpr``: they cost a uniform branch, and each dtype and
+width then compiles once instead of once per RMSNorm variant.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..rms_norm import rms_norm_out_dtype
+from . import device_of
+
+__all__ = ["fused_add_rms_norm", "rms_norm"]
+
+
+# The row count only bounds the last program: specialising on it would only multiply compilations.
+@triton.jit(do_not_specialize=["n_rows"])
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    w_ptr,
+    out_ptr,
+    residual_out_ptr,
+    n_rows,
+    n_cols,
+    x_row_stride,
+    residual_row_stride,
+    eps,
+    upcast,
+    cast_before_weight,
+    offset,
+    weight_fp32,
+    HAS_WEIGHT: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+    if ADD_RESIDUAL:
+        r = tl.load(residual_ptr + rows[:, None] * residual_row_stride + cols[None, :], mask=mask, other=0.0)
+        x = (r.to(tl.float32) + x.to(tl.float32)).to(dtype)  # the sum rounds to the inputs' dtype
+        tl.store(residual_out_ptr + rows[:, None] * n_cols + cols[None, :], x, mask=mask)
+    h = x.to(tl.float32)
+    if upcast:
+        rstd = tl.rsqrt(tl.sum(h * h, axis=1) / n_cols + eps)
+        h = h * rstd[:, None]
+        if cast_before_weight:
+            h = h.to(dtype).to(tl.float32)
+    else:
+        # In the input dtype every step rounds: the squares, the mean, mean + eps, rsqrt, x * rstd.
+        squares = (h * h).to(dtype).to(tl.float32)
+        mean = (tl.sum(squares, axis=1) / n_cols).to(dtype).to(tl.float32)
+        rstd = tl.rsqrt((mean + eps).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        h = (h * rstd[:, None]).to(dtype).to(tl.float32)
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        if offset:
+            w = 1.0 + w
+            if not weight_fp32:
+                w = w.to(w_ptr.dtype.element_ty).to(tl.float32)  # 1 + w rounds to the weight's dtype
+        h = h * w[None, :]
+    # The product's own dtype is the output's whenever it is a half type: one rounding, here.
+    tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch_shape(n_rows: int, n_cols: int) -> tuple[int, int, int]:
+    """(BLOCK_N, ROWS, num_warps): whole rows per program, several short rows together."""
+    block_n = triton.next_power_of_2(n_cols)
+    rows = max(1, min(2048 // block_n, triton.next_power_of_2(n_rows)))
+    elements = block_n * rows
+    num_warps = 4 if elements <= 2048 else 8 if elements <= 8192 else 16 if elements <= 32768 else 32
+    return block_n, rows, num_warps
+
+
+def _normalise(x: Tensor, residual: Tensor | None, weight: Tensor | None, eps: float, flags: tuple) -> tuple:
+    upcast, cast_before_weight, offset, weight_fp32, cast_output = flags
+    n_cols = x.shape[-1]
+    x2 = x.reshape(-1, n_cols)  # a view whenever the leading dimensions collapse
+    out_dtype = rms_norm_out_dtype(x.dtype, None if weight is None else weight.dtype, *flags)
+    out = x.new_empty(x.shape, dtype=out_dtype)
+    residual2 = x2 if residual is None else residual.reshape(-1, n_cols)
+    residual_out = out if residual is None else x.new_empty(x.shape)
+    n_rows = x2.shape[0]
+    if n_rows == 0:
+        return out, residual_out
+    block_n, rows, num_warps = _launch_shape(n_rows, n_cols)
+    with device_of(x):
+        _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
+            x2,
+            residual2,
+            x2 if weight is None else weight,
+            out,
+            residual_out,
+            n_rows,
+            n_cols,
+            x2.stride(0),
+            residual2.stride(0),
+            eps,
+            upcast,
+            cast_before_weight,
+            offset,
+            weight_fp32,
+            HAS_WEIGHT=weight is not None,
+            ADD_RESIDUAL=residual is not None,
+            BLOCK_N=block_n,
+            ROWS=rows,
+            num_warps=num_warps,
+        )
+    return out, residual_out
+
+
+def rms_norm(x, weight, eps, upcast, cast_before_weight, offset, weight_fp32, cast_output) -> Tensor:
+    """The triton provider of ``rms_norm`` (arguments as ``rms_norm_native``)."""
+    flags = (upcast, cast_before_weight, offset, weight_fp32, cast_output)
+    return _normalise(x, None, weight, eps, flags)[0]
+
+
+def fused_add_rms_norm(
+    x, residual, weight, eps, upcast, cast_before_weight, offset, weight_fp32, cast_output
+) -> tuple[Tensor, Tensor]:
+    """The triton provider of ``fused_add_rms_norm`` (arguments as ``fused_add_rms_norm_native``)."""
+    flags = (upcast, cast_before_weight, offset, weight_fp32, cast_output)
+    return _normalise(x, residual, weight, eps, flags)
