@@ -71,10 +71,10 @@ def _evaluating(module: nn.Module):
 
 def _plan(model: nn.Module, fusers: Sequence[Fuser], probe: Probe, report: RewriteReport) -> list[_Planned]:
     planned: list[_Planned] = []
-    replaced_prefixes: list[str] = []
+    claimed: list[str] = []  # paths whose whole subtree a planned fusion consumes
     classes = set()
     for path, module in model.named_modules():
-        if is_fused(module) or any(path.startswith(p) for p in replaced_prefixes):
+        if is_fused(module) or any(path.startswith(p + ".") or path == p for p in claimed):
             continue
         wanting = [f for f in fusers if f.wants(module)]
         if not wanting:
@@ -94,8 +94,9 @@ def _plan(model: nn.Module, fusers: Sequence[Fuser], probe: Probe, report: Rewri
                 continue
             planned.append(_Planned(path, module, fuser, verdict))
             if fuser.replaces_module:
-                replaced_prefixes.append(path + ".")
+                claimed.append(path)
                 break
+            claimed.extend(f"{path}.{child}" if path else child for child in fuser.claimed_children(verdict))
     logger.info("transfuse: analysed %d module classes, %d fusions planned", len(classes), len(planned))
     return planned
 
