@@ -17,23 +17,33 @@ from .dispatch import (
     set_priority,
     trace,
 )
-from .layers import RMSNorm, layer, register_layer
+from .layers import MoE, RMSNorm, layer, register_layer
+from .moe import ExpertsSpec, RoutingSpec, moe_experts, moe_experts_native, moe_route, moe_route_native
+from .moe_layer import StackedExperts
 from .platform import Platform, current_platform
 from .rms_norm import RMSNormSpec, rms_norm, rms_norm_native
 
 __all__ = [
     "ACTIVATIONS",
     "Dispatch",
+    "ExpertsSpec",
+    "MoE",
     "Op",
     "Platform",
     "Provider",
     "RMSNorm",
     "RMSNormSpec",
+    "RoutingSpec",
+    "StackedExperts",
     "act_and_mul",
     "current_platform",
     "gelu_and_mul_native",
     "get_op",
     "layer",
+    "moe_experts",
+    "moe_experts_native",
+    "moe_route",
+    "moe_route_native",
     "priority",
     "refresh",
     "register_layer",
