@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from ..rewriter.fusion import Fuser
+from .moe import MoEFuser
 from .rms_norm import RMSNormFuser
 
-__all__ = ["FUSERS", "RMSNormFuser", "fusers_for", "kinds"]
+__all__ = ["FUSERS", "MoEFuser", "RMSNormFuser", "fusers_for", "kinds"]
 
 # Applied in this order.
-FUSERS: tuple[Fuser, ...] = (RMSNormFuser(),)
+FUSERS: tuple[Fuser, ...] = (RMSNormFuser(), MoEFuser())
 
 
 def kinds() -> list[str]:
