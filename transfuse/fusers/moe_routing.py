@@ -80,11 +80,11 @@ class RoutingMatch:
     nodes: set[fx.Node] = field(default_factory=set)
 
 
-_RESHAPES = ("view", "reshape", "squeeze", "unsqueeze", "flatten")
+_RESHAPES = ("view", "reshape", "view_as", "reshape_as", "squeeze", "unsqueeze", "flatten")
 
 
 def peel_reshapes(node: Any) -> Any:
-    """Follow view/reshape/squeeze/unsqueeze/flatten down to the value they reshape."""
+    """Follow view/reshape(_as)/squeeze/unsqueeze/flatten down to the value they reshape."""
     while isinstance(node, fx.Node) and is_op(node, *_RESHAPES):
         node = operand(node, 0)
     return node
@@ -125,7 +125,12 @@ class _Walk:
     def topk(self, node: fx.Node, index: int) -> fx.Node:
         """``node`` is ``topk(...)[index]``; returns the topk node."""
         if not (is_op(node, "getitem") and operand(node, 1) == index and is_op(operand(node, 0), "topk")):
-            raise NoMatch("moe.routing-form", f"{node.name} is not the {'values' if index == 0 else 'indices'} of a top-k.", node)
+            what = "values" if index == 0 else "indices"
+            raise NoMatch(
+                "moe.routing-form",
+                f"the routing reads {op_name(node) or node.op} ({node.name}) where the {what} of a top-k were expected.",
+                node,
+            )
         topk = operand(node, 0)
         if not _is_last_dim(topk, 2, "dim", -1):
             raise NoMatch("moe.routing-form", "the top-k is not taken over the experts (the last dimension).", topk)

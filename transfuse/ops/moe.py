@@ -8,7 +8,7 @@ Two ops, each a native definition plus providers:
   bias that only steers the choice, group-limited choice, renormalisation of the k weights
   (plus an epsilon, or clamped below), a scaling factor, and a final cast. The native
   definition performs the same torch ops in the same order as the models it stands for,
-  so its weights and ids are bit-identical to theirs.
+  so it chooses the same experts with bit-identical weights.
 * ``moe_experts``: tokens ``[T, H]``, weights and ids ``[T, k]``, and packed expert
   weights (``w13``: gate and up projections, ``w2``: down projection) → ``[T, H]``. The
   layouts models use (``ExpertsSpec``) are read through strides, never copied: ``w13`` as
@@ -249,9 +249,10 @@ def moe_experts_native(
     sorted_out = torch.cat(outputs) if outputs else x.new_zeros((0, x.shape[-1]))
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    # As the models do: the expert output times its weight, rounded to the token dtype, then summed.
-    contributions = (sorted_out[inverse] * weights.reshape(-1, 1)).to(x.dtype)
-    return contributions.view(tokens, top_k, -1).sum(dim=1)
+    # As transformers' grouped and batched experts do: each output times its weight (in the
+    # weights' dtype if wider), the k of a token summed, then rounded to the token dtype.
+    contributions = sorted_out[inverse] * weights.reshape(-1, 1)
+    return contributions.view(tokens, top_k, -1).sum(dim=1).to(x.dtype)
 
 
 # ---- dispatch --------------------------------------------------------------------------
@@ -415,7 +416,8 @@ def moe_experts(
         )
     args = (x, weights, ids, w13, w2, b13, b2, *spec.flags(), float(alpha), float(limit))
     if torch.compiler.is_compiling():
-        if under_compile_use_library_op("moe_experts", args):
+        # The native definition groups tokens with data-dependent sizes: compiled, it breaks the graph.
+        if under_compile_use_library_op("moe_experts", args, default="library"):
             return torch.ops.transfuse.moe_experts(*args)
         return moe_experts_native(*args)
     return MOE_EXPERTS(*args)

@@ -3,7 +3,8 @@
 The steps, in order:
 
 1. probe: one short forward of the original model records each module's first call;
-2. plan: each module class is traced and matched once; each instance is validated;
+2. plan: each module class is traced (in eval mode, like the probe) and matched once; each
+   instance is validated;
 3. fuse: each planned fusion builds its modules from the instance's own tensors;
 4. verify: each fused module is run on its recorded inputs and compared with its
    recorded outputs, then the whole model with its original output; any fusion that
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from .analysis import analyse
-from .capture import Probe, is_meta_model, make_probe, record_calls
+from .capture import Probe, eval_mode, is_meta_model, make_probe, record_calls
 from .fusion import Fused, Fuser, Refusal
 from .report import FusionRecord, RewriteReport, SkipRecord
 from .verify import LOCAL_TOLERANCE, MODEL_TOLERANCE, relative_error, tolerance
@@ -185,7 +186,8 @@ def rewrite_model(
     probe = record_calls(model, make_probe(model, example_inputs))
     if probe.error is not None:
         report.notes.append(f"the probe forward stopped early ({probe.error}); classes it did not reach were traced without inputs")
-    planned = _plan(model, fusers, probe, report)
+    with eval_mode(model):  # traced as the probe ran: fusions reproduce inference (see each fuser for training)
+        planned = _plan(model, fusers, probe, report)
     meta = is_meta_model(model)
     checking = verify and not meta and probe.error is None and bool(planned)
     io = None

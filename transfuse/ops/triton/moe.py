@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import interpreting
+
 __all__ = ["CONFIGS", "MoEConfig", "config_for", "moe_experts", "moe_route", "using_config"]
 
 _ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "clamped_swiglu": 4}
@@ -358,7 +360,8 @@ def _gate_up_kernel(
     hidden, inter, n_blocks, gate_offset, up_offset, alpha, limit,
     stride_xm, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_om,
     TOP_K: tl.constexpr, N_STEP: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     block = pid // n_blocks
@@ -390,6 +393,8 @@ def _gate_up_kernel(
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if DOT_FP32:
+            a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
         acc_gate = tl.dot(a, g, acc_gate, input_precision=PRECISION)
         acc_up = tl.dot(a, u, acc_up, input_precision=PRECISION)
         a_ptrs += BLOCK_K
@@ -413,7 +418,7 @@ def _down_kernel(
     h_ptr, w_ptr, b_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert_ptr, block_end_ptr,
     hidden, inter, n_blocks,
     stride_hm, stride_we, stride_wn, stride_wk, stride_be, stride_om,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -439,6 +444,8 @@ def _down_kernel(
             k_ok = ks < inter - k
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if DOT_FP32:
+            a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
@@ -487,7 +494,10 @@ def moe_experts(
     workspace = torch.empty(_workspace_size(pairs, experts, cfg.block_m, max_blocks), dtype=torch.int32, device=x.device)
     sorted_ids, block_expert, block_end = _align(flat_ids, experts, cfg.block_m, max_blocks, workspace)
     flat_weights = weights.reshape(-1)
-    precision = "ieee" if x.dtype == torch.float32 else None  # float32 stays float32; else the default
+    # float32 stays float32 (no TF32); Triton's interpreter multiplies bfloat16 wrongly, so there
+    # the tiles are multiplied in float32.
+    dot_fp32 = x.dtype == torch.bfloat16 and interpreting()
+    precision = "ieee" if x.dtype == torch.float32 or dot_fp32 else None
     launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
     h = torch.empty((max_blocks * cfg.block_m, inter), dtype=x.dtype, device=x.device)
@@ -503,7 +513,7 @@ def moe_experts(
         x.stride(0), se, sn, sk,
         b13.stride(0) if b13 is not None else 0, b13.stride(1) if b13 is not None else 0, h.stride(0),
         TOP_K=top_k, N_STEP=n_step, ACT=_ACTIVATION_CODES[activation], HAS_BIAS=b13 is not None,
-        EVEN_K=hidden % cfg.block_k == 0, PRECISION=precision,
+        EVEN_K=hidden % cfg.block_k == 0, PRECISION=precision, DOT_FP32=dot_fp32,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch,
     )  # fmt: skip
 
@@ -515,7 +525,7 @@ def moe_experts(
         h, w2, b2 if b2 is not None else w2, flat_weights, per_pair, sorted_ids, block_expert, block_end,
         hidden, inter, n_blocks,
         h.stride(0), se, sn, sk, b2.stride(0) if b2 is not None else 0, per_pair.stride(0),
-        HAS_BIAS=b2 is not None, EVEN_K=inter % cfg.block_k == 0, PRECISION=precision,
+        HAS_BIAS=b2 is not None, EVEN_K=inter % cfg.block_k == 0, PRECISION=precision, DOT_FP32=dot_fp32,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch,
     )  # fmt: skip
 
