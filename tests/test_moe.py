@@ -202,3 +202,26 @@ def test_non_moe_models_are_left_alone():
     transfuse.rewrite(model, fusions=["moe"])
     report = transfuse.report(model)
     assert not report.fusions and not report.skipped
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "gpt_oss", "deepseek_v3"])
+def test_fused_blocks_run_the_triton_kernels_with_the_same_numbers(model_type):
+    """The layer's calls into the Triton kernels (interpreted on CPU) give what the native ops give."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled kernels on a GPU, else interpreted
+    model = tiny_model(model_type)
+    transfuse.rewrite(model, fusions=["moe"])
+    layer = next(m for m in model.modules() if isinstance(m, MoE)).to(device)
+    x = torch.randn(2, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(10)).to(device)
+    with torch.no_grad():
+        native = layer(x)
+        try:
+            for op in ("moe_route", "moe_experts"):
+                transfuse.ops.set_priority(["triton"], op)
+            with transfuse.ops.trace() as calls:
+                kernels = layer(x)
+        finally:
+            for op in ("moe_route", "moe_experts"):
+                transfuse.ops.set_priority(None, op)
+    assert {(c.op, c.provider) for c in calls} == {("moe_route", "triton"), ("moe_experts", "triton")}
+    for a, b in zip(kernels if isinstance(kernels, tuple) else (kernels,), native if isinstance(native, tuple) else (native,)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -95,6 +95,10 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # not triton.cdiv: on the host that goes through Triton's JIT machinery
+
+
 # ---- routing ---------------------------------------------------------------------------
 
 
@@ -197,7 +201,7 @@ def moe_route(
         return weights, ids
     e_pad = _next_pow2(experts)
     block_t = max(1, min(16, 2048 // e_pad))
-    _route_kernel[(triton.cdiv(tokens, block_t),)](
+    _route_kernel[(_cdiv(tokens, block_t),)](
         logits, correction_bias if correction_bias is not None else logits, weights, ids,
         tokens, experts, logits.stride(0),
         float(renorm_eps or 0.0), float(renorm_min or 0.0), float(scale or 1.0),
@@ -213,9 +217,14 @@ def moe_route(
 # ---- alignment -------------------------------------------------------------------------
 
 
+# The int32 workspace: per GEMM block its expert (-1: unused) and the end of its expert's valid
+# rows, then each row's pair index (token · k + slot), then (many pairs) per-chunk counts and bases.
+#   [block_expert: max_blocks | block_end: max_blocks | rows: max_blocks · BLOCK_M | counts | bases]
+
+
 @triton.jit
-def _write_blocks(totals, block_expert_ptr, block_end_ptr, max_blocks,
-                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):  # fmt: skip
+def _write_blocks(totals, meta_ptr, max_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
+                  BLOCKS_CHUNK: tl.constexpr):  # fmt: skip
     """Each expert's run of rows starts at a multiple of BLOCK_M; block b belongs to the expert
     whose padded run holds row b·BLOCK_M (-1: past the last run) and is valid up to that run's
     last real row. Returns each expert's first row."""
@@ -230,54 +239,57 @@ def _write_blocks(totals, block_expert_ptr, block_end_ptr, max_blocks,
         inside = (row[:, None] >= run_start[None, :]) & (row[:, None] < run_end[None, :])
         expert = tl.max(tl.where(inside, experts[None, :], -1), axis=1)
         end = tl.max(tl.where(inside, valid_end[None, :], 0), axis=1)
-        tl.store(block_expert_ptr + blocks, expert, mask=blocks < max_blocks)
-        tl.store(block_end_ptr + blocks, end, mask=blocks < max_blocks)
+        tl.store(meta_ptr + blocks, expert, mask=blocks < max_blocks)
+        tl.store(meta_ptr + max_blocks + blocks, end, mask=blocks < max_blocks)
     return run_start
 
 
 @triton.jit
-def _align_small_kernel(ids_ptr, sorted_ptr, block_expert_ptr, block_end_ptr, num_pairs, max_blocks,
-                        N_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCKS_CHUNK: tl.constexpr):  # fmt: skip
+def _align_small_kernel(ids_ptr, meta_ptr, num_pairs, max_blocks, N_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):  # fmt: skip
     """All pairs in one program: count, place each expert's run, rank each pair in its run."""
     pairs = tl.arange(0, N_PAD)
     ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
     onehot = (ids[:, None] == tl.arange(0, E_PAD)[None, :]).to(tl.int32)
     totals = tl.sum(onehot, axis=0)
-    run_start = _write_blocks(totals, block_expert_ptr, block_end_ptr, max_blocks, BLOCK_M, E_PAD, BLOCKS_CHUNK)
+    run_start = _write_blocks(totals, meta_ptr, max_blocks, BLOCK_M, E_PAD, BLOCKS_CHUNK)
     rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
     base = tl.sum(onehot * run_start[None, :], axis=1)
-    tl.store(sorted_ptr + base + rank, pairs, mask=pairs < num_pairs)
+    tl.store(meta_ptr + 2 * max_blocks + base + rank, pairs, mask=pairs < num_pairs)
 
 
 @triton.jit
-def _count_kernel(ids_ptr, counts_ptr, num_pairs, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
+def _count_kernel(ids_ptr, meta_ptr, num_pairs, max_blocks, CHUNK: tl.constexpr, E_PAD: tl.constexpr,
+                  BLOCK_M: tl.constexpr):  # fmt: skip
     """Pairs per expert in one chunk of the pairs."""
     chunk = tl.program_id(0)
     pairs = chunk * CHUNK + tl.arange(0, CHUNK)
     ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
     experts = tl.arange(0, E_PAD)
     counts = tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    counts_ptr = meta_ptr + max_blocks * (2 + BLOCK_M)
     tl.store(counts_ptr + chunk * E_PAD + experts, counts)
 
 
 @triton.jit
-def _offsets_kernel(counts_ptr, base_ptr, block_expert_ptr, block_end_ptr, num_chunks, max_blocks,
-                    C_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCKS_CHUNK: tl.constexpr):  # fmt: skip
+def _offsets_kernel(meta_ptr, num_chunks, max_blocks, C_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):  # fmt: skip
     """Each chunk's first row per expert: the expert's run start plus the earlier chunks' counts."""
     chunks = tl.arange(0, C_PAD)
     experts = tl.arange(0, E_PAD)
     where = chunks[:, None] * E_PAD + experts[None, :]
+    counts_ptr = meta_ptr + max_blocks * (2 + BLOCK_M)
     counts = tl.load(counts_ptr + where, mask=chunks[:, None] < num_chunks, other=0)
     earlier = tl.cumsum(counts, axis=0) - counts
     totals = tl.sum(counts, axis=0)
-    run_start = _write_blocks(totals, block_expert_ptr, block_end_ptr, max_blocks, BLOCK_M, E_PAD, BLOCKS_CHUNK)
-    tl.store(base_ptr + where, run_start[None, :] + earlier, mask=chunks[:, None] < num_chunks)
+    run_start = _write_blocks(totals, meta_ptr, max_blocks, BLOCK_M, E_PAD, BLOCKS_CHUNK)
+    bases_ptr = counts_ptr + num_chunks * E_PAD
+    tl.store(bases_ptr + where, run_start[None, :] + earlier, mask=chunks[:, None] < num_chunks)
 
 
 @triton.jit
-def _scatter_kernel(ids_ptr, base_ptr, sorted_ptr, num_pairs, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
+def _scatter_kernel(ids_ptr, meta_ptr, num_pairs, num_chunks, max_blocks, CHUNK: tl.constexpr,
+                    E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
     """Each pair's row: its chunk's first row for its expert plus its rank within the chunk."""
     chunk = tl.program_id(0)
     pairs = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -286,8 +298,9 @@ def _scatter_kernel(ids_ptr, base_ptr, sorted_ptr, num_pairs, CHUNK: tl.constexp
     experts = tl.arange(0, E_PAD)
     onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
     rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
-    base = tl.sum(onehot * tl.load(base_ptr + chunk * E_PAD + experts)[None, :], axis=1)
-    tl.store(sorted_ptr + base + rank, pairs, mask=ok)
+    bases_ptr = meta_ptr + max_blocks * (2 + BLOCK_M) + num_chunks * E_PAD
+    base = tl.sum(onehot * tl.load(bases_ptr + chunk * E_PAD + experts)[None, :], axis=1)
+    tl.store(meta_ptr + 2 * max_blocks + base + rank, pairs, mask=ok)
 
 
 # One-hot tiles above this many elements are split into chunks (registers per program).
@@ -295,40 +308,38 @@ _SMALL_TILE = 32768
 _BLOCKS_CHUNK = 64
 
 
-def _align(flat_ids: torch.Tensor, experts: int, block_m: int, max_blocks: int, workspace: torch.Tensor):
-    """Sorted pair indices, and per GEMM block its expert and last valid row, in ``workspace``."""
-    pairs = flat_ids.numel()
+def _chunking(pairs: int, experts: int) -> tuple[int, int] | None:
+    """(chunk size, chunks) for the three-kernel alignment; None when one program does it all."""
     e_pad = _next_pow2(experts)
-    rows = max_blocks * block_m
-    sorted_ids = workspace[:rows]
-    block_expert = workspace[rows : rows + max_blocks]
-    block_end = workspace[rows + max_blocks : rows + 2 * max_blocks]
-    n_pad = max(16, _next_pow2(pairs))
-    if n_pad * e_pad <= _SMALL_TILE:
-        _align_small_kernel[(1,)](
-            flat_ids, sorted_ids, block_expert, block_end, pairs, max_blocks,
-            N_PAD=n_pad, E_PAD=e_pad, BLOCK_M=block_m, BLOCKS_CHUNK=_BLOCKS_CHUNK,
-        )  # fmt: skip
-        return sorted_ids, block_expert, block_end
-    chunk = max(_SMALL_TILE // e_pad, _next_pow2(triton.cdiv(pairs, 256)))
-    chunks = triton.cdiv(pairs, chunk)
-    counts = workspace[rows + 2 * max_blocks : rows + 2 * max_blocks + chunks * e_pad]
-    base = workspace[rows + 2 * max_blocks + chunks * e_pad : rows + 2 * max_blocks + 2 * chunks * e_pad]
-    _count_kernel[(chunks,)](flat_ids, counts, pairs, CHUNK=chunk, E_PAD=e_pad)
-    _offsets_kernel[(1,)](
-        counts, base, block_expert, block_end, chunks, max_blocks,
-        C_PAD=_next_pow2(chunks), E_PAD=e_pad, BLOCK_M=block_m, BLOCKS_CHUNK=_BLOCKS_CHUNK,
-    )  # fmt: skip
-    _scatter_kernel[(chunks,)](flat_ids, base, sorted_ids, pairs, CHUNK=chunk, E_PAD=e_pad)
-    return sorted_ids, block_expert, block_end
+    if max(16, _next_pow2(pairs)) * e_pad <= _SMALL_TILE:
+        return None
+    chunk = max(_SMALL_TILE // e_pad, _next_pow2(_cdiv(pairs, 256)))
+    return chunk, _cdiv(pairs, chunk)
 
 
 def _workspace_size(pairs: int, experts: int, block_m: int, max_blocks: int) -> int:
+    chunking = _chunking(pairs, experts)
+    extra = 2 * chunking[1] * _next_pow2(experts) if chunking else 0
+    return max_blocks * (2 + block_m) + extra
+
+
+def _align(ids: torch.Tensor, experts: int, block_m: int, max_blocks: int, meta: torch.Tensor) -> None:
+    """Group the (token, slot) pairs of ``ids`` by expert, in ``meta`` (the workspace above)."""
+    pairs = ids.numel()
     e_pad = _next_pow2(experts)
-    chunks = 0
-    if max(16, _next_pow2(pairs)) * e_pad > _SMALL_TILE:
-        chunks = triton.cdiv(pairs, max(_SMALL_TILE // e_pad, _next_pow2(triton.cdiv(pairs, 256))))
-    return max_blocks * block_m + 2 * max_blocks + 2 * chunks * e_pad
+    chunking = _chunking(pairs, experts)
+    if chunking is None:
+        _align_small_kernel[(1,)](
+            ids, meta, pairs, max_blocks,
+            N_PAD=max(16, _next_pow2(pairs)), E_PAD=e_pad, BLOCK_M=block_m, BLOCKS_CHUNK=_BLOCKS_CHUNK,
+        )  # fmt: skip
+        return
+    chunk, chunks = chunking
+    _count_kernel[(chunks,)](ids, meta, pairs, max_blocks, CHUNK=chunk, E_PAD=e_pad, BLOCK_M=block_m)
+    _offsets_kernel[(1,)](
+        meta, chunks, max_blocks, C_PAD=_next_pow2(chunks), E_PAD=e_pad, BLOCK_M=block_m, BLOCKS_CHUNK=_BLOCKS_CHUNK
+    )
+    _scatter_kernel[(chunks,)](ids, meta, pairs, chunks, max_blocks, CHUNK=chunk, E_PAD=e_pad, BLOCK_M=block_m)
 
 
 # ---- grouped GEMMs ---------------------------------------------------------------------
@@ -356,7 +367,7 @@ def _activate(gate, up, alpha, limit, ACT: tl.constexpr, DTYPE: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, block_expert_ptr, block_end_ptr,
+    x_ptr, w_ptr, b_ptr, out_ptr, meta_ptr, max_blocks,
     hidden, inter, n_blocks, gate_offset, up_offset, alpha, limit,
     stride_xm, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_om,
     TOP_K: tl.constexpr, N_STEP: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
@@ -365,13 +376,13 @@ def _gate_up_kernel(
 ):  # fmt: skip
     pid = tl.program_id(0)
     block = pid // n_blocks
-    expert = tl.load(block_expert_ptr + block)
+    expert = tl.load(meta_ptr + block)
     if expert < 0:
         return
     dtype = out_ptr.dtype.element_ty
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < tl.load(block_end_ptr + block)
-    token = (tl.load(sorted_ptr + rows, mask=row_ok, other=0) // TOP_K).to(tl.int64)
+    row_ok = rows < tl.load(meta_ptr + max_blocks + block)
+    token = (tl.load(meta_ptr + 2 * max_blocks + rows, mask=row_ok, other=0) // TOP_K).to(tl.int64)
     cols = (pid % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     gate_n = cols * N_STEP + gate_offset
@@ -415,7 +426,7 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w_ptr, b_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert_ptr, block_end_ptr,
+    h_ptr, w_ptr, b_ptr, weights_ptr, out_ptr, meta_ptr, max_blocks,
     hidden, inter, n_blocks,
     stride_hm, stride_we, stride_wn, stride_wk, stride_be, stride_om,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -423,13 +434,13 @@ def _down_kernel(
 ):  # fmt: skip
     pid = tl.program_id(0)
     block = pid // n_blocks
-    expert = tl.load(block_expert_ptr + block)
+    expert = tl.load(meta_ptr + block)
     if expert < 0:
         return
     dtype = out_ptr.dtype.element_ty
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < tl.load(block_end_ptr + block)
-    pair = tl.load(sorted_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    row_ok = rows < tl.load(meta_ptr + max_blocks + block)
+    pair = tl.load(meta_ptr + 2 * max_blocks + rows, mask=row_ok, other=0).to(tl.int64)
     cols = (pid % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     ks = tl.arange(0, BLOCK_K)
@@ -488,12 +499,11 @@ def moe_experts(
     pairs = tokens * top_k
     cfg = config or config_for(tokens, top_k, experts)
     max_blocks = pairs // cfg.block_m + min(pairs, experts) + 1
-    # The kernels step through the input feature with stride 1.
+    # The kernels step through the input feature with stride 1, and through ids and weights as [T·k].
     x, b13, b2 = (t.contiguous() if t is not None and t.stride(-1) != 1 else t for t in (x, b13, b2))
-    flat_ids = ids.reshape(-1)
-    workspace = torch.empty(_workspace_size(pairs, experts, cfg.block_m, max_blocks), dtype=torch.int32, device=x.device)
-    sorted_ids, block_expert, block_end = _align(flat_ids, experts, cfg.block_m, max_blocks, workspace)
-    flat_weights = weights.reshape(-1)
+    ids, weights = ids.contiguous(), weights.contiguous()
+    meta = torch.empty(_workspace_size(pairs, experts, cfg.block_m, max_blocks), dtype=torch.int32, device=x.device)
+    _align(ids, experts, cfg.block_m, max_blocks, meta)
     # float32 stays float32 (no TF32); Triton's interpreter multiplies bfloat16 wrongly, so there
     # the tiles are multiplied in float32.
     dot_fp32 = x.dtype == torch.bfloat16 and interpreting()
@@ -506,9 +516,9 @@ def moe_experts(
     else:
         n_step, gate_offset, up_offset = 1, 0 if gate_first else inter, inter if gate_first else 0
     se, sn, sk = _w13_strides(w13, w13_transposed)
-    n_blocks = triton.cdiv(inter, cfg.block_n)
+    n_blocks = _cdiv(inter, cfg.block_n)
     _gate_up_kernel[(max_blocks * n_blocks,)](
-        x, w13, b13 if b13 is not None else w13, h, sorted_ids, block_expert, block_end,
+        x, w13, b13 if b13 is not None else w13, h, meta, max_blocks,
         hidden, inter, n_blocks, gate_offset, up_offset, float(alpha), float(limit),
         x.stride(0), se, sn, sk,
         b13.stride(0) if b13 is not None else 0, b13.stride(1) if b13 is not None else 0, h.stride(0),
@@ -520,9 +530,9 @@ def moe_experts(
     per_pair = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
     # w2 as (expert, output feature, input feature): [E, H, I], or [E, I, H] transposed.
     se, sn, sk = (w2.stride(0), w2.stride(2), w2.stride(1)) if w2_transposed else w2.stride()
-    n_blocks = triton.cdiv(hidden, cfg.block_n)
+    n_blocks = _cdiv(hidden, cfg.block_n)
     _down_kernel[(max_blocks * n_blocks,)](
-        h, w2, b2 if b2 is not None else w2, flat_weights, per_pair, sorted_ids, block_expert, block_end,
+        h, w2, b2 if b2 is not None else w2, weights, per_pair, meta, max_blocks,
         hidden, inter, n_blocks,
         h.stride(0), se, sn, sk, b2.stride(0) if b2 is not None else 0, per_pair.stride(0),
         HAS_BIAS=b2 is not None, EVEN_K=inter % cfg.block_k == 0, PRECISION=precision, DOT_FP32=dot_fp32,
@@ -531,7 +541,7 @@ def moe_experts(
 
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
     block_h = min(1024, _next_pow2(hidden))
-    _sum_slots_kernel[(tokens, triton.cdiv(hidden, block_h))](
+    _sum_slots_kernel[(tokens, _cdiv(hidden, block_h))](
         per_pair, out, hidden, TOP_K=top_k, K_PAD=max(2, _next_pow2(top_k)), BLOCK_H=block_h
     )
     return out
