@@ -34,7 +34,9 @@ import triton.language as tl
 
 from . import interpreting
 
-__all__ = ["CONFIGS", "MoEConfig", "config_for", "moe_experts", "moe_route", "using_config"]
+__all__ = [
+    "CONFIGS", "TUNING_CANDIDATES", "MoEConfig", "config_for", "moe_experts", "moe_route", "regime", "using_config",
+]  # fmt: skip
 
 _ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "clamped_swiglu": 4}
 _SCORING_CODES = {"softmax": 0, "sigmoid": 1, "topk_softmax": 2}
@@ -59,26 +61,59 @@ class MoEConfig:
 # many programs. Many pairs: tiles large enough to reuse each weight tile across rows.
 CONFIGS: dict[str, MoEConfig] = {
     "decode": MoEConfig(16, 64, 128, 4, 4),
-    "small": MoEConfig(16, 128, 128, 4, 4),
+    "small": MoEConfig(32, 64, 128, 4, 4),
     "medium": MoEConfig(64, 128, 64, 4, 3),
     "large": MoEConfig(128, 128, 64, 8, 3),
+}
+
+# Alternatives per regime that the benchmark times next to the default (benchmarks/bench_moe.py).
+# Every one fits the 227 KiB of shared memory of an H100/H200 block: stages x (A tile + gate and up tiles).
+TUNING_CANDIDATES: dict[str, tuple[MoEConfig, ...]] = {
+    "decode": (
+        MoEConfig(16, 32, 128, 4, 4),
+        MoEConfig(16, 64, 64, 4, 5),
+        MoEConfig(16, 128, 64, 4, 4),
+        MoEConfig(16, 32, 256, 4, 3),
+        MoEConfig(16, 64, 128, 8, 4),
+    ),
+    "small": (
+        MoEConfig(16, 64, 128, 4, 4),
+        MoEConfig(32, 128, 64, 4, 4),
+        MoEConfig(64, 64, 64, 4, 4),
+        MoEConfig(32, 64, 64, 4, 5),
+    ),
+    "medium": (
+        MoEConfig(32, 64, 128, 4, 4),
+        MoEConfig(64, 64, 64, 4, 4),
+        MoEConfig(128, 128, 64, 8, 3),
+    ),
+    "large": (
+        MoEConfig(64, 128, 64, 4, 3),
+        MoEConfig(128, 64, 64, 4, 4),
+        MoEConfig(128, 128, 32, 8, 4),
+        MoEConfig(64, 128, 64, 8, 4),
+        MoEConfig(128, 128, 64, 8, 4),
+    ),
 }
 
 _FORCED: list[MoEConfig] = []
 
 
-def config_for(tokens: int, top_k: int, experts: int) -> MoEConfig:
-    """The default tile sizes for ``tokens`` tokens routed to ``top_k`` of ``experts`` experts."""
-    if _FORCED:
-        return _FORCED[-1]
+def regime(tokens: int, top_k: int, experts: int) -> str:
+    """The name of the tile regime for this many (token, expert) pairs per expert."""
     per_expert = tokens * top_k / max(experts, 1)
     if per_expert <= 2:
-        return CONFIGS["decode"]
+        return "decode"
     if per_expert <= 24:
-        return CONFIGS["small"]
+        return "small"
     if per_expert <= 96:
-        return CONFIGS["medium"]
-    return CONFIGS["large"]
+        return "medium"
+    return "large"
+
+
+def config_for(tokens: int, top_k: int, experts: int) -> MoEConfig:
+    """The tile sizes for ``tokens`` tokens routed to ``top_k`` of ``experts`` experts."""
+    return _FORCED[-1] if _FORCED else CONFIGS[regime(tokens, top_k, experts)]
 
 
 @contextlib.contextmanager
