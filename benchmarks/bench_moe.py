@@ -245,7 +245,9 @@ def time_all(block, config, fused, tokens: int, timer: Timer, args) -> dict:
     def attempt(name, fn, n=reps):
         try:
             results[name] = timer(fn, inputs, n)
-            log(f"  {tokens:>5} tokens  {name:<34} {results[name]['us']:9.1f} us (host {results[name]['host_us']:.1f} us)")
+            log(
+                f"  {tokens:>5} tokens  {name:<34} {results[name]['us']:9.1f} us (host {results[name]['host_us']:.1f} us)"
+            )
         except torch.cuda.OutOfMemoryError:
             results[name] = {"error": "out of memory"}
             torch.cuda.empty_cache()
@@ -350,7 +352,9 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 4096])
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile baseline")
     parser.add_argument("--no-sweep", dest="sweep", action="store_false", help="time the default tiles only")
-    parser.add_argument("--smoke", action="store_true", help="toy sizes on CPU with Triton interpreted: tests the script")
+    parser.add_argument(
+        "--smoke", action="store_true", help="toy sizes on CPU with Triton interpreted: tests the script"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.smoke:
@@ -379,7 +383,9 @@ def main() -> int:
             row["results"] = time_all(block, config, fused, tokens, timer, args)
             row["verdict"], row["reasons"] = verdict(tokens, row["floor_us"], row["results"])
             bad = [
-                k for k, v in row["errors"].items() if k.startswith("transfuse") and not (isinstance(v, float) and v <= TOLERANCE)
+                k
+                for k, v in row["errors"].items()
+                if k.startswith("transfuse") and not (isinstance(v, float) and v <= TOLERANCE)
             ]
             if bad:
                 row["verdict"], row["reasons"] = "FAIL", row["reasons"] + [f"wrong numbers: {', '.join(bad)}"]

@@ -31,7 +31,10 @@ def outcomes(xml_path: Path) -> list[tuple[str, str, float, str]]:
         for kind in ("failure", "error", "skipped"):
             found = case.find(kind)
             if found is not None:
-                outcome, message = kind, (found.get("message") or "").splitlines()[0][:100] if found.get("message") else ""
+                outcome, message = (
+                    kind,
+                    (found.get("message") or "").splitlines()[0][:100] if found.get("message") else "",
+                )
         rows.append((case.get("name"), outcome, float(case.get("time") or 0.0), message))
     return rows
 

@@ -13,7 +13,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_benchmark_smoke_run_writes_json_and_table(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = [sys.executable, "benchmarks/bench_moe.py", "--smoke", "--tokens", "1", "5", "--no-sweep", "--out", str(tmp_path)]
+    command = [
+        sys.executable,
+        "benchmarks/bench_moe.py",
+        "--smoke",
+        "--tokens",
+        "1",
+        "5",
+        "--no-sweep",
+        "--out",
+        str(tmp_path),
+    ]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads((tmp_path / "bench_moe.json").read_text())

@@ -223,5 +223,7 @@ def test_fused_blocks_run_the_triton_kernels_with_the_same_numbers(model_type):
             for op in ("moe_route", "moe_experts"):
                 transfuse.ops.set_priority(None, op)
     assert {(c.op, c.provider) for c in calls} == {("moe_route", "triton"), ("moe_experts", "triton")}
-    for a, b in zip(kernels if isinstance(kernels, tuple) else (kernels,), native if isinstance(native, tuple) else (native,)):
+    for a, b in zip(
+        kernels if isinstance(kernels, tuple) else (kernels,), native if isinstance(native, tuple) else (native,)
+    ):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

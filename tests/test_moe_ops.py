@@ -55,7 +55,7 @@ def _experts_case(spec: ExpertsSpec, tokens=5, hidden=40, inter=24, experts=6, t
     b2 = torch.randn(experts, hidden, generator=g) if bias else None
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=g)
-    cast = (lambda t: t.to(dtype) if t is not None else None)
+    cast = lambda t: t.to(dtype) if t is not None else None
     return cast(x), cast(weights), ids, cast(w13), cast(w2), cast(b13), cast(b2)
 
 
@@ -206,7 +206,9 @@ TRITON_CASES = [
 ]
 
 
-@pytest.mark.parametrize("spec, bias, shape", TRITON_CASES, ids=lambda v: v.describe() if isinstance(v, ExpertsSpec) else "")
+@pytest.mark.parametrize(
+    "spec, bias, shape", TRITON_CASES, ids=lambda v: v.describe() if isinstance(v, ExpertsSpec) else ""
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_experts_equal_native(spec, bias, shape, dtype, monkeypatch):
     args = _on_device(_experts_case(spec, bias=bias, dtype=dtype, **shape))
@@ -232,10 +234,10 @@ def test_triton_routing_equals_native(spec, monkeypatch):
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("pairs, block_m", [(13, 16), (6000, 64)])
-def test_alignment_groups_every_pair_by_expert_in_aligned_blocks(pairs, block_m, monkeypatch):
-    """Few pairs take the one-program path, many the count/offsets/scatter path."""
-    experts = 8
+@pytest.mark.parametrize("pairs, experts, block_m", [(13, 8, 16), (200, 128, 16), (6000, 8, 64), (5000, 128, 32)])
+def test_alignment_groups_every_pair_by_expert_in_aligned_blocks(pairs, experts, block_m, monkeypatch):
+    """Few pairs take the one-program path, many the count/offsets/scatter path; tiles of many
+    experts hold fewer pairs, so those loop over several tiles per program."""
     ids = torch.randint(0, experts, (pairs,), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     max_blocks = pairs // block_m + min(pairs, experts) + 1
     _poisoned_empty(monkeypatch)

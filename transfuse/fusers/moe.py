@@ -57,22 +57,16 @@ __all__ = ["MoEFuser", "MoEMatch"]
 
 @dataclass(frozen=True)
 class MoEMatch:
-    """What was found in the block class: the plan, and where each number is read from."""
+    """What was found in the block class: the plan, and where each instance's numbers are read."""
 
     plan: MoEPlan
-    experts_child: str
-    member: GLUMember | None
-    top_k: Source | None
-    n_group: Source | None
-    topk_group: Source | None
-    renorm_eps: Source | None
-    renorm_min: Source | None
-    scale: Source | None
+    experts_child: str  # the child holding the experts: packed tensors, or the list of per-expert modules
+    member: GLUMember | None  # per-expert modules: their children's roles (stacked into a packed layout)
+    routing: RoutingMatch | None  # None: the router is called as is
     alpha: Source | None
     limit: Source | None
-    skip_ids_from: Source | None
-    training_branches: tuple[tuple[str, str], ...]  # (child path or "", class) whose forward branches on training
-    num_experts: str  # path of the tensor whose first dimension is the number of experts
+    skip_ids_from: Source | None  # an expert id the loop skips, when it skips one
+    training_branches: tuple[tuple[str, type], ...]  # (child path or "", class) whose forward reads self.training
 
 
 class MoEFuser(Fuser):
@@ -88,17 +82,15 @@ class MoEFuser(Fuser):
         return False
 
     def claimed_children(self, found: MoEMatch) -> tuple[str, ...]:
+        """The router and the experts become the fused layer's; shared experts stay open to other fusions."""
         return (found.plan.router.module, found.experts_child)
 
     def match(self, analysis: ClassAnalysis) -> MoEMatch | Refusal | None:
         try:
             loop, call = _find_experts(analysis)
+            return _match_block(analysis, loop, call)
         except _NotMoE:
             return None
-        except NoMatch as refusal:
-            return Refusal(refusal.tag, refusal.reason, analysis.where(refusal.node))
-        try:
-            return _match_block(analysis, loop, call)
         except NoMatch as refusal:
             return Refusal(refusal.tag, refusal.reason, analysis.where(refusal.node))
 
@@ -114,19 +106,11 @@ class MoEFuser(Fuser):
         if found.member is not None:
             children[found.experts_child] = _stack(children[found.experts_child], found.member)
         plan = replace(found.plan, train_error=_train_error(module, found))
-        routing = RoutingNumbers(
-            top_k=int(found.top_k.read(module)) if found.top_k is not None else 0,
-            n_group=int(found.n_group.read(module)) if found.n_group is not None else 1,
-            topk_group=int(found.topk_group.read(module)) if found.topk_group is not None else 1,
-            renorm_eps=_float(found.renorm_eps, module),
-            renorm_min=_float(found.renorm_min, module),
-            scale=_float(found.scale, module),
-        )
         experts = ExpertNumbers(
-            alpha=_float(found.alpha, module) if found.alpha is not None else 1.0,
-            limit=_float(found.limit, module) if found.limit is not None else math.inf,
+            alpha=_float(found.alpha, module, 1.0),
+            limit=_float(found.limit, module, math.inf),
         )
-        fused = layer("MoE")(children, plan, routing, experts)
+        fused = layer("MoE")(children, plan, _routing_numbers(module, found.routing), experts)
         return Fused(replaced=("",), into=type(fused).__name__, replacement=fused)
 
 
@@ -135,13 +119,26 @@ class _NotMoE(Exception):
 
 
 def _small_members(members: nn.ModuleList) -> bool:
-    """Members whose children are all leaves, of one class: per-expert MLPs, not decoder layers."""
+    """Members of one class whose children are all leaves: per-expert MLPs, not decoder layers."""
     classes = {type(m) for m in members}
     return len(classes) == 1 and all(next(c.children(), None) is None for m in members for c in m.children())
 
 
-def _float(source: Source | None, module: nn.Module) -> float | None:
-    return float(source.read(module)) if source is not None else None
+def _float(source: Source | None, module: nn.Module, default: float | None = None) -> float | None:
+    return float(source.read(module)) if source is not None else default
+
+
+def _routing_numbers(module: nn.Module, routing: RoutingMatch | None) -> RoutingNumbers | None:
+    if routing is None:
+        return None
+    return RoutingNumbers(
+        top_k=int(routing.top_k.read(module)),
+        n_group=int(routing.n_group.read(module)),
+        topk_group=int(routing.topk_group.read(module)),
+        renorm_eps=_float(routing.renorm_eps, module),
+        renorm_min=_float(routing.renorm_min, module),
+        scale=_float(routing.scale, module),
+    )
 
 
 def _trace_of(analysis: ClassAnalysis | None) -> Trace | None:
@@ -155,13 +152,25 @@ def _index_adds(trace: Trace) -> int:
     return sum(1 for n in trace.graph.nodes if is_op(n, "index_add_", "index_add"))
 
 
+def _complete(trace: Trace, what: str, node: fx.Node | None = None) -> None:
+    if trace.partial:
+        raise NoMatch(
+            "moe.partial-trace", f"the {what} forward could not be traced to the end ({trace.describe_stop()}).", node
+        )
+
+
 def _find_experts(analysis: ClassAnalysis) -> tuple[LoopMatch, fx.Node | None]:
-    """The experts loop, in the block itself (per-expert modules) or in one child it calls."""
+    """The experts loop, in the block itself (per-expert modules) or in one child it calls (then
+    also that call)."""
     trace = analysis.trace
     if _index_adds(trace):
-        if trace.partial:
-            raise NoMatch("moe.partial-trace", f"the block's forward could not be traced to the end ({trace.describe_stop()}).")
-        return match_loop(trace, lambda path: _trace_of(analysis.child(path))), None
+        _complete(trace, "block's")
+        loop = match_loop(trace, lambda path: _trace_of(analysis.child(path)))
+        if loop.packed is not None:
+            raise NoMatch(
+                "moe.block-tensors", "the block computes the experts from tensors of its own.", loop.accumulator
+            )
+        return loop, None
     candidates = []
     for node in trace.graph.nodes:
         if node.op == "call_module":
@@ -174,16 +183,12 @@ def _find_experts(analysis: ClassAnalysis) -> tuple[LoopMatch, fx.Node | None]:
         names = ", ".join(n.target for n, _ in candidates)
         raise NoMatch("moe.experts", f"more than one child computes experts ({names}).", candidates[1][0])
     call, child = candidates[0]
-    if child.trace.partial:
-        raise NoMatch("moe.partial-trace", f"the experts' forward could not be traced to the end ({child.trace.describe_stop()}).", call)
+    _complete(child.trace, "experts'", call)
     loop = match_loop(child.trace, lambda path: _trace_of(analysis.child(f"{call.target}.{path}")))
-    _check_returns(child.trace, loop.accumulator, "experts")
+    if child.trace.output.args[0] is not loop.accumulator:
+        raise NoMatch("moe.experts-output", "the experts' forward does not return the sum of the expert outputs.", call)
+    _check_in_place(child.trace.graph, loop.nodes, "experts")
     return loop, call
-
-
-def _check_returns(trace: Trace, node: fx.Node, what: str) -> None:
-    if trace.output.args[0] is not node:
-        raise NoMatch("moe.experts-output", f"the {what} forward does not return the sum of the expert outputs.", trace.output)
 
 
 def _experts_inputs(analysis: ClassAnalysis, loop: LoopMatch, call: fx.Node | None) -> tuple[Any, Any, Any]:
@@ -194,7 +199,9 @@ def _experts_inputs(analysis: ClassAnalysis, loop: LoopMatch, call: fx.Node | No
     mapped = []
     for node in (loop.tokens, loop.ids, loop.weights):
         if node.op != "placeholder" or inputs is None or node.target not in inputs:
-            raise NoMatch("moe.experts-inputs", f"the experts read {node.name}, which is not one of their arguments.", call)
+            raise NoMatch(
+                "moe.experts-inputs", f"the experts read {node.name}, which is not one of their arguments.", call
+            )
         mapped.append(inputs[node.target])
     return tuple(mapped)
 
@@ -202,33 +209,84 @@ def _experts_inputs(analysis: ClassAnalysis, loop: LoopMatch, call: fx.Node | No
 # ---- the block -------------------------------------------------------------------------
 
 
+@dataclass
+class _Output:
+    roles: tuple[str, ...]
+    returns_tuple: bool
+    shared: tuple[SharedPlan, ...]
+    flat: bool
+    nodes: set[fx.Node]
+
+
 def _match_block(analysis: ClassAnalysis, loop: LoopMatch, call: fx.Node | None) -> MoEMatch:
     trace = analysis.trace
-    if trace.partial:
-        raise NoMatch("moe.partial-trace", f"the block's forward could not be traced to the end ({trace.describe_stop()}).")
+    _complete(trace, "block's")
     used = [p for p in trace.placeholders() if p.users]
     if len(used) != 1:
-        raise NoMatch("moe.inputs", f"the block reads {len(used)} tensor inputs, not only the hidden states.", trace.output)
+        raise NoMatch(
+            "moe.inputs", f"the block reads {len(used)} tensor inputs, not only the hidden states.", trace.output
+        )
     tokens, ids, weights = _experts_inputs(analysis, loop, call)
-    member_calls = {loop.member_call} if loop.member_call is not None else set()
-    experts_node = call if call is not None else loop.accumulator
-    routers = _router_calls((ids, weights), {call} | member_calls)
+    experts_calls = {call} if call is not None else {loop.member_call}
+    routers = _router_calls((ids, weights), experts_calls)
     router_names = {n.target for n in routers}
     inlined = inline_calls(
         trace, lambda path: _trace_of(analysis.child(path)) if path.split(".")[0] in router_names else None
     )
     x = inlined[used[0]]
-    router, routing, routing_nodes = _match_router(inlined, routers, ids, weights, x)
+    router, routing = _match_router(analysis, inlined, routers, ids, weights, x)
     if not _is_tokens(inlined[tokens], x):
         raise NoMatch("moe.tokens", "the experts do not read the block's input flattened to [tokens, hidden].", tokens)
-    roles = {id(inlined[experts_node]): HIDDEN}
+    routed = inlined[call] if call is not None else inlined[loop.accumulator]
+    roles = {id(routed): HIDDEN, id(inlined[weights]): WEIGHTS, id(inlined[ids]): IDS}
     if routing is not None:
-        roles.update({id(routing.logits): LOGITS})
-    roles.update({id(inlined[weights]): WEIGHTS, id(inlined[ids]): IDS})
-    outputs, shared, flat, covered = _match_output(inlined, x, inlined[experts_node], roles)
-    _account(trace, analysis, {call} | member_calls | set(routers), shared)
-    _check_in_place(inlined, routing_nodes | covered | _loop_nodes(inlined, loop, call))
-    return _found(analysis, loop, call, router, routing, outputs, shared, flat)
+        roles[id(routing.logits)] = LOGITS
+    output = _match_output(inlined, x, routed, roles)
+    _account(trace, experts_calls | set(routers), output.shared)
+    loop_nodes = {inlined[n] for n in loop.nodes if n in inlined.env} if call is None else set()
+    _check_in_place(inlined.graph, (routing.nodes if routing else set()) | output.nodes | loop_nodes, "block")
+    experts, owner, member, alpha, limit, skip = _experts_plan(analysis, loop, call)
+    plan = MoEPlan(router, experts, output.shared, output.roles, output.returns_tuple, output.flat)
+    branches = (("", analysis.cls),) if "training" in trace.specialisation else ()
+    if routing is not None and not router.train_as_module and _reads_training(analysis, router.module):
+        branches += ((router.module, analysis.child(router.module).cls),)
+    return MoEMatch(plan, owner, member, routing, alpha, limit, skip, branches)
+
+
+def _experts_plan(analysis: ClassAnalysis, loop: LoopMatch, call: fx.Node | None):
+    """(plan, owning child, member roles, alpha, limit, skipped id) of the experts."""
+    if call is not None:
+        prefix, p = f"{call.target}.", loop.packed
+        plan = ExpertsPlan(
+            prefix + p.w13, prefix + p.w2, p.spec,
+            prefix + p.b13 if p.b13 else None, prefix + p.b2 if p.b2 else None,
+        )  # fmt: skip
+        return (
+            plan,
+            call.target,
+            None,
+            _prefixed(p.alpha, prefix),
+            _prefixed(p.limit, prefix),
+            _prefixed(loop.skip_ids_from, prefix),
+        )
+    member_trace = _trace_of(analysis.child(loop.member_call.target))
+    if member_trace is None:
+        raise NoMatch("moe.expert-form", "the expert module was not traced.", loop.member_call)
+    member = match_glu_member(member_trace, lambda p: _trace_of(analysis.child(f"{loop.member_call.target}.{p}")))
+    owner = loop.member_list
+    plan = ExpertsPlan(f"{owner}.w13", f"{owner}.w2", ExpertsSpec(member.activation))
+    return plan, owner, member, None, None, loop.skip_ids_from
+
+
+def _prefixed(source: Source | None, prefix: str) -> Source | None:
+    if source is None or source.path is None:
+        return source
+    return Source(path=prefix + source.path)
+
+
+def _reads_training(analysis: ClassAnalysis, child: str) -> bool:
+    found = analysis.child(child)
+    return found is not None and "training" in found.trace.specialisation
 
 
 def _router_calls(roots: tuple, excluded: set) -> list[fx.Node]:
@@ -253,14 +311,14 @@ def _is_tokens(node: Any, x: fx.Node) -> bool:
     return shape is not None and x_shape is not None and len(shape) == 2 and shape[-1] == x_shape[-1]
 
 
-def _match_router(inlined, routers: list[fx.Node], ids, weights, x) -> tuple[RouterPlan, RoutingMatch | None, set]:
+def _match_router(analysis, inlined, routers: list[fx.Node], ids, weights, x) -> tuple[RouterPlan, RoutingMatch | None]:
     """The routing, recognised (computed by the layer) or, failing that, the router child called as is."""
     if len(routers) != 1:
         names = ", ".join(n.target for n in routers) or "none"
-        raise NoMatch("moe.router", f"the routing ids and weights come from {len(routers)} children ({names}), not one router.")
+        raise NoMatch(
+            "moe.router", f"the routing ids and weights come from {len(routers)} children ({names}), not one router."
+        )
     call = routers[0]
-    returned = inlined[call]
-    roles_of = returned if isinstance(returned, (tuple, list)) else (returned,)
     router_input = call.args[0] if len(call.args) == 1 and not call.kwargs else None
     as_input = router_input is not None and router_input.op == "placeholder"
     if router_input is None or not (as_input or _is_tokens(inlined[router_input], x)):
@@ -268,11 +326,12 @@ def _match_router(inlined, routers: list[fx.Node], ids, weights, x) -> tuple[Rou
     try:
         routing = match_routing(inlined[ids], inlined[weights])
     except NoMatch as refusal:
-        return _opaque_router(call, ids, weights, refusal), None, set()
+        return _opaque_router(call, ids, weights, refusal), None
     if not (routing.tokens is x or _is_tokens(routing.tokens, x)):
         raise NoMatch("moe.router", "the router scores something other than the block's tokens.", routing.tokens)
+    returned = inlined[call]
     meaning = {id(inlined[weights]): WEIGHTS, id(inlined[ids]): IDS, id(routing.logits): LOGITS}
-    returns = tuple(meaning.get(id(r)) for r in roles_of)
+    returns = tuple(meaning.get(id(r)) for r in (returned if isinstance(returned, (tuple, list)) else (returned,)))
     plan = RouterPlan(
         module=call.target,
         returns=returns,
@@ -281,8 +340,10 @@ def _match_router(inlined, routers: list[fx.Node], ids, weights, x) -> tuple[Rou
         spec=routing.spec,
         correction_bias=routing.correction_bias,
         weights_dtype=routing.weights_dtype,
+        # A router that reads self.training computes its own training path; the layer calls it then.
+        train_as_module={WEIGHTS, IDS} <= set(returns) and _reads_training(analysis, call.target),
     )
-    return plan, routing, routing.nodes
+    return plan, routing
 
 
 def _opaque_router(call: fx.Node, ids, weights, refusal: NoMatch) -> RouterPlan:
@@ -295,36 +356,42 @@ def _opaque_router(call: fx.Node, ids, weights, refusal: NoMatch) -> RouterPlan:
     arity = len(value(call)) if isinstance(value(call), (tuple, list)) else 0
     if arity < 2:
         raise refusal
-    returns = tuple(roles.get(i) for i in range(arity))
-    return RouterPlan(module=call.target, returns=returns, input=call.args[0].op == "placeholder")
+    return RouterPlan(
+        module=call.target, returns=tuple(roles.get(i) for i in range(arity)), input=call.args[0].op == "placeholder"
+    )
 
 
-def _match_output(inlined, x: fx.Node, routed: Any, roles: dict[int, str]):
+def _match_output(inlined, x: fx.Node, routed: Any, roles: dict[int, str]) -> _Output:
     """Roles of what the block returns; the shared experts added to the routed output."""
-    out = _output(inlined.graph)
+    out = next(n for n in reversed(inlined.graph.nodes) if n.op == "output").args[0]
     items = out if isinstance(out, (tuple, list)) else (out,)
-    outputs, shared, flat, covered = [], (), False, set()
+    found = _Output((), isinstance(out, (tuple, list)), (), False, set())
+    roles_out = []
     for item in items:
         role = roles.get(id(item))
         if role is None or role == HIDDEN:
-            hidden, casts = peel_casts(item)
-            if any(c.like is None and c.dtype is not None for c in casts) or len(casts) > 1:
-                raise NoMatch("moe.output", "the block's output is cast to a fixed dtype.", item)
-            _cover(covered, item, hidden)
-            flat = getattr(value(item), "shape", None) != getattr(value(x), "shape", None)
-            _cover(covered, hidden, peel_reshapes(hidden))
-            shared = _split_terms(peel_reshapes(hidden), routed, x, covered)
+            hidden = _peel_output_cast(item, x, found.nodes)
+            found.flat = getattr(value(item), "shape", None) != getattr(value(x), "shape", None)
+            _cover(found.nodes, hidden, peel_reshapes(hidden))
+            found.shared = _split_terms(peel_reshapes(hidden), routed, x, found.nodes)
             role = HIDDEN
-        outputs.append(role)
-    if outputs.count(HIDDEN) != 1:
-        raise NoMatch("moe.output", f"the block returns {outputs.count(HIDDEN)} copies of its output, not one.", out)
-    if flat and len(getattr(value(x), "shape", ())) != 2:
-        raise NoMatch("moe.output", "the block returns the tokens flattened, unlike its input.", out)
-    return (tuple(outputs), isinstance(out, (tuple, list))), shared, flat, covered
+        roles_out.append(role)
+    if roles_out.count(HIDDEN) != 1:
+        raise NoMatch("moe.output", f"the block returns {roles_out.count(HIDDEN)} copies of its output, not one.", out)
+    found.roles = tuple(roles_out)
+    return found
 
 
-def _output(graph: fx.Graph) -> Any:
-    return next(n for n in reversed(graph.nodes) if n.op == "output").args[0]
+def _peel_output_cast(item: Any, x: fx.Node, nodes: set) -> Any:
+    """The output below a cast to the input's dtype (the only cast that keeps the layer's dtype)."""
+    hidden, casts = peel_casts(item)
+    for cast in casts:
+        if cast.like is None or peel_reshapes(cast.like) is not x:
+            raise NoMatch(
+                "moe.output", f"the block's output is cast to {cast.describe()}, not to its input's dtype.", item
+            )
+    _cover(nodes, item, hidden)
+    return hidden
 
 
 def _cover(covered: set, top: Any, bottom: Any) -> None:
@@ -354,12 +421,19 @@ def _shared_term(term: Any, x: fx.Node, covered: set) -> SharedPlan:
         return SharedPlan(term.target, input=_module_input(term, x))
     if is_op(term, "mul"):
         for gate, expert in (operands(term)[:2], operands(term)[1::-1]):
-            if is_op(gate, "sigmoid") and isinstance(operand(gate, 0), fx.Node) and operand(gate, 0).op == "call_module":
-                if isinstance(expert, fx.Node) and expert.op == "call_module":
-                    g = operand(gate, 0)
-                    covered.update({term, gate})
-                    return SharedPlan(expert.target, _module_input(expert, x), g.target, _module_input(g, x))
-    raise NoMatch("moe.shared", "a term added to the experts' output is not a shared expert (optionally gated by a sigmoid).", term)
+            inner = operand(gate, 0) if is_op(gate, "sigmoid") else None
+            if (
+                isinstance(inner, fx.Node)
+                and inner.op == "call_module"
+                and getattr(expert, "op", None) == "call_module"
+            ):
+                covered.update({term, gate})
+                return SharedPlan(expert.target, _module_input(expert, x), inner.target, _module_input(inner, x))
+    raise NoMatch(
+        "moe.shared",
+        "a term added to the experts' output is not a shared expert (optionally gated by a sigmoid).",
+        term,
+    )
 
 
 def _module_input(call: fx.Node, x: fx.Node) -> bool:
@@ -369,99 +443,46 @@ def _module_input(call: fx.Node, x: fx.Node) -> bool:
     return call.args[0] is x
 
 
-def _account(trace: Trace, analysis: ClassAnalysis, known: set, shared: tuple[SharedPlan, ...]) -> None:
+def _account(trace: Trace, known: set, shared: tuple[SharedPlan, ...]) -> None:
     """Every child the block calls has a role."""
     names = {n.target for n in known if n is not None}
     names |= {s.module for s in shared} | {s.gate for s in shared if s.gate is not None}
     for node in trace.graph.nodes:
         if node.op == "call_module" and node.target not in names:
-            raise NoMatch("moe.unaccounted", f"the block calls {node.target!r}, whose role in the block is not understood.", node)
+            raise NoMatch(
+                "moe.unaccounted", f"the block calls {node.target!r}, whose role in the block is not understood.", node
+            )
 
 
-def _loop_nodes(inlined, loop: LoopMatch, call: fx.Node | None) -> set:
-    return {inlined[n] for n in loop.nodes if n in inlined.env} if call is None else set()
-
-
-def _check_in_place(inlined, covered: set) -> None:
+def _check_in_place(graph: fx.Graph, covered: set, where: str) -> None:
     """In-place ops write through to values others may read: each must be one the match understands."""
-    for node in inlined.graph.nodes:
+    for node in graph.nodes:
         name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
         if isinstance(name, str) and name.endswith("_") and not name.startswith("_") and node not in covered:
-            raise NoMatch("moe.in-place", f"the block modifies a value in place ({name} at {node.name}).", node)
-
-
-def _found(analysis, loop, call, router, routing, outputs, shared, flat) -> MoEMatch:
-    (roles, returns_tuple) = outputs
-    if loop.packed is not None:
-        prefix = f"{call.target}." if call is not None else ""
-        p = loop.packed
-        experts = ExpertsPlan(
-            prefix + p.w13, prefix + p.w2, p.spec,
-            prefix + p.b13 if p.b13 else None, prefix + p.b2 if p.b2 else None,
-        )  # fmt: skip
-        owner, member, num_experts = call.target if call is not None else p.w13.split(".")[0], None, prefix + p.w13
-        alpha, limit = _prefixed(p.alpha, prefix), _prefixed(p.limit, prefix)
-    else:
-        member_trace = _trace_of(analysis.child(loop.member_call.target))
-        if member_trace is None:
-            raise NoMatch("moe.expert-form", "the expert module was not traced.", loop.member_call)
-        member = match_glu_member(member_trace, lambda p: _trace_of(analysis.child(f"{loop.member_call.target}.{p}")))
-        owner = loop.member_list
-        experts = ExpertsPlan(f"{owner}.w13", f"{owner}.w2", _member_spec(member), None, None)
-        num_experts, alpha, limit = f"{owner}.w13", None, None
-    if loop.skip_ids_from is not None and call is not None:
-        loop.skip_ids_from = _prefixed(loop.skip_ids_from, f"{call.target}.")
-    plan = MoEPlan(router=router, experts=experts, shared=shared, outputs=roles, returns_tuple=returns_tuple, flat_output=flat)
-    r = routing
-    return MoEMatch(
-        plan=plan, experts_child=owner, member=member,
-        top_k=r.top_k if r else None, n_group=r.n_group if r else None, topk_group=r.topk_group if r else None,
-        renorm_eps=r.renorm_eps if r else None, renorm_min=r.renorm_min if r else None, scale=r.scale if r else None,
-        alpha=alpha, limit=limit, skip_ids_from=loop.skip_ids_from,
-        training_branches=_training_specialised(analysis, router), num_experts=num_experts,
-    )  # fmt: skip
-
-
-def _member_spec(member: GLUMember) -> ExpertsSpec:
-    return ExpertsSpec(member.activation)
-
-
-def _prefixed(source: Source | None, prefix: str) -> Source | None:
-    if source is None or source.path is None:
-        return source
-    return Source(path=prefix + source.path)
-
-
-def _training_specialised(analysis: ClassAnalysis, router: RouterPlan) -> tuple[tuple[str, str], ...]:
-    """The block and the recognised router, where their traces depend on ``self.training``."""
-    found = []
-    if "training" in analysis.trace.specialisation:
-        found.append(("", analysis.cls))
-    if router.spec is not None:
-        child = analysis.child(router.module)
-        if child is not None and "training" in child.trace.specialisation:
-            found.append((router.module, child.cls))
-    return tuple(found)
+            raise NoMatch("moe.in-place", f"the {where} modifies a value in place ({name} at {node.name}).", node)
 
 
 # ---- per instance ----------------------------------------------------------------------
 
 
 def _validate(module: nn.Module, found: MoEMatch) -> None:
-    if next(module.parameters(recurse=False), None) is not None or next(module.buffers(recurse=False), None) is not None:
+    if (
+        next(module.parameters(recurse=False), None) is not None
+        or next(module.buffers(recurse=False), None) is not None
+    ):
         raise NoMatch("moe.block-tensors", "the block holds tensors of its own, which the fused layer would not keep.")
     if found.member is not None:
         experts = _check_members(module.get_submodule(found.experts_child), found.member)
     else:
         experts = _check_packed(module, found)
-    plan = found.plan
-    if plan.router.spec is not None:
+    if found.routing is not None:
         _check_routing(module, found, experts)
     if found.skip_ids_from is not None:
         skipped = found.skip_ids_from.read(module)
         if not isinstance(skipped, int) or skipped < experts:
-            raise NoMatch("moe.loop-form", f"the experts loop skips expert id {skipped!r}, which is a real expert of {experts}.")
-    _train_error(module, found)
+            raise NoMatch(
+                "moe.loop-form", f"the experts loop skips expert id {skipped!r}, which is a real expert of {experts}."
+            )
 
 
 def _tensor(module: nn.Module, path: str) -> torch.Tensor:
@@ -480,12 +501,13 @@ def _check_packed(module: nn.Module, found: MoEMatch) -> int:
     if double % 2 or tuple(w2.shape) != expect_w2:
         raise NoMatch(
             "moe.shapes",
-            f"gate/up {tuple(w13.shape)} and down {tuple(w2.shape)} do not fit one layout "
-            f"(expected down {expect_w2}).",
+            f"gate/up {tuple(w13.shape)} and down {tuple(w2.shape)} do not fit one layout (expected down {expect_w2}).",
         )
     for path, rows in ((e.b13, double), (e.b2, hidden)):
         if path is not None and tuple(_tensor(module, path).shape) != (experts, rows):
-            raise NoMatch("moe.shapes", f"the bias {path} has shape {tuple(_tensor(module, path).shape)}, not {(experts, rows)}.")
+            raise NoMatch(
+                "moe.shapes", f"the bias {path} has shape {tuple(_tensor(module, path).shape)}, not {(experts, rows)}."
+            )
     return experts
 
 
@@ -507,17 +529,19 @@ def _check_members(members: nn.Module, glu: GLUMember) -> int:
 
 
 def _check_routing(module: nn.Module, found: MoEMatch, experts: int) -> None:
-    r = found.plan.router
-    top_k = found.top_k.read(module)
+    r, routing = found.plan.router, found.routing
+    top_k = routing.top_k.read(module)
     router_weight = _tensor(module, r.logits.weight) if r.logits is not None else None
     if router_weight is not None and router_weight.shape[0] != experts:
         raise NoMatch("moe.shapes", f"the router scores {router_weight.shape[0]} experts but there are {experts}.")
     if not isinstance(top_k, int) or not 1 <= top_k <= experts:
         raise NoMatch("moe.top-k", f"top-k is {top_k!r}, not a number of experts between 1 and {experts}.")
     if r.spec.grouped:
-        groups, kept = found.n_group.read(module), found.topk_group.read(module)
+        groups, kept = routing.n_group.read(module), routing.topk_group.read(module)
         if not (isinstance(groups, int) and groups > 0 and experts % groups == 0 and 1 <= kept <= groups):
-            raise NoMatch("moe.group-limit", f"{experts} experts in {groups!r} groups, keeping {kept!r}, is not a valid grouping.")
+            raise NoMatch(
+                "moe.group-limit", f"{experts} experts in {groups!r} groups, keeping {kept!r}, is not a valid grouping."
+            )
     if r.correction_bias is not None and _tensor(module, r.correction_bias).numel() != experts:
         raise NoMatch("moe.shapes", f"the correction bias {r.correction_bias} does not have one value per expert.")
 

@@ -28,7 +28,7 @@ from ..ops.moe import ExpertsSpec
 from ..rewriter.graph import NoMatch, is_op, op_name, operand, operands, peel_casts, value
 from ..rewriter.source import method_source
 from ..rewriter.tracer import Trace, unwrapped_forward
-from .moe_routing import Source, peel_reshapes, source_of
+from .moe_routing import Source, source_of
 
 __all__ = ["GLUMember", "LoopMatch", "PackedExpert", "activation_of", "match_glu_member", "match_loop"]
 
@@ -175,7 +175,12 @@ def _check_loop(trace: Trace, expert: fx.Node, mask: fx.Node, found: LoopMatch) 
     nonzero = operand(element, 0)
     hit = operand(nonzero, 0)
     counts = operand(hit, 0)
-    if not (is_op(hit, "greater", "gt", "ne") and operand(hit, 1) == 0 and is_op(counts, "sum") and operand(counts, 0) is mask):
+    if not (
+        is_op(hit, "greater", "gt", "ne")
+        and operand(hit, 1) == 0
+        and is_op(counts, "sum")
+        and operand(counts, 0) is mask
+    ):
         raise NoMatch("moe.loop-form", "the loop does not run over exactly the experts that received tokens.", nonzero)
     found.nodes.update({element, nonzero, hit, counts})
     source = method_source(unwrapped_forward(trace.cls))
@@ -217,7 +222,9 @@ def _rows_source(rows: fx.Node, token_idx: fx.Node, found: LoopMatch) -> fx.Node
     """``tokens[t]`` or ``tokens[None, t].reshape(-1, H)`` → tokens."""
     gathered = operand(rows, 0) if is_op(rows, "reshape", "view") else rows
     index = operand(gathered, 1) if is_op(gathered, "getitem") else None
-    if index is token_idx or (isinstance(index, tuple) and len(index) == 2 and index[0] is None and index[1] is token_idx):
+    if index is token_idx or (
+        isinstance(index, tuple) and len(index) == 2 and index[0] is None and index[1] is token_idx
+    ):
         found.nodes.update({rows, gathered})
         return operand(gathered, 0)
     raise NoMatch("moe.combine", "the expert is not applied to the rows of the tokens routed to it.", rows)
@@ -227,7 +234,9 @@ def _check_accumulator(accumulator: fx.Node, tokens: fx.Node, found: LoopMatch) 
     if is_op(accumulator, "zeros_like") and operand(accumulator, 0) is tokens:
         found.nodes.add(accumulator)
         return
-    if is_op(accumulator, "zeros") and getattr(value(accumulator), "shape", None) == getattr(value(tokens), "shape", None):
+    if is_op(accumulator, "zeros") and getattr(value(accumulator), "shape", None) == getattr(
+        value(tokens), "shape", None
+    ):
         found.nodes.add(accumulator)
         return
     raise NoMatch("moe.combine", "the expert outputs are not added into zeros shaped like the tokens.", accumulator)
@@ -237,7 +246,9 @@ def _member(call: fx.Node, found: LoopMatch) -> fx.Node:
     """``self.experts[e](rows)``: the representative member ``<list>.0`` called on the rows alone."""
     owner, _, index = call.target.rpartition(".")
     if index != "0" or not owner or len(call.args) != 1 or call.kwargs:
-        raise NoMatch("moe.expert-form", f"the expert call {call.target} is not a member of a module list on the rows.", call)
+        raise NoMatch(
+            "moe.expert-form", f"the expert call {call.target} is not a member of a module list on the rows.", call
+        )
     found.member_list = owner
     found.member_call = call
     found.nodes.add(call)
@@ -307,7 +318,9 @@ def _split_halves(gate: fx.Node, up: fx.Node, nodes: set[fx.Node]) -> tuple[fx.N
                 parts[role] = ("interleaved", s.start or 0, source)
         nodes.add(node)
         if role not in parts:
-            raise NoMatch("moe.expert-form", f"the {role} is not a half or the alternate features of one projection.", node)
+            raise NoMatch(
+                "moe.expert-form", f"the {role} is not a half or the alternate features of one projection.", node
+            )
     (g_kind, g_at, g_src), (u_kind, u_at, u_src) = parts["gate"], parts["up"]
     if g_kind != u_kind or g_src is not u_src or {g_at, u_at} != {0, 1}:
         raise NoMatch("moe.expert-form", "the gate and up are not the two parts of one projection.", gate)
@@ -353,7 +366,13 @@ def _clamped_swiglu(h: fx.Node, nodes: set[fx.Node]):
         return None
     nodes.update({plus_one, glu, sig, scaled, g, up_clamp, low})
     alpha = source_of(operand(scaled, 1), "the SwiGLU alpha", (float, int))
-    return operand(g, 0), operand(up_clamp, 0), "clamped_swiglu", alpha, source_of(limit, "the SwiGLU limit", (float, int))
+    return (
+        operand(g, 0),
+        operand(up_clamp, 0),
+        "clamped_swiglu",
+        alpha,
+        source_of(limit, "the SwiGLU limit", (float, int)),
+    )
 
 
 _GELU = {"none": "gelu", "tanh": "gelu_tanh"}
@@ -404,9 +423,11 @@ def _linear_child(trace: Trace | None) -> bool:
     if trace is None or trace.partial or trace.output is None:
         return False
     result = trace.output.args[0]
-    return is_op(result, "linear") and operand(result, 0) in trace.placeholders() and len(
-        [n for n in trace.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
-    ) == 1
+    return (
+        is_op(result, "linear")
+        and operand(result, 0) in trace.placeholders()
+        and len([n for n in trace.graph.nodes if n.op in ("call_function", "call_method", "call_module")]) == 1
+    )
 
 
 def match_glu_member(trace: Trace, children: Lookup) -> GLUMember:
@@ -431,4 +452,3 @@ def match_glu_member(trace: Trace, children: Lookup) -> GLUMember:
                 raise NoMatch("moe.expert-form", "the expert module computes more than a gated MLP.", out)
             return GLUMember(gate.target, up.target, out.target, name)
     raise NoMatch("moe.expert-form", "the expert module is not a gated MLP of three linear layers.", out)
-

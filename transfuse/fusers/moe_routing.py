@@ -55,7 +55,9 @@ def source_of(node: Any, what: str, kinds: tuple[type, ...]) -> Source:
         path = node.meta.get("self_attr")
         if path is not None and isinstance(value(node), kinds):
             return Source(path=path)
-        raise NoMatch("moe.number-source", f"{what} is computed ({op_name(node) or node.op}), not read from an attribute.", node)
+        raise NoMatch(
+            "moe.number-source", f"{what} is computed ({op_name(node) or node.op}), not read from an attribute.", node
+        )
     if isinstance(node, kinds) and not isinstance(node, bool):
         return Source(literal=node)
     raise NoMatch("moe.number-source", f"{what} is {node!r}, not a number.")
@@ -207,7 +209,9 @@ def _match_base(core: fx.Node, ids: fx.Node, walk: _Walk) -> RoutingMatch:
         if walk.topk(ids, 1) is not top:
             raise NoMatch("moe.routing-form", "the ids and the weights come from different top-k calls.", ids)
         if not _is_last_dim(core, 1, "dim"):
-            raise NoMatch("moe.routing-form", "the softmax over the chosen experts is not over the last dimension.", core)
+            raise NoMatch(
+                "moe.routing-form", "the softmax over the chosen experts is not over the last dimension.", core
+            )
         walk.nodes.add(core)
         logits, plan, tokens = _match_logits(operand(top, 0), walk)
         float32 = _softmax_dtype(core) == torch.float32
@@ -226,7 +230,9 @@ def _match_base(core: fx.Node, ids: fx.Node, walk: _Walk) -> RoutingMatch:
 def _match_gathered(gather: fx.Node, ids: fx.Node, walk: _Walk) -> RoutingMatch:
     scores, dim, index = operand(gather, 0), operand(gather, 1, "dim"), operand(gather, 2, "index")
     if index is not ids or dim not in (1, -1):
-        raise NoMatch("moe.routing-form", "the routing weights are gathered at something other than the chosen ids.", gather)
+        raise NoMatch(
+            "moe.routing-form", "the routing weights are gathered at something other than the chosen ids.", gather
+        )
     walk.nodes.add(gather)
     top = walk.topk(ids, 1)
     choice = operand(top, 0)
@@ -236,12 +242,16 @@ def _match_gathered(gather: fx.Node, ids: fx.Node, walk: _Walk) -> RoutingMatch:
     bias = None
     if choice is not scores:
         if not is_op(choice, "add"):
-            raise NoMatch("moe.routing-form", "the experts are chosen by something other than the scores plus a bias.", choice)
+            raise NoMatch(
+                "moe.routing-form", "the experts are chosen by something other than the scores plus a bias.", choice
+            )
         a, b = operands(choice)[:2]
         term = b if a is scores else a if b is scores else None
         bias = _param(term) if term is not None else None
         if bias is None:
-            raise NoMatch("moe.routing-form", "the choice adds to the scores something other than a bias parameter.", choice)
+            raise NoMatch(
+                "moe.routing-form", "the choice adds to the scores something other than a bias parameter.", choice
+            )
         _mark(walk.nodes, term, peel_reshapes(term))
         walk.nodes.update({choice, peel_reshapes(term)})
     scoring, float32, logits, plan, tokens = _match_scores(scores, walk)
@@ -257,7 +267,9 @@ def _match_group_limit(masked: fx.Node, walk: _Walk) -> tuple[fx.Node, tuple[Sou
     """``choice.masked_fill(~mask.bool(), -inf)`` where the mask keeps the best groups of ``choice``."""
     choice, condition, fill = operand(masked, 0), operand(masked, 1, "mask"), operand(masked, 2, "value")
     if not (isinstance(fill, float) and fill == -math.inf and is_op(condition, "invert")):
-        raise NoMatch("moe.group-limit", "experts are masked with something other than -inf outside a kept set.", masked)
+        raise NoMatch(
+            "moe.group-limit", "experts are masked with something other than -inf outside a kept set.", masked
+        )
     mask = operand(condition, 0)
     if is_op(mask, "bool"):
         walk.nodes.add(mask)
@@ -297,7 +309,9 @@ def _match_group_scores(group_scores: fx.Node, choice: fx.Node, walk: _Walk) -> 
     if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
         shape = tuple(shape[0])
     if len(shape) != 3:
-        raise NoMatch("moe.group-limit", "the expert choice is not viewed as [tokens, groups, experts per group].", view)
+        raise NoMatch(
+            "moe.group-limit", "the expert choice is not viewed as [tokens, groups, experts per group].", view
+        )
     walk.nodes.update({group_scores, view})
     return source_of(shape[1], "the number of expert groups", (int,))
 
@@ -332,7 +346,9 @@ def _match_logits(node: fx.Node, walk: _Walk) -> tuple[fx.Node, LogitsPlan, fx.N
     """``linear(x [cast], W [cast], b?) [cast]`` → (logits node, plan, x)."""
     linear, out_casts = walk.peel(node)
     if not is_op(linear, "linear"):
-        raise NoMatch("moe.router-logits", f"the router logits are {op_name(linear) or linear.op}, not a linear layer.", linear)
+        raise NoMatch(
+            "moe.router-logits", f"the router logits are {op_name(linear) or linear.op}, not a linear layer.", linear
+        )
     x, in_casts = walk.peel(operand(linear, 0))
     weight, w_casts = walk.peel(operand(linear, 1, "weight"))
     bias = operand(linear, 2, "bias")
@@ -362,4 +378,3 @@ def _weights_dtype(casts: list, found: RoutingMatch) -> str | None:
     if peel_reshapes(like) is peel_reshapes(found.tokens) or like.op == "placeholder":
         return INPUT
     raise NoMatch("moe.routing-cast", f"the routing weights are cast to the dtype of {like.name}.", like)
-

@@ -301,7 +301,9 @@ def _pow2(n: int) -> bool:
 
 
 MOE_ROUTE.register(Provider("triton", _triton_route, supported=triton_available, supports_args=_triton_routes))
-MOE_EXPERTS.register(Provider("triton", _triton_experts, supported=triton_available, supports_args=_triton_runs_experts))
+MOE_EXPERTS.register(
+    Provider("triton", _triton_experts, supported=triton_available, supports_args=_triton_runs_experts)
+)
 
 
 @torch.library.custom_op("transfuse::moe_route", mutates_args=())

@@ -107,7 +107,9 @@ class MoEPlan:
     train_error: str | None = None
 
     def describe(self) -> str:
-        routing = self.router.spec.describe() if self.router.spec is not None else f"router {self.router.module!r} as is"
+        routing = (
+            self.router.spec.describe() if self.router.spec is not None else f"router {self.router.module!r} as is"
+        )
         parts = [routing, self.experts.spec.describe()]
         if self.shared:
             parts.append(f"{len(self.shared)} shared")
@@ -142,7 +144,11 @@ class ExpertNumbers:
 
 
 class MoE(nn.Module):
-    """A mixture-of-experts block computed with ``moe_route`` and ``moe_experts``."""
+    """A mixture-of-experts block computed with ``moe_route`` and ``moe_experts``.
+
+    children: the block's children under their own names (their parameters are not copied).
+    routing: the numbers of a plan with a ``RoutingSpec`` (None when the router is called as is).
+    """
 
     __transfuse_layer__ = True
 
@@ -150,7 +156,7 @@ class MoE(nn.Module):
         self,
         children: dict[str, nn.Module],
         plan: MoEPlan,
-        routing: RoutingNumbers,
+        routing: RoutingNumbers | None,
         experts: ExpertNumbers | None = None,
     ):
         super().__init__()
@@ -196,7 +202,9 @@ class MoE(nn.Module):
             logits = r.logits.logits(self, tokens)
         n = self.routing
         bias = _tensor(self, r.correction_bias).reshape(-1) if r.correction_bias is not None else None
-        dtype = {LOGITS: logits.dtype, INPUT: hidden_states.dtype, "float32": torch.float32, None: None}[r.weights_dtype]
+        dtype = {LOGITS: logits.dtype, INPUT: hidden_states.dtype, "float32": torch.float32, None: None}[
+            r.weights_dtype
+        ]
         weights, ids = moe_route(
             logits, n.top_k, r.spec, correction_bias=bias, n_group=n.n_group, topk_group=n.topk_group,
             renorm_eps=n.renorm_eps, renorm_min=n.renorm_min, scale=n.scale, out_dtype=dtype,
@@ -211,8 +219,8 @@ class MoE(nn.Module):
         return torch.sigmoid(gate) * out
 
     def extra_repr(self) -> str:
-        n = self.routing
-        return f"top_k={n.top_k}, {self.plan.describe()}"
+        top_k = f"top_k={self.routing.top_k}, " if self.routing is not None else ""
+        return top_k + self.plan.describe()
 
 
 class StackedExperts(nn.Module):
@@ -249,7 +257,9 @@ class StackedExperts(nn.Module):
                     # A copy: per-expert views would share storage, which checkpoint writers refuse.
                     destination[prefix + template.format(e)] = tensor[e, rows].clone()
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         expected = set()
         with torch.no_grad():
             for name in self.keys:

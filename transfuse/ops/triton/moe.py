@@ -280,30 +280,51 @@ def _write_blocks(totals, meta_ptr, max_blocks, BLOCK_M: tl.constexpr, E_PAD: tl
 
 
 @triton.jit
-def _align_small_kernel(ids_ptr, meta_ptr, num_pairs, max_blocks, N_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):  # fmt: skip
-    """All pairs in one program: count, place each expert's run, rank each pair in its run."""
-    pairs = tl.arange(0, N_PAD)
+def _onehot(ids_ptr, first, num_pairs, SUB: tl.constexpr, E_PAD: tl.constexpr):
+    """The pairs ``first .. first + SUB`` as a one-hot [SUB, E_PAD] int32 tile, and their indices."""
+    pairs = first + tl.arange(0, SUB)
     ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
-    onehot = (ids[:, None] == tl.arange(0, E_PAD)[None, :]).to(tl.int32)
-    totals = tl.sum(onehot, axis=0)
-    run_start = _write_blocks(totals, meta_ptr, max_blocks, BLOCK_M, E_PAD, BLOCKS_CHUNK)
-    rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
-    base = tl.sum(onehot * run_start[None, :], axis=1)
-    tl.store(meta_ptr + 2 * max_blocks + base + rank, pairs, mask=pairs < num_pairs)
+    return (ids[:, None] == tl.arange(0, E_PAD)[None, :]).to(tl.int32), pairs
 
 
 @triton.jit
-def _count_kernel(ids_ptr, meta_ptr, num_pairs, max_blocks, CHUNK: tl.constexpr, E_PAD: tl.constexpr,
-                  BLOCK_M: tl.constexpr):  # fmt: skip
+def _place(ids_ptr, meta_ptr, first, count, num_pairs, base, max_blocks, SUB: tl.constexpr, E_PAD: tl.constexpr):
+    """Write the row of each pair in ``first .. first + count``: ``base`` of its expert (the first
+    free row of that expert's run, [E_PAD]) plus its rank among the pairs before it."""
+    for sub in range(first, first + count, SUB):
+        onehot, pairs = _onehot(ids_ptr, sub, num_pairs, SUB, E_PAD)
+        rank = tl.sum((tl.cumsum(onehot, axis=0) - 1) * onehot, axis=1)
+        row = tl.sum(onehot * base[None, :], axis=1) + rank
+        tl.store(meta_ptr + 2 * max_blocks + row, pairs, mask=(pairs < num_pairs) & (pairs < first + count))
+        base += tl.sum(onehot, axis=0)
+
+
+@triton.jit
+def _count(ids_ptr, first, count, num_pairs, SUB: tl.constexpr, E_PAD: tl.constexpr):
+    totals = tl.zeros((E_PAD,), dtype=tl.int32)
+    for sub in range(first, first + count, SUB):
+        onehot, pairs = _onehot(ids_ptr, sub, num_pairs, SUB, E_PAD)
+        totals += tl.sum(tl.where((pairs < first + count)[:, None], onehot, 0), axis=0)
+    return totals
+
+
+@triton.jit
+def _align_small_kernel(ids_ptr, meta_ptr, num_pairs, max_blocks, SUB: tl.constexpr, E_PAD: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):  # fmt: skip
+    """All pairs in one program: count, place each expert's run, rank each pair in its run."""
+    totals = _count(ids_ptr, 0, num_pairs, num_pairs, SUB, E_PAD)
+    run_start = _write_blocks(totals, meta_ptr, max_blocks, BLOCK_M, E_PAD, BLOCKS_CHUNK)
+    _place(ids_ptr, meta_ptr, 0, num_pairs, num_pairs, run_start, max_blocks, SUB, E_PAD)
+
+
+@triton.jit
+def _count_kernel(ids_ptr, meta_ptr, num_pairs, max_blocks, CHUNK: tl.constexpr, SUB: tl.constexpr,
+                  E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
     """Pairs per expert in one chunk of the pairs."""
     chunk = tl.program_id(0)
-    pairs = chunk * CHUNK + tl.arange(0, CHUNK)
-    ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
-    experts = tl.arange(0, E_PAD)
-    counts = tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    counts = _count(ids_ptr, chunk * CHUNK, CHUNK, num_pairs, SUB, E_PAD)
     counts_ptr = meta_ptr + max_blocks * (2 + BLOCK_M)
-    tl.store(counts_ptr + chunk * E_PAD + experts, counts)
+    tl.store(counts_ptr + chunk * E_PAD + tl.arange(0, E_PAD), counts)
 
 
 @triton.jit
@@ -323,32 +344,33 @@ def _offsets_kernel(meta_ptr, num_chunks, max_blocks, C_PAD: tl.constexpr, E_PAD
 
 
 @triton.jit
-def _scatter_kernel(ids_ptr, meta_ptr, num_pairs, num_chunks, max_blocks, CHUNK: tl.constexpr,
+def _scatter_kernel(ids_ptr, meta_ptr, num_pairs, num_chunks, max_blocks, CHUNK: tl.constexpr, SUB: tl.constexpr,
                     E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
     """Each pair's row: its chunk's first row for its expert plus its rank within the chunk."""
     chunk = tl.program_id(0)
-    pairs = chunk * CHUNK + tl.arange(0, CHUNK)
-    ok = pairs < num_pairs
-    ids = tl.load(ids_ptr + pairs, mask=ok, other=-1).to(tl.int32)
-    experts = tl.arange(0, E_PAD)
-    onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
-    rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
     bases_ptr = meta_ptr + max_blocks * (2 + BLOCK_M) + num_chunks * E_PAD
-    base = tl.sum(onehot * tl.load(bases_ptr + chunk * E_PAD + experts)[None, :], axis=1)
-    tl.store(meta_ptr + 2 * max_blocks + base + rank, pairs, mask=ok)
+    base = tl.load(bases_ptr + chunk * E_PAD + tl.arange(0, E_PAD))
+    _place(ids_ptr, meta_ptr, chunk * CHUNK, CHUNK, num_pairs, base, max_blocks, SUB, E_PAD)
 
 
-# One-hot tiles above this many elements are split into chunks (registers per program).
-_SMALL_TILE = 32768
+# Pairs that one program groups alone; above, a count / offsets / scatter pass over up to
+# _MAX_CHUNKS chunks. One-hot tiles are [SUB, experts] with SUB · experts ≤ _TILE.
+_SMALL_PAIRS = 256
+_MAX_CHUNKS = 64
+_TILE = 8192
 _BLOCKS_CHUNK = 64
+
+
+def _sub(experts: int) -> int:
+    return max(16, min(128, _TILE // _next_pow2(experts)))
 
 
 def _chunking(pairs: int, experts: int) -> tuple[int, int] | None:
     """(chunk size, chunks) for the three-kernel alignment; None when one program does it all."""
-    e_pad = _next_pow2(experts)
-    if max(16, _next_pow2(pairs)) * e_pad <= _SMALL_TILE:
+    if pairs <= _SMALL_PAIRS:
         return None
-    chunk = max(_SMALL_TILE // e_pad, _next_pow2(_cdiv(pairs, 256)))
+    sub = _sub(experts)
+    chunk = max(sub, _next_pow2(_cdiv(pairs, _MAX_CHUNKS)))
     return chunk, _cdiv(pairs, chunk)
 
 
@@ -361,20 +383,19 @@ def _workspace_size(pairs: int, experts: int, block_m: int, max_blocks: int) -> 
 def _align(ids: torch.Tensor, experts: int, block_m: int, max_blocks: int, meta: torch.Tensor) -> None:
     """Group the (token, slot) pairs of ``ids`` by expert, in ``meta`` (the workspace above)."""
     pairs = ids.numel()
-    e_pad = _next_pow2(experts)
+    e_pad, sub = _next_pow2(experts), _sub(experts)
     chunking = _chunking(pairs, experts)
     if chunking is None:
         _align_small_kernel[(1,)](
-            ids, meta, pairs, max_blocks,
-            N_PAD=max(16, _next_pow2(pairs)), E_PAD=e_pad, BLOCK_M=block_m, BLOCKS_CHUNK=_BLOCKS_CHUNK,
-        )  # fmt: skip
+            ids, meta, pairs, max_blocks, SUB=sub, E_PAD=e_pad, BLOCK_M=block_m, BLOCKS_CHUNK=_BLOCKS_CHUNK
+        )
         return
     chunk, chunks = chunking
-    _count_kernel[(chunks,)](ids, meta, pairs, max_blocks, CHUNK=chunk, E_PAD=e_pad, BLOCK_M=block_m)
+    _count_kernel[(chunks,)](ids, meta, pairs, max_blocks, CHUNK=chunk, SUB=sub, E_PAD=e_pad, BLOCK_M=block_m)
     _offsets_kernel[(1,)](
         meta, chunks, max_blocks, C_PAD=_next_pow2(chunks), E_PAD=e_pad, BLOCK_M=block_m, BLOCKS_CHUNK=_BLOCKS_CHUNK
     )
-    _scatter_kernel[(chunks,)](ids, meta, pairs, chunks, max_blocks, CHUNK=chunk, E_PAD=e_pad, BLOCK_M=block_m)
+    _scatter_kernel[(chunks,)](ids, meta, pairs, chunks, max_blocks, CHUNK=chunk, SUB=sub, E_PAD=e_pad, BLOCK_M=block_m)
 
 
 # ---- grouped GEMMs ---------------------------------------------------------------------
@@ -450,8 +471,8 @@ def _gate_up_kernel(
     up = acc_up.to(dtype).to(tl.float32)
     if HAS_BIAS:
         b_base = b_ptr + expert.to(tl.int64) * stride_be
-        gate = (gate + tl.load(b_base + gate_n * stride_bn, mask=col_ok, other=0.0).to(tl.float32)[None, :])
-        up = (up + tl.load(b_base + up_n * stride_bn, mask=col_ok, other=0.0).to(tl.float32)[None, :])
+        gate = gate + tl.load(b_base + gate_n * stride_bn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        up = up + tl.load(b_base + up_n * stride_bn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         gate = gate.to(dtype).to(tl.float32)
         up = up.to(dtype).to(tl.float32)
     h = _activate(gate, up, alpha, limit, ACT, dtype)
