@@ -92,6 +92,9 @@ def match_loop(trace: Trace, children: Lookup) -> LoopMatch:
     selection, expert_out = _split_weight(contribution, found)
     where, token_axis_output = _token_index(token_idx, selection, found)
     expert, mask = _expert_index(where, token_axis_output, found)
+    ids_shape, weights_shape = (getattr(value(n), "shape", None) for n in (found.ids, found.weights))
+    if ids_shape is None or ids_shape != weights_shape:
+        raise NoMatch("moe.combine", f"the routing weights {weights_shape} are not laid out like the ids {ids_shape}.", add)
     _check_loop(trace, expert, mask, found)
     if expert_out.op == "call_module":
         rows = _member(expert_out, found)
@@ -124,8 +127,8 @@ def _split_weight(mul: fx.Node, found: LoopMatch) -> tuple[fx.Node, fx.Node]:
     raise NoMatch("moe.combine", "the expert output is not multiplied by its routing weight weights[token, slot].", mul)
 
 
-def _token_index(token_idx: fx.Node, selection: fx.Node, found: LoopMatch) -> tuple[fx.Node, int]:
-    """The ``where`` both indices come from, and which of its outputs is the token."""
+def _token_index(token_idx: fx.Node, selection: fx.Node, found: LoopMatch) -> tuple[fx.Node, tuple[int, int]]:
+    """The ``where`` both indices come from, and which of its outputs are the token and the slot."""
     tok, slot = operand(selection, 1)[:2]
     if tok is not token_idx:
         raise NoMatch("moe.combine", "the routing weight is not read at the token its output is added to.", selection)

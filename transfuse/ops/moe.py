@@ -235,17 +235,14 @@ def moe_experts_native(
     tokens, top_k = ids.shape
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # one sync: which experts are active
-    rows = x[order // top_k]
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0])
+    active = counts.nonzero().squeeze(1)
+    experts, sizes = torch.stack([active, counts[active]]).tolist()  # the one host sync
     outputs = []
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        h = _apply(rows[start : start + count], w13[expert], b13[expert] if b13 is not None else None, w13_transposed)
+    for expert, rows in zip(experts, x[order // top_k].split(sizes)):
+        h = _apply(rows, w13[expert], b13[expert] if b13 is not None else None, w13_transposed)
         h = gated_activation(h, activation, interleaved, gate_first, alpha, limit)
         outputs.append(_apply(h, w2[expert], b2[expert] if b2 is not None else None, w2_transposed))
-        start += count
     sorted_out = torch.cat(outputs) if outputs else x.new_zeros((0, x.shape[-1]))
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
