@@ -14,6 +14,8 @@ import warnings
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU tensors; set before triton is imported
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"

@@ -86,7 +86,10 @@ def test_shape_unpacking_and_splat_trace_with_meta_values():
     trace = trace_module(module, ((torch.randn(2, 5, 16),), {"cache": object()}))
     assert not trace.partial, trace.describe_stop()
     view = next(n for n in trace.graph.nodes if is_op(n, "view"))
-    assert view.args[1] == (2, 5, 4, -1)  # the splat was concrete
+    # The splat of the input's shape was concrete; the head count is the attribute it came from.
+    batch, seq, heads, rest = view.args[1]
+    assert (batch, seq, rest) == (2, 5, -1)
+    assert heads.meta["self_attr"] == "heads" and heads.meta["val"] == 4
     assert trace.output.args[0].meta["val"].shape == (2, 5, 16)
     # The cache argument was fixed to None, so no placeholder stands for it.
     assert [p.name for p in trace.placeholders()] == ["x"]

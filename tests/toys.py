@@ -478,3 +478,233 @@ class Wrapper(nn.Module):
 
     def forward(self, x):
         return self.inner(x) + x
+
+
+# ---- mixtures of experts written the ways modeling files write them ---------------------
+
+
+class GLUExpert(nn.Module):
+    """One expert of an ``nn.ModuleList``: ``w2(silu(w1(x)) * w3(x))`` (trust_remote_code style)."""
+
+    def __init__(self, hidden, inter, bias=False):
+        super().__init__()
+        self.w1 = nn.Linear(hidden, inter, bias=bias)
+        self.w2 = nn.Linear(inter, hidden, bias=bias)
+        self.w3 = nn.Linear(hidden, inter, bias=bias)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, hidden_states):
+        return self.w2(self.act_fn(self.w1(hidden_states)) * self.w3(hidden_states))
+
+
+class ModuleListMoE(nn.Module):
+    """Linear gate, softmax/top-k in the block, ``nn.ModuleList`` experts, returns (out, logits) → fuses."""
+
+    def __init__(self, hidden=32, inter=16, experts=8, top_k=2, bias=False):
+        super().__init__()
+        self.hidden_dim, self.num_experts, self.top_k = hidden, experts, top_k
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList([GLUExpert(hidden, inter, bias) for _ in range(experts)])
+
+    def forward(self, hidden_states):
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        hidden_states = hidden_states.view(-1, hidden_dim)
+        router_logits = self.gate(hidden_states)
+        routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+        routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
+        routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
+        routing_weights = routing_weights.to(hidden_states.dtype)
+        final_hidden_states = torch.zeros(
+            (batch_size * sequence_length, hidden_dim), dtype=hidden_states.dtype, device=hidden_states.device
+        )
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in expert_hit:
+            expert_layer = self.experts[expert_idx]
+            idx, top_x = torch.where(expert_mask[expert_idx].squeeze(0))
+            current_state = hidden_states[None, top_x].reshape(-1, hidden_dim)
+            current_hidden_states = expert_layer(current_state) * routing_weights[top_x, idx, None]
+            final_hidden_states.index_add_(0, top_x, current_hidden_states.to(hidden_states.dtype))
+        final_hidden_states = final_hidden_states.reshape(batch_size, sequence_length, hidden_dim)
+        return final_hidden_states, router_logits
+
+
+class PackedExperts(nn.Module):
+    """Experts as 3-D tensors ``[E, H, 2I]`` / ``[E, I, H]`` applied with ``@`` (a transposed layout)."""
+
+    def __init__(self, hidden, inter, experts):
+        super().__init__()
+        self.num_experts = experts
+        self.gate_up = nn.Parameter(torch.randn(experts, hidden, 2 * inter) / hidden**0.5)
+        self.down = nn.Parameter(torch.randn(experts, inter, hidden) / inter**0.5)
+
+    def forward(self, x, routing_weights, selected):
+        out = torch.zeros_like(x)
+        mask = F.one_hot(selected, num_classes=self.num_experts + 1).permute(2, 0, 1)  # [E+1, tokens, k]
+        for expert in torch.greater(mask.sum(dim=(1, 2)), 0).nonzero():
+            expert = expert[0]
+            if expert == self.num_experts:
+                continue
+            token, slot = torch.where(mask[expert])
+            gate, up = (x[token] @ self.gate_up[expert]).chunk(2, dim=-1)
+            h = F.gelu(gate, approximate="tanh") * up
+            out.index_add_(0, token, (h @ self.down[expert]) * routing_weights[token, slot].unsqueeze(-1))
+        return out
+
+
+class SigmoidRouter(nn.Module):
+    """Sigmoid scores, a correction bias that steers the choice, renormalised and scaled weights."""
+
+    def __init__(self, hidden, experts, top_k, scale=1.5):
+        super().__init__()
+        self.top_k = top_k
+        self.routed_scaling_factor = scale
+        self.weight = nn.Parameter(torch.randn(experts, hidden) / hidden**0.5)
+        self.register_buffer("expert_bias", torch.randn(experts) * 0.1)
+
+    def forward(self, x):
+        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
+        chosen = torch.topk(scores + self.expert_bias, self.top_k, dim=-1)[1]
+        weights = scores.gather(1, chosen)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return chosen, weights * self.routed_scaling_factor
+
+
+class SharedExpertMoE(nn.Module):
+    """Sigmoid router (returns ids first), packed transposed experts, a shared expert behind a
+    sigmoid gate, experts called with keyword arguments → fuses."""
+
+    def __init__(self, hidden=32, inter=16, experts=8, top_k=3):
+        super().__init__()
+        self.router = SigmoidRouter(hidden, experts, top_k)
+        self.experts = PackedExperts(hidden, inter, experts)
+        self.shared = GLUExpert(hidden, 24)
+        self.shared_gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, hidden_states):
+        shape = hidden_states.shape
+        tokens = hidden_states.reshape(-1, shape[-1])
+        chosen, weights = self.router(tokens)
+        routed = self.experts(tokens, routing_weights=weights, selected=chosen)
+        shared = torch.sigmoid(self.shared_gate(tokens)) * self.shared(tokens)
+        return (shared + routed).view(shape)
+
+
+class ExpertUsage(nn.Module):
+    """Counts how often each expert is chosen, in a buffer: state the fused layer would not update."""
+
+    def __init__(self, experts):
+        super().__init__()
+        self.register_buffer("counts", torch.zeros(experts))
+
+    def forward(self, ids):
+        self.counts += torch.bincount(ids.flatten(), minlength=self.counts.numel())
+        return ids
+
+
+class StatefulChildMoE(ModuleListMoE):
+    """A child that records expert usage as a side effect → refused (moe.unaccounted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.usage = ExpertUsage(8)
+
+    def forward(self, hidden_states):
+        tokens = hidden_states.view(-1, hidden_states.shape[-1])
+        logits = self.gate(tokens)
+        weights, selected = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float), self.top_k, dim=-1)
+        self.usage(selected)
+        out = torch.zeros_like(tokens)
+        mask = F.one_hot(selected, num_classes=self.num_experts).permute(2, 1, 0)
+        for expert_idx in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
+            slot, token = torch.where(mask[expert_idx].squeeze(0))
+            contribution = self.experts[expert_idx](tokens[token]) * weights[token, slot, None]
+            out.index_add_(0, token, contribution.to(tokens.dtype))
+        return out.view_as(hidden_states)
+
+
+class TemperatureRoutedMoE(ModuleListMoE):
+    """Routing weights divided by a temperature, a formula transfuse does not know → refused (moe.routing-form)."""
+
+    def forward(self, hidden_states):
+        tokens = hidden_states.view(-1, hidden_states.shape[-1])
+        weights, selected = torch.topk(self.gate(tokens), self.top_k, dim=-1)
+        weights = torch.softmax(weights / 0.7, dim=-1)
+        out = torch.zeros_like(tokens)
+        mask = F.one_hot(selected, num_classes=self.num_experts).permute(2, 1, 0)
+        for expert_idx in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
+            slot, token = torch.where(mask[expert_idx].squeeze(0))
+            out.index_add_(0, token, self.experts[expert_idx](tokens[token]) * weights[token, slot, None])
+        return out.view_as(hidden_states)
+
+
+class SkipsFirstExpertMoE(nn.Module):
+    """Packed experts whose loop skips expert 0, a real expert → refused (moe.loop-form)."""
+
+    def __init__(self, hidden=32, inter=16, experts=8, top_k=2):
+        super().__init__()
+        self.router = SigmoidRouter(hidden, experts, top_k)
+        self.experts = SkippingExperts(hidden, inter, experts)
+
+    def forward(self, hidden_states):
+        tokens = hidden_states.view(-1, hidden_states.shape[-1])
+        chosen, weights = self.router(tokens)
+        return self.experts(tokens, weights, chosen).view_as(hidden_states)
+
+
+class SkippingExperts(PackedExperts):
+    skip = 0
+
+    def forward(self, x, routing_weights, selected):
+        out = torch.zeros_like(x)
+        mask = F.one_hot(selected, num_classes=self.num_experts).permute(2, 0, 1)
+        for expert in torch.greater(mask.sum(dim=(1, 2)), 0).nonzero():
+            expert = expert[0]
+            if expert == self.skip:
+                continue
+            token, slot = torch.where(mask[expert])
+            gate, up = (x[token] @ self.gate_up[expert]).chunk(2, dim=-1)
+            out.index_add_(0, token, ((F.silu(gate) * up) @ self.down[expert]) * routing_weights[token, slot, None])
+        return out
+
+
+class RangeLoopMoE(ModuleListMoE):
+    """A loop over every expert index (``range``), unrolled by tracing → refused (moe.combine)."""
+
+    def forward(self, hidden_states):
+        tokens = hidden_states.view(-1, hidden_states.shape[-1])
+        weights, selected = torch.topk(F.softmax(self.gate(tokens), dim=-1, dtype=torch.float), self.top_k, dim=-1)
+        out = torch.zeros_like(tokens)
+        mask = F.one_hot(selected, num_classes=self.num_experts).permute(2, 1, 0)
+        for expert_idx in range(self.num_experts):
+            slot, token = torch.where(mask[expert_idx])
+            out.index_add_(0, token, self.experts[expert_idx](tokens[token]) * weights[token, slot, None])
+        return out.view_as(hidden_states)
+
+
+class JitterMoE(ModuleListMoE):
+    """Multiplicative input jitter in training mode (Mixtral's router_jitter_noise): fuses; with a
+    non-zero jitter the fused layer refuses to run in training mode."""
+
+    def __init__(self, jitter=0.0):
+        super().__init__()
+        self.jitter_noise = jitter
+
+    def forward(self, hidden_states):
+        if self.training and self.jitter_noise > 0:
+            hidden_states *= torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        return super().forward(hidden_states)[0]
+
+
+class TinyMoEModel(nn.Module):
+    """Projections around a mixture-of-experts block, for rewrite() without transformers."""
+
+    def __init__(self, block: nn.Module, hidden: int = 32):
+        super().__init__()
+        self.inp = nn.Linear(hidden, hidden)
+        self.block = block
+        self.out = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        h = self.block(self.inp(x))
+        return self.out(h[0] if isinstance(h, tuple) else h)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from ..rewriter.fusion import Fuser
 from .glu import GLUFuser
+from .moe import MoEFuser
 from .qkv import QKVFuser
 from .rms_norm import RMSNormFuser
 
-__all__ = ["FUSERS", "GLUFuser", "QKVFuser", "RMSNormFuser", "fusers_for", "kinds"]
+__all__ = ["FUSERS", "GLUFuser", "MoEFuser", "QKVFuser", "RMSNormFuser", "fusers_for", "kinds"]
 
 # Applied in this order.
-FUSERS: tuple[Fuser, ...] = (RMSNormFuser(), QKVFuser(), GLUFuser())
+FUSERS: tuple[Fuser, ...] = (RMSNormFuser(), QKVFuser(), GLUFuser(), MoEFuser())
 
 
 def kinds() -> list[str]:

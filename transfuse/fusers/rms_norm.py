@@ -111,8 +111,9 @@ def _match_graph(analysis: ClassAnalysis) -> RMSNormMatch:
     trace = analysis.trace
     if trace.partial:
         raise NoMatch("rms_norm.partial-trace", f"the forward could not be traced to the end ({trace.describe_stop()}).")
-    if trace.guards:
-        guard = trace.guards[0]
+    on_input = [g for g in trace.guards if _depends_on_input(g)]
+    if on_input:
+        guard = on_input[0]
         raise NoMatch(
             "rms_norm.value-branch",
             f"the forward branches on the traced value {guard.name}; another input (another dtype) may take "
@@ -145,6 +146,21 @@ def _match_graph(analysis: ClassAnalysis) -> RMSNormMatch:
             extra[0],
         )
     return found
+
+
+def _depends_on_input(node: fx.Node) -> bool:
+    """Whether a node was computed from the forward's inputs (not only from ``self``'s attributes,
+    on which analyses are specialised, and which the source check covers)."""
+    seen, pending = set(), [node]
+    while pending:
+        current = pending.pop()
+        if current.op == "placeholder" and current.name != "self":
+            return True
+        for parent in current.all_input_nodes:
+            if parent not in seen:
+                seen.add(parent)
+                pending.append(parent)
+    return False
 
 
 def _is_dtype_read(node: fx.Node) -> bool:

@@ -20,19 +20,25 @@ from .dispatch import (
     trace,
 )
 from .fused_add_rms_norm import fused_add_rms_norm, fused_add_rms_norm_native
-from .layers import MergedLinear, RMSNorm, layer, register_layer
+from .layers import MergedLinear, MoE, RMSNorm, layer, register_layer
+from .moe import ExpertsSpec, RoutingSpec, moe_experts, moe_experts_native, moe_route, moe_route_native
+from .moe_layer import StackedExperts
 from .platform import Platform, current_platform
 from .rms_norm import RMSNormSpec, rms_norm, rms_norm_native
 
 __all__ = [
     "ACTIVATIONS",
     "Dispatch",
+    "ExpertsSpec",
     "MergedLinear",
+    "MoE",
     "Op",
     "Platform",
     "Provider",
     "RMSNorm",
     "RMSNormSpec",
+    "RoutingSpec",
+    "StackedExperts",
     "act_and_mul",
     "current_platform",
     "fused_add_rms_norm",
@@ -41,6 +47,10 @@ __all__ = [
     "identify_activation",
     "get_op",
     "layer",
+    "moe_experts",
+    "moe_experts_native",
+    "moe_route",
+    "moe_route_native",
     "priority",
     "refresh",
     "register_layer",

@@ -277,9 +277,11 @@ def set_compile_mode(mode: str | None, op: str | None = None) -> None:
         _COMPILE_MODE[key] = mode
 
 
-def under_compile_use_library_op(op: str, args: tuple) -> bool:
-    """Whether a layer being compiled calls the library op; never when autograd needs a backward."""
-    mode = _COMPILE_MODE.get(op) or _COMPILE_MODE.get("*") or os.environ.get("TRANSFUSE_COMPILE_MODE", "native")
+def under_compile_use_library_op(op: str, args: tuple, default: str = "native") -> bool:
+    """Whether a layer being compiled calls the library op; never when autograd needs a backward.
+    ``default`` applies when neither ``set_compile_mode`` nor the environment chose (an op whose
+    native code has data-dependent shapes defaults to its library op)."""
+    mode = _COMPILE_MODE.get(op) or _COMPILE_MODE.get("*") or os.environ.get("TRANSFUSE_COMPILE_MODE", default)
     if mode not in _COMPILE_MODES:
         raise ValueError(f"TRANSFUSE_COMPILE_MODE must be one of {_COMPILE_MODES}, not {mode!r}.")
     return mode == "library" and not _needs_grad(args, {})

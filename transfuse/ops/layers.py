@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .moe_layer import MoE
 from .rms_norm import RMSNormSpec, rms_norm
 
-__all__ = ["MergedLinear", "RMSNorm", "layer", "register_layer"]
+__all__ = ["MergedLinear", "MoE", "RMSNorm", "layer", "register_layer"]
 
 
 class MergedLinear(nn.Linear):
@@ -73,7 +74,7 @@ class RMSNorm(nn.Module):
         return f"{shape}, eps={self.eps}, {self.spec.describe()}"
 
 
-_LAYERS: dict[str, type[nn.Module]] = {"RMSNorm": RMSNorm, "MergedLinear": MergedLinear}
+_LAYERS: dict[str, type[nn.Module]] = {"RMSNorm": RMSNorm, "MergedLinear": MergedLinear, "MoE": MoE}
 
 
 def register_layer(name: str, cls: type[nn.Module]) -> None:

@@ -1,9 +1,15 @@
 """Per-class analysis: trace a class once, ask each fuser once, cache both.
 
 The cache key is the class and its children's names and classes, so a decoder layer
-with a dense MLP and one with a mixture of experts are analysed separately. Nothing
-per-instance is kept in an analysis: instance values (eps, shapes) are read by the
-fusers' ``validate`` and ``fuse``.
+with a dense MLP and one with a mixture of experts are analysed separately. A trace is
+specialised on the ``self`` attributes its control flow read (``if self.norm_topk_prob``);
+an instance whose attributes differ there gets its own trace, so a cached graph is only
+ever used for instances it describes. Nothing per-instance is kept in an analysis:
+instance values (eps, shapes) are read by the fusers' ``validate`` and ``fuse``.
+
+A fuser whose pattern spans children (a mixture-of-experts block and its router) reads
+their analyses with ``ClassAnalysis.child``; a verdict is reused only while the children
+it consulted have the same analyses.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch.fx as fx
 from torch import nn
@@ -37,28 +43,39 @@ class ClassAnalysis:
     trace: Trace
     traced_path: str
     had_example: bool
+    # The class key's children: name -> class.
     children: dict[str, type] = field(default_factory=dict)
-    verdicts: dict[str, Any] = field(default_factory=dict)
-    rewrites: dict[tuple[str, ...], Any] = field(default_factory=dict)
-    _instance: Any = None  # weakref to the traced instance, to analyse its children
-
-    def child(self, name: str) -> ClassAnalysis | None:
-        """The analysis of a child's class (from the cache, else traced without inputs)."""
-        instance = self._instance() if self._instance is not None else None
-        child = instance._modules.get(name) if instance is not None else None
-        if child is None:
-            return None
-        key = class_key(child)
-        with _LOCK:
-            cached = _CACHE.get(key[0], {}).get(key[1:])
-        if cached is not None:
-            return cached
-        return _store(child, f"{self.traced_path}.{name}", trace_module(child), had_example=False)
+    # Source rewrites of the class's forward, by the (kind, found) pairs they compose.
+    rewrites: dict[tuple, Any] = field(default_factory=dict)
+    # fuser kind -> [(analyses of the children the match consulted, verdict)]
+    verdicts: dict[str, list[tuple[dict[str, ClassAnalysis | None], Any]]] = field(default_factory=dict)
+    # The analyses of the children of the instance being planned (set by ``analyse``).
+    _children: Callable[[str], ClassAnalysis | None] | None = field(default=None, repr=False)
+    _consulted: dict[str, ClassAnalysis | None] | None = field(default=None, repr=False)
 
     def verdict(self, fuser: Fuser) -> Any | Refusal | None:
-        if fuser.kind not in self.verdicts:
-            self.verdicts[fuser.kind] = fuser.match(self)
-        return self.verdicts[fuser.kind]
+        entries = self.verdicts.setdefault(fuser.kind, [])
+        for consulted, found in entries:
+            if all(self._child_analysis(name) is analysis for name, analysis in consulted.items()):
+                return found
+        self._consulted = {}
+        try:
+            found = fuser.match(self)
+            entries.append((self._consulted, found))
+        finally:
+            self._consulted = None
+        return found
+
+    def child(self, name: str) -> ClassAnalysis | None:
+        """The analysis of the child module ``name`` (a dotted path below this module) of the
+        instance being planned, traced with that child's recorded call; None if there is none."""
+        analysis = self._child_analysis(name)
+        if self._consulted is not None:
+            self._consulted[name] = analysis
+        return analysis
+
+    def _child_analysis(self, name: str) -> ClassAnalysis | None:
+        return self._children(name) if self._children is not None else None
 
     def where(self, node: fx.Node | None = None) -> str | None:
         """``file.py:line`` of ``node``, else of the class's forward; None without a source file."""
@@ -70,7 +87,8 @@ class ClassAnalysis:
         return loc
 
 
-_CACHE: "weakref.WeakKeyDictionary[type, dict[tuple, ClassAnalysis]]" = weakref.WeakKeyDictionary()
+# class -> rest of the class key -> one analysis per specialisation
+_CACHE: "weakref.WeakKeyDictionary[type, dict[tuple, list[ClassAnalysis]]]" = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
@@ -89,29 +107,57 @@ def _children_outputs(path: str, module: nn.Module, probe: Probe) -> dict[str, A
     return outputs
 
 
+_MISSING = object()
+
+
+def _describes(analysis: ClassAnalysis, module: nn.Module) -> bool:
+    """Whether ``module``'s attributes have the values ``analysis``'s trace was specialised on."""
+    for name, seen in analysis.trace.specialisation.items():
+        now = getattr(module, name, _MISSING)
+        if type(now) is not type(seen) or now != seen:
+            return False
+    return True
+
+
+def _child_lookup(module: nn.Module, path: str, probe: Probe) -> Callable[[str], ClassAnalysis | None]:
+    """Analyses of ``module``'s descendants by dotted name; weak references, so that a cached
+    analysis keeps neither the model nor the probe alive."""
+    module_ref, probe_ref = weakref.ref(module), weakref.ref(probe)
+    prefix = f"{path}." if path else ""
+
+    def lookup(name: str) -> ClassAnalysis | None:
+        owner, current_probe = module_ref(), probe_ref()
+        if owner is None or current_probe is None:
+            return None
+        try:
+            child = owner.get_submodule(name)
+        except AttributeError:
+            return None
+        return analyse(child, prefix + name, current_probe)
+
+    return lookup
+
+
 def analyse(module: nn.Module, path: str, probe: Probe) -> ClassAnalysis:
     """The cached analysis of ``module``'s class, tracing it (with this instance's recorded call) if new."""
     key = class_key(module)
-    with _LOCK:
-        cached = _CACHE.get(key[0], {}).get(key[1:])
     call = probe.calls.get(path)
-    if cached is not None and (cached.had_example or call is None):
-        return cached
-    example = (call.args, call.kwargs) if call is not None else None
-    trace = trace_module(module, example, _children_outputs(path, module, probe))
-    return _store(module, path, trace, had_example=example is not None)
-
-
-def _store(module: nn.Module, path: str, trace: Trace, had_example: bool) -> ClassAnalysis:
-    key = class_key(module)
-    analysis = ClassAnalysis(
-        cls=type(module),
-        trace=trace,
-        traced_path=path,
-        had_example=had_example,
-        children={name: cls for name, cls in key[1]},
-        _instance=weakref.ref(module),
-    )
     with _LOCK:
-        _CACHE.setdefault(key[0], {})[key[1:]] = analysis
-    return analysis
+        variants = _CACHE.get(key[0], {}).get(key[1:], [])
+        cached = next((a for a in variants if _describes(a, module) and (a.had_example or call is None)), None)
+    if cached is None:
+        example = (call.args, call.kwargs) if call is not None else None
+        trace = trace_module(module, example, _children_outputs(path, module, probe))
+        cached = ClassAnalysis(
+            cls=type(module),
+            trace=trace,
+            traced_path=path,
+            had_example=example is not None,
+            children=dict(key[1]),
+        )
+        with _LOCK:
+            variants = _CACHE.setdefault(key[0], {}).setdefault(key[1:], [])
+            variants[:] = [a for a in variants if a.trace.specialisation != trace.specialisation]
+            variants.append(cached)
+    cached._children = _child_lookup(module, path, probe)
+    return cached

@@ -3,7 +3,8 @@
 The steps, in order:
 
 1. probe: one short forward of the original model records each module's first call;
-2. plan: each module class is traced and matched once; each instance is validated;
+2. plan: each module class is traced (in eval mode, like the probe) and matched once;
+   each instance is validated;
    source fusers' edits to a class's forward are composed and compiled once per class;
 3. fuse: per instance, a replacing fuser swaps the module, source fusers rebuild the
    instance's children, and the edited forward is bound to the instance (the object
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from .analysis import ClassAnalysis, analyse
-from .capture import Probe, is_meta_model, make_probe, record_calls
+from .capture import Probe, eval_mode, is_meta_model, make_probe, record_calls
 from .fusion import Fused, Fuser, Refusal, SourceFuser
 from .report import FusionRecord, RewriteReport, SkipRecord
 from .source import MethodRewrite, rewrite_method
@@ -91,14 +92,8 @@ def _set_submodule(model: nn.Module, path: str, new: nn.Module) -> None:
 
 @contextlib.contextmanager
 def _evaluating(module: nn.Module):
-    flags = {m: m.training for m in module.modules()}
-    module.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        for m, flag in flags.items():
-            m.training = flag
+    with eval_mode(module), torch.no_grad():
+        yield
 
 
 _OFFLOADED = (
@@ -109,11 +104,11 @@ _OFFLOADED = (
 
 def _plan(model: nn.Module, fusers: Sequence[Fuser], probe: Probe, report: RewriteReport) -> list[_Instance]:
     instances: list[_Instance] = []
-    replaced_prefixes: list[str] = []
+    claimed: list[str] = []  # paths whose whole subtree a planned fusion consumes
     classes = set()
     meta_model = is_meta_model(model)
     for path, module in model.named_modules():
-        if is_fused(module) or any(path.startswith(p) for p in replaced_prefixes):
+        if is_fused(module) or any(path.startswith(p + ".") or path == p for p in claimed):
             continue
         wanting = [f for f in fusers if f.wants(module)]
         if not wanting:
@@ -140,9 +135,10 @@ def _plan(model: nn.Module, fusers: Sequence[Fuser], probe: Probe, report: Rewri
             if fuser.replaces_module:
                 if not path:
                     raise ValueError("A fusion cannot replace the model itself; rewrite its parent instead.")
-                replaced_prefixes.append(path + ".")
+                claimed.append(path)
                 instance.plans = [instance.plans[-1]]
                 break
+            claimed.extend(f"{path}.{child}" if path else child for child in fuser.claimed_children(verdict))
         if instance.plans:
             instances.append(instance)
     for instance in instances:
@@ -288,7 +284,8 @@ def rewrite_model(
     probe = record_calls(model, make_probe(model, example_inputs))
     if probe.error is not None:
         report.notes.append(f"the probe forward stopped early ({probe.error}); classes it did not reach were traced without inputs")
-    planned = _plan(model, fusers, probe, report)
+    with eval_mode(model):  # traced as the probe ran: fusions reproduce inference (see each fuser for training)
+        planned = _plan(model, fusers, probe, report)
     meta = is_meta_model(model)
     checking = verify and not meta and probe.error is None and bool(planned)
     io = None

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-__all__ = ["Call", "Probe", "is_meta_model", "make_probe", "record_calls"]
+__all__ = ["Call", "Probe", "eval_mode", "is_meta_model", "make_probe", "record_calls"]
 
 _aten = torch.ops.aten
 
@@ -108,7 +108,7 @@ def _detached(obj: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _eval_mode(model: nn.Module):
+def eval_mode(model: nn.Module):
     """Probe in eval mode (dropout off), then restore each module's own training flag."""
     flags = {m: m.training for m in model.modules()}
     model.eval()
@@ -146,7 +146,7 @@ def record_calls(model: nn.Module, probe: Probe, real_paths: set[str] = frozense
         handles.append(module.register_forward_hook(post, with_kwargs=True))
     meta = is_meta_model(model)
     try:
-        with torch.no_grad(), _eval_mode(model), (_MetaDefaults() if meta else contextlib.nullcontext()):
+        with torch.no_grad(), eval_mode(model), (_MetaDefaults() if meta else contextlib.nullcontext()):
             probe.output = model(*probe.args, **probe.kwargs)
     except Exception as exc:  # keep what was recorded before the failure
         probe.error = f"{type(exc).__name__}: {exc}"

@@ -62,6 +62,11 @@ class Fuser(ABC):
         """Cheap class-level filter: is it worth tracing this module's class for this pattern?"""
         return True
 
+    def claimed_children(self, found: Any) -> tuple[str, ...]:
+        """Children (dotted names) of a planned instance that this fusion consumes, so that no
+        other fusion plans anything in them. A fuser that replaces the module claims all."""
+        return ()
+
     @abstractmethod
     def match(self, analysis: ClassAnalysis) -> Any | Refusal | None:
         """What was found in the class (a record of names and flags, never instance values),

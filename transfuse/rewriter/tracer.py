@@ -10,12 +10,20 @@ differs from ``fx.Tracer`` in five ways:
   tensors, so ``x.shape``, ``len``, iteration and ``bool`` of shapes are concrete,
   while ``x.dtype`` stays a node, so a cast back to the input dtype is told apart from a
   cast to float32;
-* float attributes of ``self`` (eps, scaling factors) become ``get_attr`` nodes, so a
-  fuser knows which attribute supplied a constant and can read it per instance;
+* scalar attributes of ``self`` (floats such as eps, ints such as top_k, bools such as
+  a normalisation flag) become ``get_attr`` nodes, so a fuser knows which attribute
+  supplied a constant and can read it per instance; control flow that reads one is a
+  guard, and ``Trace.specialisation`` names the attributes the graph is specialised on;
 * the attention interface and declared leaf callables become single nodes;
 * when the forward cannot go on (a data-dependent branch, an op that has no meta
   kernel and whose value is then needed), the graph built so far is kept and the trace
-  is marked partial, with the reason and the source line.
+  is marked partial, with the reason and the source line;
+* an op whose output size or data meta tensors cannot give (``nonzero``, indexing with a
+  tensor, ``.item()``) gets a *stand-in* value: one element where the count is
+  data-dependent, zero where a number is. Python that reads a stand-in (a loop over
+  ``nonzero()``, a branch or an index on its data) then follows one representative path:
+  a loop runs once, a branch is not taken, an index is 0. Each such place is recorded in
+  ``Trace.assumptions`` with its source line, for a fuser to prove on the source or refuse.
 
 The graph is evidence for fusers, never code to run.
 """
@@ -36,9 +44,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.fx.proxy import Attribute, Scope, TracerBase
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["UNKNOWN", "Trace", "TraceStop", "leaf_callable", "trace_module"]
+__all__ = ["UNKNOWN", "Assumption", "Trace", "TraceStop", "leaf_callable", "trace_module"]
 
 
 class _Unknown:
@@ -74,6 +83,29 @@ class TraceStop(Exception):
     """Raised inside a trace when the forward cannot go on; the graph built so far is kept."""
 
 
+# Scalar types of ``self`` attributes that become get_attr nodes (bool is a subclass of int,
+# but attributes are matched by exact type so that enums and subclasses stay constants).
+_SCALAR_ATTR_TYPES = (float, int, bool)
+
+
+@dataclass(frozen=True)
+class Assumption:
+    """Where Python read a stand-in value, and what the trace assumed there.
+
+    kind: "loop" (a loop over a data-dependent count ran once), "branch" (a condition on
+    data was taken as False), "index" (a data-dependent Python index was taken as 0) or
+    "size" (the size of a data-dependent value was read).
+    """
+
+    kind: str
+    node: fx.Node
+    location: tuple[str, int] | None
+
+    def describe(self) -> str:
+        where = f" at {os.path.basename(self.location[0])}:{self.location[1]}" if self.location else ""
+        return f"{self.kind} on {self.node.name}{where}"
+
+
 @dataclass
 class Trace:
     """The result of tracing one module class: a (possibly partial) graph and what it rests on."""
@@ -85,8 +117,26 @@ class Trace:
     stop_location: tuple[str, int] | None = None
     # Places where Python control flow read a traced value (the graph is specialised there).
     guards: list[fx.Node] = field(default_factory=list)
-    # Float attributes of ``self`` that became nodes, by attribute name.
-    float_attrs: dict[str, fx.Node] = field(default_factory=dict)
+    # Scalar attributes of ``self`` that became nodes, by attribute name.
+    self_attrs: dict[str, fx.Node] = field(default_factory=dict)
+    # Places where Python read a stand-in value (see the module docstring).
+    assumptions: list[Assumption] = field(default_factory=list)
+
+    @property
+    def float_attrs(self) -> dict[str, fx.Node]:
+        return {name: node for name, node in self.self_attrs.items() if type(node.meta["val"]) is float}
+
+    @functools.cached_property
+    def specialisation(self) -> dict[str, Any]:
+        """The ``self`` attributes that guards read, with the values this trace saw: the graph
+        holds for an instance only where its attributes have these values."""
+        found: dict[str, Any] = {}
+        for guard in self.guards:
+            for node in _ancestors(guard):
+                name = node.meta.get("self_attr")
+                if name is not None:
+                    found[name] = node.meta["val"]
+        return found
 
     @property
     def output(self) -> fx.Node | None:
@@ -103,6 +153,17 @@ class Trace:
             return "traced to the end"
         where = f" at {os.path.basename(self.stop_location[0])}:{self.stop_location[1]}" if self.stop_location else ""
         return f"trace stopped{where}: {self.stop_reason}"
+
+
+def _ancestors(node: fx.Node) -> list[fx.Node]:
+    """``node`` and every node it was computed from."""
+    seen, pending = {node}, [node]
+    while pending:
+        for parent in pending.pop().all_input_nodes:
+            if parent not in seen:
+                seen.add(parent)
+                pending.append(parent)
+    return list(seen)
 
 
 def _user_location(skip_frames: int = 2) -> tuple[str, int] | None:
@@ -139,18 +200,30 @@ class ValueProxy(fx.Proxy):
             raise TraceStop(f"{what} of {self.node.name}, whose value is unknown")
         return value
 
+    @property
+    def stand_in(self) -> bool:
+        return bool(self.node.meta.get("stand_in"))
+
+    def _assume(self, kind: str) -> None:
+        self.tracer.assumptions.append(Assumption(kind, self.node, _user_location(3)))
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
         value = self.node.meta.get("val", UNKNOWN)
         if isinstance(value, torch.Tensor) and (name in _CONCRETE_ATTRS or name in _CONCRETE_METHODS):
+            if self.stand_in and name in ("shape", "size", "numel", "nelement"):
+                self._assume("size")
             return getattr(value, name)
         return _ValueAttribute(self, name)
 
     def __bool__(self) -> bool:
         value = self._known("control flow on the value")
         if isinstance(value, torch.Tensor):
-            raise TraceStop(f"data-dependent control flow on tensor {self.node.name}")
+            if not self.stand_in:
+                raise TraceStop(f"data-dependent control flow on tensor {self.node.name}")
+            self._assume("branch")
+            return False
         self.tracer.guards.append(self.node)
         return bool(value)
 
@@ -158,16 +231,23 @@ class ValueProxy(fx.Proxy):
         value = self._known("iteration over the value")
         if isinstance(value, torch.Tensor):
             count = value.shape[0] if value.dim() else 0
+            if self.stand_in:
+                self._assume("loop")
         else:
             count = len(value)
         return iter([self[i] for i in range(count)])
 
     def __len__(self) -> int:
         value = self._known("len()")
+        if isinstance(value, torch.Tensor) and self.stand_in:
+            self._assume("size")
         return value.shape[0] if isinstance(value, torch.Tensor) else len(value)
 
     def __index__(self) -> int:
         value = self._known("use as an index")
+        if isinstance(value, torch.Tensor) and self.stand_in and value.numel() == 1:
+            self._assume("index")
+            return 0
         if isinstance(value, torch.Tensor) or not isinstance(value, int):
             raise TraceStop(f"{self.node.name} used as a Python int")
         self.tracer.guards.append(self.node)
@@ -180,6 +260,7 @@ class ValueProxy(fx.Proxy):
         value = self._known("float()")
         if isinstance(value, torch.Tensor):
             raise TraceStop(f"data-dependent float() of {self.node.name}")
+        self.tracer.guards.append(self.node)
         return float(value)
 
     def __setitem__(self, key: Any, item: Any) -> None:
@@ -204,6 +285,7 @@ class _LeafTracer(TracerBase):
         self.root = root
         self.executing = False
         self.guards: list[fx.Node] = []
+        self.assumptions: list[Assumption] = []
         self.recorded_outputs = recorded_outputs or {}
         self._module_names = {id(m): name for name, m in root.named_modules() if m is not root}
         self._tensor_names: dict[int, str] = {}
@@ -258,10 +340,13 @@ class _LeafTracer(TracerBase):
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
         value = UNKNOWN
         error = None
+        stand_in = False
         if kind != "placeholder":
-            value, error = self._evaluate(kind, target, args, kwargs)
+            value, error, stand_in = self._evaluate(kind, target, args, kwargs)
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         proxy.node.meta["val"] = value
+        if stand_in or any(n.meta.get("stand_in") for n in proxy.node.all_input_nodes):
+            proxy.node.meta["stand_in"] = True
         if error is not None:
             proxy.node.meta["val_error"] = error
         location = _user_location()
@@ -305,25 +390,27 @@ class _LeafTracer(TracerBase):
             self.root.__dict__.update(self._shadows)
             self.executing = previous
 
-    def _evaluate(self, kind: str, target: Any, args: tuple, kwargs: dict) -> tuple[Any, str | None]:
+    def _evaluate(self, kind: str, target: Any, args: tuple, kwargs: dict) -> tuple[Any, str | None, bool]:
+        """The node's value, the error that prevented computing it, and whether it is a stand-in."""
         args, kwargs = self._materialise(args), self._materialise(kwargs)
         leaves, _ = tree_flatten((args, kwargs))
         if any(leaf is UNKNOWN for leaf in leaves):
-            return UNKNOWN, None
+            return UNKNOWN, None, False
+        stand_ins = _StandIns()
         try:
-            with self.running():
+            with self.running(), stand_ins:
                 if kind == "call_function":
-                    return target(*args, **kwargs), None
+                    return target(*args, **kwargs), None, stand_ins.used
                 if kind == "call_method":
-                    return getattr(args[0], target)(*args[1:], **kwargs), None
+                    return getattr(args[0], target)(*args[1:], **kwargs), None, stand_ins.used
                 if kind == "call_module":
-                    return self._run_module(target, args, kwargs), None
-        except Exception as exc:  # no meta kernel, data-dependent op: the value stays unknown
+                    return self._run_module(target, args, kwargs), None, stand_ins.used
+        except Exception as exc:  # no meta kernel: the value stays unknown
             recorded = self.recorded_outputs.get(target) if kind == "call_module" else None
             if recorded is not None:
-                return recorded, None
-            return UNKNOWN, f"{type(exc).__name__}: {exc}"
-        return UNKNOWN, None
+                return recorded, None, False
+            return UNKNOWN, f"{type(exc).__name__}: {exc}", False
+        return UNKNOWN, None, False
 
     def _run_module(self, name: str, args: tuple, kwargs: dict) -> Any:
         module = self.root.get_submodule(name)
@@ -344,6 +431,30 @@ class _LeafTracer(TracerBase):
 
     def owns(self, module: nn.Module) -> bool:
         return not self.executing and id(module) in self._module_names
+
+
+_aten = torch.ops.aten
+
+
+class _StandIns(TorchDispatchMode):
+    """On meta tensors, ops that need data answer with stand-ins: ``nonzero`` finds one
+    element, a read of a number gives 0 (False for a bool). ``used`` says whether any did."""
+
+    def __init__(self):
+        super().__init__()
+        self.used = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        first = args[0] if args else None
+        if isinstance(first, torch.Tensor) and first.is_meta:
+            if func is _aten._local_scalar_dense.default:
+                self.used = True
+                return False if first.dtype == torch.bool else (0.0 if first.dtype.is_floating_point else 0)
+            if func is _aten.nonzero.default:
+                self.used = True
+                return torch.empty((1, first.dim()), dtype=torch.long, device="meta")
+        return func(*args, **kwargs)
 
 
 # The tracer of the trace in progress; traces are serialised by _TRACE_LOCK.
@@ -496,15 +607,16 @@ _MISSING = object()
 
 @contextlib.contextmanager
 def _self_state_as_nodes(tracer: _LeafTracer, module: nn.Module):
-    """Float attributes, parameters and buffers of ``module`` read as nodes for the length of the trace.
+    """Scalar attributes, parameters and buffers of ``module`` read as nodes for the length of the trace.
 
     They shadow the real values in the instance ``__dict__`` (which attribute lookup
     consults before ``nn.Module.__getattr__``), so ``self.weight.float()`` is recorded
-    rather than computed eagerly, and ``self.eps`` is known to come from ``eps``.
+    rather than computed eagerly, ``self.eps`` is known to come from ``eps``, and
+    ``if self.norm_topk_prob:`` is a guard on ``norm_topk_prob``.
     """
     shadows: dict[str, ValueProxy] = {}
     for name, v in vars(module).items():
-        if type(v) is float:
+        if type(v) in _SCALAR_ATTR_TYPES:
             node = tracer.graph.create_node("get_attr", name)
             node.meta["val"] = v
             node.meta["self_attr"] = name
@@ -552,8 +664,8 @@ def trace_module(
             tracer.self_node = tracer.graph.placeholder("self")
             tracer.self_node.meta["val"] = module
             with _patched_module_call(tracer), _attention_interface_as_leaf(), _fused_ops_as_leaves(fn):
-                with _self_state_as_nodes(tracer, module) as float_nodes:
-                    trace.float_attrs = float_nodes
+                with _self_state_as_nodes(tracer, module) as attr_nodes:
+                    trace.self_attrs = attr_nodes
                     try:
                         args, kwargs = _bind_inputs(tracer, fn, example)
                         result = fn(module, *args, **kwargs)
@@ -565,4 +677,5 @@ def trace_module(
         finally:
             _ACTIVE = previous
     trace.guards = tracer.guards
+    trace.assumptions = tracer.assumptions
     return trace

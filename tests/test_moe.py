@@ -1,0 +1,229 @@
+"""The MoE fusion: real transformers families, toys in every written form, refusals, state dicts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import transfuse
+from tests import toys
+from transfuse.ops import MoE, StackedExperts
+from transfuse.tiny import tiny_model
+
+FAMILIES = [
+    "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3",
+    "gpt_oss", "granitemoe", "phimoe", "ernie4_5_moe", "jamba",
+]  # fmt: skip
+# Flags the tiny default leaves off, so that both ways of each are fused somewhere.
+OVERRIDES = {"qwen3_moe": {"norm_topk_prob": True}, "olmoe": {"norm_topk_prob": True}}
+
+
+def _blocks(model: nn.Module) -> list[str]:
+    """Paths of the modules that own an ``experts`` child: the MoE blocks, as the test sees them."""
+    return [p for p, m in model.named_modules() if isinstance(getattr(m, "experts", None), nn.Module)]
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_every_moe_block_of_real_models_is_fused_with_equal_logits_and_generation(model_type):
+    model = tiny_model(model_type, **OVERRIDES.get(model_type, {}))
+    ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
+    prompt = ids[:1, :5]
+    before, generated = _logits(model, ids), model.generate(prompt, max_new_tokens=6, do_sample=False)
+    blocks = _blocks(model)
+    assert blocks
+    transfuse.rewrite(model, fusions=["moe"])
+    report = transfuse.report(model)
+    assert sorted(f.path for f in report.fusions if f.kind == "moe") == sorted(blocks), report
+    assert all(isinstance(model.get_submodule(p), MoE) for p in blocks)
+    assert not report.skipped, report
+    assert (_logits(model, ids) - before).abs().max().item() <= 1e-5
+    assert torch.equal(model.generate(prompt, max_new_tokens=6, do_sample=False), generated)
+
+
+def test_router_flags_specialise_per_instance_in_one_process():
+    """Two models of one class, one renormalising the top-k weights and one not, both fuse correctly."""
+    for flag in (False, True, False):
+        model = tiny_model("qwen3_moe", norm_topk_prob=flag)
+        ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(4))
+        before, blocks = _logits(model, ids), _blocks(model)
+        transfuse.rewrite(model, fusions=["moe"])
+        assert all(model.get_submodule(p).plan.router.spec.renormalize is flag for p in blocks)
+        assert (_logits(model, ids) - before).abs().max().item() <= 1e-5
+
+
+def test_top_k_is_read_per_instance():
+    model = tiny_model("mixtral", num_experts_per_tok=3)
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(5))
+    before = _logits(model, ids)
+    transfuse.rewrite(model, fusions=["moe"])
+    assert {m.routing.top_k for m in model.modules() if isinstance(m, MoE)} == {3}
+    assert (_logits(model, ids) - before).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_logits_stay_within_tolerance(dtype):
+    model = tiny_model("qwen2_moe", dtype=dtype)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(6))
+    before = _logits(model, ids).float()
+    transfuse.rewrite(model, fusions=["moe"])
+    assert transfuse.report(model).counts() == {"moe": 2}
+    assert (_logits(model, ids).float() - before).abs().max().item() <= 2e-2 * before.abs().max().item()
+
+
+def test_packed_experts_share_parameters_and_keep_state_dict_keys(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model("qwen3_moe")
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    weight = model.model.layers[0].mlp.experts.gate_up_proj
+    transfuse.rewrite(model, fusions=["moe"])
+    assert {k: v.shape for k, v in model.state_dict().items()} == shapes
+    assert model.model.layers[0].mlp.experts.gate_up_proj is weight
+    model.save_pretrained(tmp_path)
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(7))
+    assert (_logits(stock, ids) - _logits(model, ids)).abs().max().item() <= 1e-5
+
+
+def test_router_hooks_still_see_the_router_outputs():
+    """transformers records router logits with forward hooks on the router: it is then called."""
+    model = tiny_model("qwen3_moe")
+    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        expected = model(input_ids=ids, output_router_logits=True).router_logits
+    transfuse.rewrite(model, fusions=["moe"])
+    with torch.no_grad():
+        got = model(input_ids=ids, output_router_logits=True).router_logits
+    assert len(got) == len(expected) == 2
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, expected))
+
+
+def test_training_gradients_match_the_original():
+    torch.manual_seed(0)
+    original = tiny_model("qwen3_moe").train()
+    fused = tiny_model("qwen3_moe")
+    transfuse.rewrite(fused, fusions=["moe"])
+    fused.train()
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(9))
+    for model in (original, fused):
+        model(input_ids=ids, labels=ids).loss.backward()
+    for (name, a), (_, b) in zip(original.named_parameters(), fused.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+# ---- toys --------------------------------------------------------------------------------
+
+
+def _rewrite_toy(block: nn.Module, seed: int = 0):
+    torch.manual_seed(seed)
+    model = toys.TinyMoEModel(block)
+    x = torch.randn(2, 7, 32)
+    with torch.no_grad():
+        before = model(x), block(model.inp(x))
+    transfuse.rewrite(model, example_inputs=(x,), fusions=["moe"])
+    return model, x, before
+
+
+@pytest.mark.parametrize("cls", [toys.ModuleListMoE, toys.SharedExpertMoE, toys.JitterMoE], ids=lambda c: c.__name__)
+def test_toy_blocks_fuse_and_match(cls):
+    model, x, (before, block_out) = _rewrite_toy(cls())
+    assert isinstance(model.block, MoE), transfuse.report(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), before, rtol=0, atol=1e-6)
+        fused_out = model.block(model.inp(x))
+    # A block that returns a tuple keeps returning it: here the router logits, exactly.
+    assert type(fused_out) is type(block_out)
+    if isinstance(block_out, tuple):
+        assert len(fused_out) == len(block_out) and torch.equal(fused_out[1], block_out[1])
+
+
+def test_module_list_experts_are_stacked_and_keep_their_state_dict_keys():
+    block = toys.ModuleListMoE()
+    keys = {k: v.clone() for k, v in toys.TinyMoEModel(block).state_dict().items()}
+    model, x, (before, _) = _rewrite_toy(block)
+    stacked = model.block.experts
+    assert isinstance(stacked, StackedExperts) and tuple(stacked.w13.shape) == (8, 32, 32)
+    state = model.state_dict()
+    assert state.keys() == keys.keys()
+    # Loaded back into a plain copy of the original, the fused model's weights give its numbers.
+    plain = toys.TinyMoEModel(toys.ModuleListMoE())
+    plain.load_state_dict(state)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(x), before, rtol=0, atol=1e-6)
+    # And the original checkpoint loads into the fused model.
+    torch.manual_seed(3)
+    other = toys.TinyMoEModel(toys.ModuleListMoE())
+    model.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), other(x), rtol=0, atol=1e-6)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        model.load_state_dict({k: v for k, v in other.state_dict().items() if "experts.3.w2" not in k})
+
+
+def test_training_branch_that_changes_numbers_makes_the_layer_inference_only():
+    model, x, _ = _rewrite_toy(toys.JitterMoE(jitter=0.1))
+    assert isinstance(model.block, MoE)
+    model.train()
+    with pytest.raises(RuntimeError, match="inference only.*self.training"):
+        model(x)
+    quiet, x, _ = _rewrite_toy(toys.JitterMoE(jitter=0.0))
+    quiet.train()
+    quiet(x).sum().backward()  # no jitter: training mode computes what was traced
+    assert quiet.block.experts.w13.grad is not None
+
+
+REFUSED = [
+    (toys.StatefulChildMoE, "moe.unaccounted"),
+    (toys.TemperatureRoutedMoE, "moe.routing-form"),
+    (toys.SkipsFirstExpertMoE, "moe.loop-form"),
+    (toys.RangeLoopMoE, "moe.combine"),
+]
+
+
+@pytest.mark.parametrize("cls, tag", REFUSED, ids=lambda v: v if isinstance(v, str) else v.__name__)
+def test_blocks_not_understood_are_refused_with_a_reason(cls, tag):
+    block = cls()
+    model, x, (before, _) = _rewrite_toy(block)
+    assert model.block is block
+    (skip,) = [s for s in transfuse.report(model).skipped if s.kind == "moe"]
+    assert skip.tag == tag and skip.reason.endswith(".")
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
+
+
+def test_non_moe_models_are_left_alone():
+    model = tiny_model("llama")
+    transfuse.rewrite(model, fusions=["moe"])
+    report = transfuse.report(model)
+    assert not report.fusions and not report.skipped
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "gpt_oss", "deepseek_v3"])
+def test_fused_blocks_run_the_triton_kernels_with_the_same_numbers(model_type):
+    """The layer's calls into the Triton kernels (interpreted on CPU) give what the native ops give."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled kernels on a GPU, else interpreted
+    model = tiny_model(model_type)
+    transfuse.rewrite(model, fusions=["moe"])
+    layer = next(m for m in model.modules() if isinstance(m, MoE)).to(device)
+    x = torch.randn(2, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(10)).to(device)
+    with torch.no_grad():
+        native = layer(x)
+        try:
+            for op in ("moe_route", "moe_experts"):
+                transfuse.ops.set_priority(["triton"], op)
+            with transfuse.ops.trace() as calls:
+                kernels = layer(x)
+        finally:
+            for op in ("moe_route", "moe_experts"):
+                transfuse.ops.set_priority(None, op)
+    assert {(c.op, c.provider) for c in calls} == {("moe_route", "triton"), ("moe_experts", "triton")}
+    for a, b in zip(
+        kernels if isinstance(kernels, tuple) else (kernels,), native if isinstance(native, tuple) else (native,)
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

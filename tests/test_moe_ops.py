@@ -1,0 +1,258 @@
+"""The MoE ops: native routing and experts against plain loops, autograd, compile, and the
+Triton kernels (under TRITON_INTERPRET=1 on CPU, small shapes) against native."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from transfuse.ops import ExpertsSpec, RoutingSpec, moe_experts, moe_experts_native, moe_route_native
+from transfuse.ops.moe import moe_route
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda g: F.gelu(g, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def _reference_experts(x, weights, ids, w13, w2, b13, b2, spec: ExpertsSpec, alpha=1.0, limit=math.inf):
+    """One token and one slot at a time, in float64."""
+    x, weights, w13, w2 = x.double(), weights.double(), w13.double(), w2.double()
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            w_in = w13[e] if spec.w13_transposed else w13[e].T  # [H, 2I]
+            h = x[t] @ w_in + (b13[e].double() if b13 is not None else 0)
+            first, second = (h[::2], h[1::2]) if spec.interleaved else h.chunk(2)
+            gate, up = (first, second) if spec.gate_first else (second, first)
+            if spec.activation == "clamped_swiglu":
+                gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+                a = (up + 1) * gate * torch.sigmoid(alpha * gate)
+            else:
+                a = ACTIVATIONS[spec.activation](gate) * up
+            w_out = w2[e] if spec.w2_transposed else w2[e].T  # [I, H]
+            out[t] += weights[t, j] * (a @ w_out + (b2[e].double() if b2 is not None else 0))
+    return out
+
+
+def _experts_case(spec: ExpertsSpec, tokens=5, hidden=40, inter=24, experts=6, top_k=3, bias=False, seed=0,
+                  dtype=torch.float32):  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, generator=g) / inter**0.5
+    if spec.w13_transposed:
+        w13 = w13.transpose(1, 2).contiguous()
+    if spec.w2_transposed:
+        w2 = w2.transpose(1, 2).contiguous()
+    b13 = torch.randn(experts, 2 * inter, generator=g) if bias else None
+    b2 = torch.randn(experts, hidden, generator=g) if bias else None
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g)
+    cast = lambda t: t.to(dtype) if t is not None else None
+    return cast(x), cast(weights), ids, cast(w13), cast(w2), cast(b13), cast(b2)
+
+
+SPECS = [
+    (ExpertsSpec("silu"), False),
+    (ExpertsSpec("gelu", gate_first=False), False),
+    (ExpertsSpec("gelu_tanh", w2_transposed=True), True),
+    (ExpertsSpec("relu", w13_transposed=True), False),
+    (ExpertsSpec("clamped_swiglu", interleaved=True, w13_transposed=True, w2_transposed=True), True),
+]
+
+
+@pytest.mark.parametrize("spec, bias", SPECS, ids=lambda v: v.describe() if isinstance(v, ExpertsSpec) else str(v))
+def test_native_experts_equal_a_plain_loop_in_every_layout(spec, bias):
+    x, weights, ids, w13, w2, b13, b2 = _experts_case(spec, bias=bias)
+    got = moe_experts(x, weights, ids, w13, w2, spec, b13=b13, b2=b2, alpha=1.702, limit=0.8)
+    want = _reference_experts(x, weights, ids, w13, w2, b13, b2, spec, alpha=1.702, limit=0.8)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_native_experts_gradients_equal_the_loop():
+    spec = ExpertsSpec("silu", interleaved=True)
+    tensors = [t.requires_grad_() if t.is_floating_point() else t for t in _experts_case(spec, bias=True)[:7]]
+    x, weights, ids, w13, w2, b13, b2 = tensors
+    grads = torch.autograd.grad(moe_experts(x, weights, ids, w13, w2, spec, b13=b13, b2=b2).square().sum(),
+                                [x, weights, w13, w2, b13, b2])  # fmt: skip
+    want = torch.autograd.grad(_reference_experts(x, weights, ids, w13, w2, b13, b2, spec).square().sum(),
+                               [x, weights, w13, w2, b13, b2])  # fmt: skip
+    for got, expected in zip(grads, want):
+        torch.testing.assert_close(got.double(), expected.double(), rtol=1e-4, atol=1e-5)
+
+
+def test_experts_skip_unused_experts_and_take_one_matmul_per_active_expert(monkeypatch):
+    spec = ExpertsSpec("silu")
+    x, weights, _, w13, w2, _, _ = _experts_case(spec, tokens=4, experts=64, top_k=2)
+    ids = torch.tensor([[3, 9], [9, 3], [3, 40], [40, 9]])
+    calls = []
+    linear = F.linear
+    monkeypatch.setattr(F, "linear", lambda *a, **k: calls.append(a[0].shape[0]) or linear(*a, **k))
+    moe_experts_native(x, weights, ids, w13, w2, None, None, *spec.flags(), 1.0, math.inf)
+    assert sorted(calls) == [2, 2, 3, 3, 3, 3]  # experts 3, 9, 40: gate/up then down each
+
+
+def _reference_route(logits, bias, k, spec, n_group=1, topk_group=1, eps=None, minimum=None, scale=None):
+    """Routing written out the long way, as models do (per token, in float64)."""
+    weights, ids = [], []
+    for row in logits.double():
+        if spec.scoring == "topk_softmax":
+            top, idx = row.topk(k)
+            w = top.softmax(-1)
+        else:
+            scores = row.softmax(-1) if spec.scoring == "softmax" else row.sigmoid()
+            choice = scores + (bias.double() if bias is not None else 0)
+            if spec.grouped:
+                per = row.numel() // n_group
+                group_score = choice.view(n_group, per).topk(2).values.sum(-1)
+                keep = group_score.topk(topk_group).indices
+                allowed = torch.zeros(n_group, dtype=torch.bool)
+                allowed[keep] = True
+                choice = choice.masked_fill(~allowed.repeat_interleave(per), -math.inf)
+            idx = choice.topk(k).indices
+            w = scores[idx]
+        if spec.renormalize:
+            total = w.sum() + (eps or 0.0)
+            w = w / (max(total, minimum) if minimum is not None else total)
+        if spec.scaled:
+            w = w * scale
+        order = idx.argsort()
+        weights.append(w[order])
+        ids.append(idx[order])
+    return torch.stack(weights), torch.stack(ids)
+
+
+ROUTINGS = [
+    RoutingSpec("softmax"),
+    RoutingSpec("softmax", renormalize=True),
+    RoutingSpec("topk_softmax"),
+    RoutingSpec("sigmoid", correction_bias=True, renormalize=True, scaled=True),
+    RoutingSpec("sigmoid", correction_bias=True, grouped=True, renormalize=True, scaled=True),
+    RoutingSpec("softmax", correction_bias=True, renormalize=True),
+]
+
+
+def _route_args(spec: RoutingSpec, tokens=7, experts=16, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, experts, generator=g)
+    bias = torch.randn(experts, generator=g) * 0.1 if spec.correction_bias else None
+    numbers = dict(n_group=4, topk_group=2, renorm_eps=1e-20 if spec.scoring == "sigmoid" else None,
+                   renorm_min=1e-3 if spec.correction_bias and spec.scoring == "softmax" else None, scale=2.5)  # fmt: skip
+    return logits, bias, numbers
+
+
+def _sorted(weights, ids):
+    order = ids.argsort(-1)
+    return weights.gather(1, order), ids.gather(1, order)
+
+
+@pytest.mark.parametrize("spec", ROUTINGS, ids=RoutingSpec.describe)
+def test_native_routing_equals_the_routing_written_out(spec):
+    logits, bias, n = _route_args(spec)
+    weights, ids = moe_route(logits, 3, spec, correction_bias=bias, n_group=n["n_group"], topk_group=n["topk_group"],
+                             renorm_eps=n["renorm_eps"], renorm_min=n["renorm_min"], scale=n["scale"])  # fmt: skip
+    want_w, want_ids = _reference_route(logits, bias, 3, spec, n["n_group"], n["topk_group"], n["renorm_eps"],
+                                        n["renorm_min"], n["scale"])  # fmt: skip
+    got_w, got_ids = _sorted(weights, ids)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w.double(), want_w, rtol=1e-6, atol=1e-7)
+
+
+def test_routing_refuses_a_bias_the_spec_does_not_have():
+    with pytest.raises(ValueError, match="correction_bias"):
+        moe_route(torch.randn(2, 8), 2, RoutingSpec("softmax"), correction_bias=torch.zeros(8))
+
+
+def test_experts_op_compiles_without_graph_breaks():
+    spec = ExpertsSpec("silu")
+    x, weights, ids, w13, w2, _, _ = _experts_case(spec)
+    compiled = torch.compile(lambda *a: moe_experts(*a, spec), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, weights, ids, w13, w2), moe_experts(x, weights, ids, w13, w2, spec))
+
+
+# ---- Triton kernels, under the interpreter on CPU ----------------------------------------
+
+triton_moe = pytest.importorskip("transfuse.ops.triton.moe", reason="triton is part of the dev dependencies")
+# On a GPU machine the same tests run the compiled kernels; elsewhere conftest sets TRITON_INTERPRET=1.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _on_device(tensors):
+    return tuple(t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in tensors)
+
+
+def _poisoned_empty(monkeypatch):
+    """Outputs and workspaces start as NaN (or huge ints): every element read must have been written."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(2**30 if t.dtype != torch.bool else 1)
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+TRITON_CASES = [
+    (ExpertsSpec("silu"), False, dict(tokens=1, top_k=2)),
+    (ExpertsSpec("gelu", gate_first=False), False, dict(tokens=6, top_k=3)),
+    (ExpertsSpec("clamped_swiglu", interleaved=True, w13_transposed=True, w2_transposed=True), True, dict(tokens=5)),
+]
+
+
+@pytest.mark.parametrize(
+    "spec, bias, shape", TRITON_CASES, ids=lambda v: v.describe() if isinstance(v, ExpertsSpec) else ""
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_experts_equal_native(spec, bias, shape, dtype, monkeypatch):
+    args = _on_device(_experts_case(spec, bias=bias, dtype=dtype, **shape))
+    want = moe_experts_native(*args, *spec.flags(), 1.702, 0.8)
+    _poisoned_empty(monkeypatch)
+    # Small tiles, so that several K steps and N blocks run and the odd sizes are masked.
+    with triton_moe.using_config(triton_moe.MoEConfig(16, 16, 16, 4, 2)):
+        got = triton_moe.moe_experts(*args, *spec.flags(), 1.702, 0.8)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+@pytest.mark.parametrize("spec", ROUTINGS, ids=RoutingSpec.describe)
+def test_triton_routing_equals_native(spec, monkeypatch):
+    logits, bias, n = _on_device(_route_args(spec, tokens=19))
+    args = (logits, bias, 3, spec.scoring, spec.float32, spec.grouped, n["n_group"], n["topk_group"], spec.renormalize,
+            n["renorm_eps"], n["renorm_min"], n["scale"] if spec.scaled else None, None)  # fmt: skip
+    want = _sorted(*moe_route_native(*args))
+    _poisoned_empty(monkeypatch)
+    got = _sorted(*triton_moe.moe_route(*args))
+    assert torch.equal(got[1], want[1])
+    assert got[0].dtype == want[0].dtype
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("pairs, experts, block_m", [(13, 8, 16), (200, 128, 16), (6000, 8, 64), (5000, 128, 32)])
+def test_alignment_groups_every_pair_by_expert_in_aligned_blocks(pairs, experts, block_m, monkeypatch):
+    """Few pairs take the one-program path, many the count/offsets/scatter path; tiles of many
+    experts hold fewer pairs, so those loop over several tiles per program."""
+    ids = torch.randint(0, experts, (pairs,), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    max_blocks = pairs // block_m + min(pairs, experts) + 1
+    _poisoned_empty(monkeypatch)
+    size = triton_moe._workspace_size(pairs, experts, block_m, max_blocks)
+    meta = torch.empty(size, dtype=torch.int32, device=DEVICE)
+    triton_moe._align(ids, experts, block_m, max_blocks, meta)
+    meta, ids = meta.cpu(), ids.cpu()
+    block_expert, block_end, sorted_ids = meta[:max_blocks], meta[max_blocks : 2 * max_blocks], meta[2 * max_blocks :]
+    seen = []
+    for b in range(max_blocks):
+        e = int(block_expert[b])
+        if e < 0:
+            assert all(int(x) < 0 for x in block_expert[b:])  # only trailing blocks are unused
+            break
+        rows = sorted_ids[b * block_m : max(b * block_m, min((b + 1) * block_m, int(block_end[b])))]
+        assert bool((ids[rows.long()] == e).all())
+        seen += rows.tolist()
+    assert sorted(seen) == list(range(pairs))

@@ -1,0 +1,615 @@
+"""MoE: ``Σ_k w_k·expert_{i_k}(x) [+ σ(g(x))·shared(x)]``, ``w, i = topk(score(router(x)))`` → ``transfuse.ops.MoE``.
+
+A mixture-of-experts block is found by dataflow across three graphs:
+
+* the experts: a child whose forward (or the block's own forward, when it loops over an
+  ``nn.ModuleList``) adds ``weight · expert(rows)`` into zeros, once per hit expert
+  (``moe_experts``); the ids, weights and tokens it reads are followed back into the block;
+* the router: the children that compute those ids and weights are inlined into the block's
+  graph and the routing is read off it (``moe_routing``). A router that is not understood
+  (phimoe's sparsemixer) is kept and called as is: the experts are still fused;
+* the block's output: the routed sum plus shared experts (a child called on the tokens,
+  optionally times ``sigmoid`` of a gate child), reshaped back; a tuple output keeps its
+  other members (the router's weights or logits).
+
+Every child the block calls must have a role, every in-place op must be understood, and a
+trace may only have assumed what the experts loop explains; anything else is refused with
+a tag. Flags read in the traced forwards (``norm_topk_prob``) specialise the traces
+(``Trace.specialisation``): each instance is analysed with its own flag values, and every
+number (k, groups, eps, scale, alpha, limit) is read per instance from the attribute that
+supplied it. A branch on ``self.training`` is evaluated per instance for training mode; a
+block whose training path differs fuses for inference and says so when run in training.
+
+Packed experts are used in place (no copies, any layout); per-expert modules are stacked
+into the packed layout (``StackedExperts``), keeping their state-dict keys.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import libcst as cst
+import libcst.matchers as m
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ..ops import layer
+from ..ops.moe import ExpertsSpec
+from ..ops.moe_layer import (
+    HIDDEN, IDS, LOGITS, WEIGHTS, ExpertNumbers, ExpertsPlan, MoEPlan, RouterPlan, RoutingNumbers, SharedPlan,
+    StackedExperts,
+)  # fmt: skip
+from ..rewriter.analysis import ClassAnalysis
+from ..rewriter.fusion import Fused, Fuser, Refusal
+from ..rewriter.graph import NoMatch, is_op, operand, operands, peel_casts, value
+from ..rewriter.inline import call_inputs, inline_calls
+from ..rewriter.source import method_source
+from ..rewriter.tracer import Trace, unwrapped_forward
+from .moe_experts import GLUMember, LoopMatch, match_glu_member, match_loop
+from .moe_routing import RoutingMatch, Source, match_routing, peel_reshapes
+
+__all__ = ["MoEFuser", "MoEMatch"]
+
+
+@dataclass(frozen=True)
+class MoEMatch:
+    """What was found in the block class: the plan, and where each instance's numbers are read."""
+
+    plan: MoEPlan
+    experts_child: str  # the child holding the experts: packed tensors, or the list of per-expert modules
+    member: GLUMember | None  # per-expert modules: their children's roles (stacked into a packed layout)
+    routing: RoutingMatch | None  # None: the router is called as is
+    alpha: Source | None
+    limit: Source | None
+    skip_ids_from: Source | None  # an expert id the loop skips, when it skips one
+    training_branches: tuple[tuple[str, type], ...]  # (child path or "", class) whose forward reads self.training
+
+
+class MoEFuser(Fuser):
+    kind = "moe"
+
+    def wants(self, module: nn.Module) -> bool:
+        """A child holding 3-D parameters (packed experts) or a list of small modules (per-expert MLPs)."""
+        for child in module.children():
+            if any(p.dim() >= 3 for p in child.parameters(recurse=False)):
+                return True
+            if isinstance(child, nn.ModuleList) and len(child) >= 2 and _small_members(child):
+                return True
+        return False
+
+    def claimed_children(self, found: MoEMatch) -> tuple[str, ...]:
+        """The router and the experts become the fused layer's; shared experts stay open to other fusions."""
+        return (found.plan.router.module, found.experts_child)
+
+    def match(self, analysis: ClassAnalysis) -> MoEMatch | Refusal | None:
+        try:
+            loop, call = _find_experts(analysis)
+            return _match_block(analysis, loop, call)
+        except _NotMoE:
+            return None
+        except NoMatch as refusal:
+            return Refusal(refusal.tag, refusal.reason, analysis.where(refusal.node))
+
+    def validate(self, module: nn.Module, found: MoEMatch) -> Refusal | None:
+        try:
+            _validate(module, found)
+        except NoMatch as refusal:
+            return Refusal(refusal.tag, refusal.reason)
+        return None
+
+    def fuse(self, module: nn.Module, found: MoEMatch) -> Fused:
+        children = dict(module.named_children())
+        if found.member is not None:
+            children[found.experts_child] = _stack(children[found.experts_child], found.member)
+        plan = replace(found.plan, train_error=_train_error(module, found))
+        experts = ExpertNumbers(
+            alpha=_float(found.alpha, module, 1.0),
+            limit=_float(found.limit, module, math.inf),
+        )
+        fused = layer("MoE")(children, plan, _routing_numbers(module, found.routing), experts)
+        return Fused(replaced=("",), into=type(fused).__name__, replacement=fused)
+
+
+class _NotMoE(Exception):
+    """The module has no experts loop: not a mixture of experts at all (no refusal is reported)."""
+
+
+def _small_members(members: nn.ModuleList) -> bool:
+    """Members of one class whose children are all leaves: per-expert MLPs, not decoder layers."""
+    classes = {type(m) for m in members}
+    return len(classes) == 1 and all(next(c.children(), None) is None for m in members for c in m.children())
+
+
+def _float(source: Source | None, module: nn.Module, default: float | None = None) -> float | None:
+    return float(source.read(module)) if source is not None else default
+
+
+def _routing_numbers(module: nn.Module, routing: RoutingMatch | None) -> RoutingNumbers | None:
+    if routing is None:
+        return None
+    return RoutingNumbers(
+        top_k=int(routing.top_k.read(module)),
+        n_group=int(routing.n_group.read(module)),
+        topk_group=int(routing.topk_group.read(module)),
+        renorm_eps=_float(routing.renorm_eps, module),
+        renorm_min=_float(routing.renorm_min, module),
+        scale=_float(routing.scale, module),
+    )
+
+
+def _trace_of(analysis: ClassAnalysis | None) -> Trace | None:
+    return analysis.trace if analysis is not None else None
+
+
+# ---- finding the experts ---------------------------------------------------------------
+
+
+def _index_adds(trace: Trace) -> int:
+    return sum(1 for n in trace.graph.nodes if is_op(n, "index_add_", "index_add"))
+
+
+def _complete(trace: Trace, what: str, node: fx.Node | None = None) -> None:
+    if trace.partial:
+        raise NoMatch(
+            "moe.partial-trace", f"the {what} forward could not be traced to the end ({trace.describe_stop()}).", node
+        )
+
+
+def _find_experts(analysis: ClassAnalysis) -> tuple[LoopMatch, fx.Node | None]:
+    """The experts loop, in the block itself (per-expert modules) or in one child it calls (then
+    also that call)."""
+    trace = analysis.trace
+    if _index_adds(trace):
+        _complete(trace, "block's")
+        loop = match_loop(trace, lambda path: _trace_of(analysis.child(path)))
+        if loop.packed is not None:
+            raise NoMatch(
+                "moe.block-tensors", "the block computes the experts from tensors of its own.", loop.accumulator
+            )
+        return loop, None
+    candidates = []
+    for node in trace.graph.nodes:
+        if node.op == "call_module":
+            child = analysis.child(node.target)
+            if child is not None and _index_adds(child.trace):
+                candidates.append((node, child))
+    if not candidates:
+        raise _NotMoE()
+    if len(candidates) > 1:
+        names = ", ".join(n.target for n, _ in candidates)
+        raise NoMatch("moe.experts", f"more than one child computes experts ({names}).", candidates[1][0])
+    call, child = candidates[0]
+    _complete(child.trace, "experts'", call)
+    loop = match_loop(child.trace, lambda path: _trace_of(analysis.child(f"{call.target}.{path}")))
+    if child.trace.output.args[0] is not loop.accumulator:
+        raise NoMatch("moe.experts-output", "the experts' forward does not return the sum of the expert outputs.", call)
+    _check_in_place(child.trace.graph, loop.nodes, "experts")
+    return loop, call
+
+
+def _experts_inputs(analysis: ClassAnalysis, loop: LoopMatch, call: fx.Node | None) -> tuple[Any, Any, Any]:
+    """The block's nodes that the experts read as tokens, ids and weights."""
+    if call is None:
+        return loop.tokens, loop.ids, loop.weights
+    inputs = call_inputs(analysis.child(call.target).trace, call.args, call.kwargs)
+    mapped = []
+    for node in (loop.tokens, loop.ids, loop.weights):
+        if node.op != "placeholder" or inputs is None or node.target not in inputs:
+            raise NoMatch(
+                "moe.experts-inputs", f"the experts read {node.name}, which is not one of their arguments.", call
+            )
+        mapped.append(inputs[node.target])
+    return tuple(mapped)
+
+
+# ---- the block -------------------------------------------------------------------------
+
+
+@dataclass
+class _Output:
+    roles: tuple[str, ...]
+    returns_tuple: bool
+    shared: tuple[SharedPlan, ...]
+    flat: bool
+    nodes: set[fx.Node]
+
+
+def _match_block(analysis: ClassAnalysis, loop: LoopMatch, call: fx.Node | None) -> MoEMatch:
+    trace = analysis.trace
+    _complete(trace, "block's")
+    used = [p for p in trace.placeholders() if p.users]
+    if len(used) != 1:
+        raise NoMatch(
+            "moe.inputs", f"the block reads {len(used)} tensor inputs, not only the hidden states.", trace.output
+        )
+    tokens, ids, weights = _experts_inputs(analysis, loop, call)
+    experts_calls = {call} if call is not None else {loop.member_call}
+    routers = _router_calls((ids, weights), experts_calls)
+    router_names = {n.target for n in routers}
+    inlined = inline_calls(
+        trace, lambda path: _trace_of(analysis.child(path)) if path.split(".")[0] in router_names else None
+    )
+    x = inlined[used[0]]
+    router, routing = _match_router(analysis, inlined, routers, ids, weights, x)
+    if not _is_tokens(inlined[tokens], x):
+        raise NoMatch("moe.tokens", "the experts do not read the block's input flattened to [tokens, hidden].", tokens)
+    routed = inlined[call] if call is not None else inlined[loop.accumulator]
+    roles = {id(routed): HIDDEN, id(inlined[weights]): WEIGHTS, id(inlined[ids]): IDS}
+    if routing is not None:
+        roles[id(routing.logits)] = LOGITS
+    output = _match_output(inlined, x, routed, roles)
+    _account(trace, experts_calls | set(routers), output.shared)
+    loop_nodes = {inlined[n] for n in loop.nodes if n in inlined.env} if call is None else set()
+    _check_in_place(inlined.graph, (routing.nodes if routing else set()) | output.nodes | loop_nodes, "block")
+    experts, owner, member, alpha, limit, skip = _experts_plan(analysis, loop, call)
+    plan = MoEPlan(router, experts, output.shared, output.roles, output.returns_tuple, output.flat)
+    branches = (("", analysis.cls),) if "training" in trace.specialisation else ()
+    if routing is not None and not router.train_as_module and _reads_training(analysis, router.module):
+        branches += ((router.module, analysis.child(router.module).cls),)
+    return MoEMatch(plan, owner, member, routing, alpha, limit, skip, branches)
+
+
+def _experts_plan(analysis: ClassAnalysis, loop: LoopMatch, call: fx.Node | None):
+    """(plan, owning child, member roles, alpha, limit, skipped id) of the experts."""
+    if call is not None:
+        prefix, p = f"{call.target}.", loop.packed
+        plan = ExpertsPlan(
+            prefix + p.w13, prefix + p.w2, p.spec,
+            prefix + p.b13 if p.b13 else None, prefix + p.b2 if p.b2 else None,
+        )  # fmt: skip
+        return (
+            plan,
+            call.target,
+            None,
+            _prefixed(p.alpha, prefix),
+            _prefixed(p.limit, prefix),
+            _prefixed(loop.skip_ids_from, prefix),
+        )
+    member_trace = _trace_of(analysis.child(loop.member_call.target))
+    if member_trace is None:
+        raise NoMatch("moe.expert-form", "the expert module was not traced.", loop.member_call)
+    member = match_glu_member(member_trace, lambda p: _trace_of(analysis.child(f"{loop.member_call.target}.{p}")))
+    owner = loop.member_list
+    plan = ExpertsPlan(f"{owner}.w13", f"{owner}.w2", ExpertsSpec(member.activation))
+    return plan, owner, member, None, None, loop.skip_ids_from
+
+
+def _prefixed(source: Source | None, prefix: str) -> Source | None:
+    if source is None or source.path is None:
+        return source
+    return Source(path=prefix + source.path)
+
+
+def _reads_training(analysis: ClassAnalysis, child: str) -> bool:
+    found = analysis.child(child)
+    return found is not None and "training" in found.trace.specialisation
+
+
+def _router_calls(roots: tuple, excluded: set) -> list[fx.Node]:
+    """The children called on the way to the routing ids and weights."""
+    seen, pending, calls = set(), [r for r in roots if isinstance(r, fx.Node)], []
+    while pending:
+        node = pending.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "call_module" and node not in excluded:
+            calls.append(node)
+        pending.extend(node.all_input_nodes)
+    return calls
+
+
+def _is_tokens(node: Any, x: fx.Node) -> bool:
+    """``node`` is the block input flattened to ``[tokens, hidden]`` (or the input, already 2-D)."""
+    if peel_reshapes(node) is not x:
+        return False
+    shape, x_shape = getattr(value(node), "shape", None), getattr(value(x), "shape", None)
+    return shape is not None and x_shape is not None and len(shape) == 2 and shape[-1] == x_shape[-1]
+
+
+def _match_router(analysis, inlined, routers: list[fx.Node], ids, weights, x) -> tuple[RouterPlan, RoutingMatch | None]:
+    """The routing, recognised (computed by the layer) or, failing that, the router child called as is."""
+    if len(routers) != 1:
+        names = ", ".join(n.target for n in routers) or "none"
+        raise NoMatch(
+            "moe.router", f"the routing ids and weights come from {len(routers)} children ({names}), not one router."
+        )
+    call = routers[0]
+    router_input = call.args[0] if len(call.args) == 1 and not call.kwargs else None
+    as_input = router_input is not None and router_input.op == "placeholder"
+    if router_input is None or not (as_input or _is_tokens(inlined[router_input], x)):
+        raise NoMatch("moe.router", f"the router {call.target!r} is not called on the block's tokens alone.", call)
+    try:
+        routing = match_routing(inlined[ids], inlined[weights])
+    except NoMatch as refusal:
+        return _opaque_router(call, ids, weights, refusal), None
+    if not (routing.tokens is x or _is_tokens(routing.tokens, x)):
+        raise NoMatch("moe.router", "the router scores something other than the block's tokens.", routing.tokens)
+    returned = inlined[call]
+    meaning = {id(inlined[weights]): WEIGHTS, id(inlined[ids]): IDS, id(routing.logits): LOGITS}
+    returns = tuple(meaning.get(id(r)) for r in (returned if isinstance(returned, (tuple, list)) else (returned,)))
+    plan = RouterPlan(
+        module=call.target,
+        returns=returns,
+        input=as_input,
+        logits=None if returns == (LOGITS,) and routing.logits is returned else routing.logits_plan,
+        spec=routing.spec,
+        correction_bias=routing.correction_bias,
+        weights_dtype=routing.weights_dtype,
+        # A router that reads self.training computes its own training path; the layer calls it then.
+        train_as_module={WEIGHTS, IDS} <= set(returns) and _reads_training(analysis, call.target),
+    )
+    return plan, routing
+
+
+def _opaque_router(call: fx.Node, ids, weights, refusal: NoMatch) -> RouterPlan:
+    """A router whose routing is not recognised, but whose outputs the experts read directly."""
+    roles = {}
+    for node, role in ((ids, IDS), (weights, WEIGHTS)):
+        if not (is_op(node, "getitem") and operand(node, 0) is call and isinstance(operand(node, 1), int)):
+            raise refusal
+        roles[operand(node, 1)] = role
+    arity = len(value(call)) if isinstance(value(call), (tuple, list)) else 0
+    if arity < 2:
+        raise refusal
+    return RouterPlan(
+        module=call.target, returns=tuple(roles.get(i) for i in range(arity)), input=call.args[0].op == "placeholder"
+    )
+
+
+def _match_output(inlined, x: fx.Node, routed: Any, roles: dict[int, str]) -> _Output:
+    """Roles of what the block returns; the shared experts added to the routed output."""
+    out = next(n for n in reversed(inlined.graph.nodes) if n.op == "output").args[0]
+    items = out if isinstance(out, (tuple, list)) else (out,)
+    found = _Output((), isinstance(out, (tuple, list)), (), False, set())
+    roles_out = []
+    for item in items:
+        role = roles.get(id(item))
+        if role is None or role == HIDDEN:
+            hidden = _peel_output_cast(item, x, found.nodes)
+            found.flat = getattr(value(item), "shape", None) != getattr(value(x), "shape", None)
+            _cover(found.nodes, hidden, peel_reshapes(hidden))
+            found.shared = _split_terms(peel_reshapes(hidden), routed, x, found.nodes)
+            role = HIDDEN
+        roles_out.append(role)
+    if roles_out.count(HIDDEN) != 1:
+        raise NoMatch("moe.output", f"the block returns {roles_out.count(HIDDEN)} copies of its output, not one.", out)
+    found.roles = tuple(roles_out)
+    return found
+
+
+def _peel_output_cast(item: Any, x: fx.Node, nodes: set) -> Any:
+    """The output below a cast to the input's dtype (the only cast that keeps the layer's dtype)."""
+    hidden, casts = peel_casts(item)
+    for cast in casts:
+        if cast.like is None or peel_reshapes(cast.like) is not x:
+            raise NoMatch(
+                "moe.output", f"the block's output is cast to {cast.describe()}, not to its input's dtype.", item
+            )
+    _cover(nodes, item, hidden)
+    return hidden
+
+
+def _cover(covered: set, top: Any, bottom: Any) -> None:
+    walk = top
+    while isinstance(walk, fx.Node) and walk is not bottom:
+        covered.add(walk)
+        walk = operand(walk, 0)
+
+
+def _split_terms(node: Any, routed: Any, x: fx.Node, covered: set) -> tuple[SharedPlan, ...]:
+    """``routed + shared_1 + ...`` (any order), each shared term ``S(x)`` or ``sigmoid(G(x)) * S(x)``."""
+    terms, pending = [], [node]
+    while pending:
+        term = peel_reshapes(pending.pop(0))
+        if is_op(term, "add") and len(operands(term)) == 2 and not term.kwargs:
+            covered.add(term)
+            pending[:0] = list(operands(term))
+            continue
+        terms.append(term)
+    if sum(1 for t in terms if t is routed) != 1:
+        raise NoMatch("moe.output", "the block's output is not the routed experts' output plus shared experts.", node)
+    return tuple(_shared_term(t, x, covered) for t in terms if t is not routed)
+
+
+def _shared_term(term: Any, x: fx.Node, covered: set) -> SharedPlan:
+    if isinstance(term, fx.Node) and term.op == "call_module":
+        return SharedPlan(term.target, input=_module_input(term, x))
+    if is_op(term, "mul"):
+        for gate, expert in (operands(term)[:2], operands(term)[1::-1]):
+            inner = operand(gate, 0) if is_op(gate, "sigmoid") else None
+            if (
+                isinstance(inner, fx.Node)
+                and inner.op == "call_module"
+                and getattr(expert, "op", None) == "call_module"
+            ):
+                covered.update({term, gate})
+                return SharedPlan(expert.target, _module_input(expert, x), inner.target, _module_input(inner, x))
+    raise NoMatch(
+        "moe.shared",
+        "a term added to the experts' output is not a shared expert (optionally gated by a sigmoid).",
+        term,
+    )
+
+
+def _module_input(call: fx.Node, x: fx.Node) -> bool:
+    """True when a child is called on the block's input as is, False on the flattened tokens."""
+    if len(call.args) != 1 or call.kwargs or not (call.args[0] is x or _is_tokens(call.args[0], x)):
+        raise NoMatch("moe.shared", f"{call.target!r} is not called on the block's tokens alone.", call)
+    return call.args[0] is x
+
+
+def _account(trace: Trace, known: set, shared: tuple[SharedPlan, ...]) -> None:
+    """Every child the block calls has a role."""
+    names = {n.target for n in known if n is not None}
+    names |= {s.module for s in shared} | {s.gate for s in shared if s.gate is not None}
+    for node in trace.graph.nodes:
+        if node.op == "call_module" and node.target not in names:
+            raise NoMatch(
+                "moe.unaccounted", f"the block calls {node.target!r}, whose role in the block is not understood.", node
+            )
+
+
+def _check_in_place(graph: fx.Graph, covered: set, where: str) -> None:
+    """In-place ops write through to values others may read: each must be one the match understands."""
+    for node in graph.nodes:
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        if isinstance(name, str) and name.endswith("_") and not name.startswith("_") and node not in covered:
+            raise NoMatch("moe.in-place", f"the {where} modifies a value in place ({name} at {node.name}).", node)
+
+
+# ---- per instance ----------------------------------------------------------------------
+
+
+def _validate(module: nn.Module, found: MoEMatch) -> None:
+    if (
+        next(module.parameters(recurse=False), None) is not None
+        or next(module.buffers(recurse=False), None) is not None
+    ):
+        raise NoMatch("moe.block-tensors", "the block holds tensors of its own, which the fused layer would not keep.")
+    if found.member is not None:
+        experts = _check_members(module.get_submodule(found.experts_child), found.member)
+    else:
+        experts = _check_packed(module, found)
+    if found.routing is not None:
+        _check_routing(module, found, experts)
+    if found.skip_ids_from is not None:
+        skipped = found.skip_ids_from.read(module)
+        if not isinstance(skipped, int) or skipped < experts:
+            raise NoMatch(
+                "moe.loop-form", f"the experts loop skips expert id {skipped!r}, which is a real expert of {experts}."
+            )
+
+
+def _tensor(module: nn.Module, path: str) -> torch.Tensor:
+    owner, _, name = path.rpartition(".")
+    return getattr(module.get_submodule(owner) if owner else module, name)
+
+
+def _check_packed(module: nn.Module, found: MoEMatch) -> int:
+    e = found.plan.experts
+    w13, w2 = _tensor(module, e.w13), _tensor(module, e.w2)
+    if not (isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor) and w13.dim() == 3 and w2.dim() == 3):
+        raise NoMatch("moe.shapes", "the packed expert weights are not 3-D tensors.")
+    experts = w13.shape[0]
+    hidden, double = (w13.shape[1], w13.shape[2]) if e.spec.w13_transposed else (w13.shape[2], w13.shape[1])
+    expect_w2 = (experts, double // 2, hidden) if e.spec.w2_transposed else (experts, hidden, double // 2)
+    if double % 2 or tuple(w2.shape) != expect_w2:
+        raise NoMatch(
+            "moe.shapes",
+            f"gate/up {tuple(w13.shape)} and down {tuple(w2.shape)} do not fit one layout (expected down {expect_w2}).",
+        )
+    for path, rows in ((e.b13, double), (e.b2, hidden)):
+        if path is not None and tuple(_tensor(module, path).shape) != (experts, rows):
+            raise NoMatch(
+                "moe.shapes", f"the bias {path} has shape {tuple(_tensor(module, path).shape)}, not {(experts, rows)}."
+            )
+    return experts
+
+
+def _check_members(members: nn.Module, glu: GLUMember) -> int:
+    if not isinstance(members, nn.ModuleList) or len({type(m) for m in members}) != 1:
+        raise NoMatch("moe.experts", "the per-expert modules are not one list of modules of one class.")
+    shapes = set()
+    for member in members:
+        parts = [member.get_submodule(n) for n in (glu.gate, glu.up, glu.down)]
+        shapes.add(tuple((tuple(p.weight.shape), p.bias is not None) for p in parts))
+    if len(shapes) != 1:
+        raise NoMatch("moe.shapes", "the per-expert modules differ in shape or bias.")
+    (gate, gate_bias), (up, up_bias), (down, down_bias) = next(iter(shapes))
+    if gate != up or down != (gate[1], gate[0]):
+        raise NoMatch("moe.shapes", f"gate {gate}, up {up} and down {down} are not one gated MLP.")
+    if gate_bias or up_bias or down_bias:
+        raise NoMatch("moe.expert-bias", "the per-expert modules have biases, which stacking does not carry yet.")
+    return len(members)
+
+
+def _check_routing(module: nn.Module, found: MoEMatch, experts: int) -> None:
+    r, routing = found.plan.router, found.routing
+    top_k = routing.top_k.read(module)
+    router_weight = _tensor(module, r.logits.weight) if r.logits is not None else None
+    if router_weight is not None and router_weight.shape[0] != experts:
+        raise NoMatch("moe.shapes", f"the router scores {router_weight.shape[0]} experts but there are {experts}.")
+    if not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise NoMatch("moe.top-k", f"top-k is {top_k!r}, not a number of experts between 1 and {experts}.")
+    if r.spec.grouped:
+        groups, kept = routing.n_group.read(module), routing.topk_group.read(module)
+        if not (isinstance(groups, int) and groups > 0 and experts % groups == 0 and 1 <= kept <= groups):
+            raise NoMatch(
+                "moe.group-limit", f"{experts} experts in {groups!r} groups, keeping {kept!r}, is not a valid grouping."
+            )
+    if r.correction_bias is not None and _tensor(module, r.correction_bias).numel() != experts:
+        raise NoMatch("moe.shapes", f"the correction bias {r.correction_bias} does not have one value per expert.")
+
+
+def _stack(members: nn.ModuleList, glu: GLUMember) -> StackedExperts:
+    parts = [[m.get_submodule(n).weight for m in members] for n in (glu.gate, glu.up, glu.down)]
+    gate, up, down = (torch.stack([w.detach() for w in ws]) for ws in parts)
+    tensors = {"w13": torch.cat([gate, up], dim=1), "w2": down}
+    for t, ws in zip(tensors.values(), (parts[0], parts[2])):
+        t.requires_grad_(ws[0].requires_grad)
+    keys = {"w13": (f"{{}}.{glu.gate}.weight", f"{{}}.{glu.up}.weight"), "w2": (f"{{}}.{glu.down}.weight",)}
+    return StackedExperts(tensors, keys)
+
+
+# ---- training mode ---------------------------------------------------------------------
+
+
+def _train_error(module: nn.Module, found: MoEMatch) -> str | None:
+    """None when training mode computes what was traced; else why the fused layer is inference-only."""
+    for path, cls in found.training_branches:
+        owner = module.get_submodule(path) if path else module
+        for line, test in _training_tests(cls):
+            taken = _evaluate(test, owner)
+            if taken is None or taken != _evaluate(test, owner, training=False):
+                where = f"{cls.__name__}.forward line {line}"
+                return (
+                    f"This fused mixture-of-experts layer reproduces {type(module).__name__} in inference only: "
+                    f"in training mode its forward takes another path ({where}: `{test}`). "
+                    "Rewrite the model without the 'moe' fusion to train it."
+                )
+    return None
+
+
+def _training_tests(cls: type) -> list[tuple[int, str]]:
+    """The conditions of the branches in ``cls.forward`` that read ``self.training``."""
+    source = method_source(unwrapped_forward(cls))
+    if source is None:
+        return [(0, "<no source>")]
+    tests = []
+    for node in m.findall(source.node, m.If() | m.IfExp() | m.While()):
+        code = cst.Module(body=[]).code_for_node(node.test)
+        if "self.training" in code:
+            tests.append((source.line(node), code))
+    return tests
+
+
+_ALLOWED = (ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.Compare, ast.Attribute, ast.Name,
+            ast.Load, ast.Constant, ast.Gt, ast.GtE, ast.Lt, ast.LtE, ast.Eq, ast.NotEq, ast.Is, ast.IsNot)  # fmt: skip
+
+
+def _evaluate(test: str, module: nn.Module, training: bool = True) -> Any:
+    """The value of a condition that reads only attributes of ``self``, as ``module`` would see it in
+    the given mode; None when the condition reads anything else."""
+    try:
+        tree = ast.parse(test, mode="eval")
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        if not isinstance(node, _ALLOWED) or (isinstance(node, ast.Name) and node.id != "self"):
+            return None
+        if isinstance(node, ast.Attribute) and not (isinstance(node.value, ast.Name) and node.value.id == "self"):
+            return None
+
+    class _View:
+        def __getattr__(self, name):
+            return training if name == "training" else getattr(module, name)
+
+    try:
+        return bool(eval(compile(tree, "<condition>", "eval"), {"__builtins__": {}}, {"self": _View()}))
+    except Exception:  # an attribute the instance lacks: the condition cannot be decided
+        return None

@@ -1,0 +1,457 @@
+"""MoE experts by dataflow: ``out.index_add_(0, t, w[t, s] · expert_e(x[t]))`` over the hit experts.
+
+Models compute experts in a loop over the experts that received tokens, with the same
+bookkeeping: a one-hot of the ids, permuted so the expert axis comes first; ``nonzero``
+of its per-expert counts to find the hit experts; ``where`` of one expert's slice to
+find its (slot, token) pairs; the expert applied to those tokens' rows, times their
+routing weights, added into a zero tensor. The tracer follows one representative
+iteration (``Trace.assumptions`` says where); this module checks that iteration's
+dataflow, including which ``where`` output is the token and which the slot (it depends
+on the permutation), and that a skipped iteration only skips an id no expert has.
+
+The expert itself is either packed tensors indexed by the expert (``gate_up_proj[e]``,
+``down_proj[e]``; ``F.linear`` or ``@``; halves, interleaved, or gpt-oss's clamped SwiGLU)
+or a member of an ``nn.ModuleList`` whose own graph is ``down(act(gate(x)) * up(x))``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import libcst as cst
+import libcst.matchers as m
+import torch
+import torch.fx as fx
+
+from ..ops.moe import ExpertsSpec
+from ..rewriter.graph import NoMatch, is_op, op_name, operand, operands, peel_casts, value
+from ..rewriter.source import method_source
+from ..rewriter.tracer import Trace, unwrapped_forward
+from .moe_routing import Source, source_of
+
+__all__ = ["GLUMember", "LoopMatch", "PackedExpert", "activation_of", "match_glu_member", "match_loop"]
+
+Lookup = Callable[[str], "Trace | None"]
+
+
+@dataclass(frozen=True)
+class PackedExpert:
+    """Packed expert tensors (paths in the traced module) and their layout."""
+
+    w13: str
+    w2: str
+    spec: ExpertsSpec
+    b13: str | None = None
+    b2: str | None = None
+    alpha: Source | None = None
+    limit: Source | None = None
+
+
+@dataclass(frozen=True)
+class GLUMember:
+    """A per-expert module computing ``down(act(gate(x)) * up(x))``: its children's names."""
+
+    gate: str
+    up: str
+    down: str
+    activation: str
+
+
+@dataclass
+class LoopMatch:
+    """The loop over hit experts: its inputs, what it returns, and what each expert is."""
+
+    accumulator: fx.Node
+    tokens: fx.Node
+    ids: fx.Node
+    weights: fx.Node
+    skip_ids_from: Source | None  # an id the loop skips, when it skips one: it must be no expert's
+    packed: PackedExpert | None = None
+    member_list: str | None = None  # the ModuleList whose members are the experts
+    member_call: fx.Node | None = None
+    nodes: set[fx.Node] = field(default_factory=set)
+
+
+def match_loop(trace: Trace, children: Lookup) -> LoopMatch:
+    """The hit-experts loop of ``trace`` (an experts class, or a block that loops itself)."""
+    graph = trace.graph
+    adds = [n for n in graph.nodes if is_op(n, "index_add_", "index_add")]
+    if len(adds) != 1:
+        raise NoMatch("moe.combine", f"the forward has {len(adds)} index_add calls, not one per expert iteration.")
+    add = adds[0]
+    accumulator, dim, token_idx, source = (operand(add, i) for i in range(4))
+    if dim != 0:
+        raise NoMatch("moe.combine", f"expert outputs are added along dimension {dim}, not over tokens.", add)
+    found = LoopMatch(accumulator, None, None, None, None, nodes={add})
+    contribution, casts = peel_casts(source)
+    _chain(found.nodes, source, contribution)
+    if len(casts) > 1 or not is_op(contribution, "mul"):
+        raise NoMatch("moe.combine", "what is added per expert is not its output times a routing weight.", source)
+    found.nodes.add(contribution)
+    selection, expert_out = _split_weight(contribution, found)
+    where, token_axis_output = _token_index(token_idx, selection, found)
+    expert, mask = _expert_index(where, token_axis_output, found)
+    ids_shape, weights_shape = (getattr(value(n), "shape", None) for n in (found.ids, found.weights))
+    if ids_shape is None or ids_shape != weights_shape:
+        raise NoMatch("moe.combine", f"the routing weights {weights_shape} are not laid out like the ids {ids_shape}.", add)
+    _check_loop(trace, expert, mask, found)
+    if expert_out.op == "call_module":
+        rows = _member(expert_out, found)
+    else:
+        found.packed, rows = _packed(expert_out, expert, children, found)
+    found.tokens = _rows_source(rows, token_idx, found)
+    _check_accumulator(accumulator, found.tokens, found)
+    return found
+
+
+def _chain(nodes: set[fx.Node], top: fx.Node, bottom: fx.Node) -> None:
+    walk = top
+    while walk is not bottom:
+        nodes.add(walk)
+        walk = operand(walk, 0)
+
+
+def _split_weight(mul: fx.Node, found: LoopMatch) -> tuple[fx.Node, fx.Node]:
+    """``expert_out * weights[t, s, None]`` (either order; ``[t, s].unsqueeze(-1)`` too)."""
+    for selection, other in (operands(mul)[:2], operands(mul)[1::-1]):
+        base = selection
+        if is_op(base, "unsqueeze") and operand(base, 1, "dim") in (-1, 1):
+            base = operand(base, 0)
+        if is_op(base, "getitem") and isinstance(operand(base, 1), tuple):
+            index = operand(base, 1)
+            if len(index) == 3 and index[2] is None and base is selection or len(index) == 2 and base is not selection:
+                found.nodes.update({selection, base})
+                found.weights = operand(base, 0)
+                return base, other
+    raise NoMatch("moe.combine", "the expert output is not multiplied by its routing weight weights[token, slot].", mul)
+
+
+def _token_index(token_idx: fx.Node, selection: fx.Node, found: LoopMatch) -> tuple[fx.Node, tuple[int, int]]:
+    """The ``where`` both indices come from, and which of its outputs are the token and the slot."""
+    tok, slot = operand(selection, 1)[:2]
+    if tok is not token_idx:
+        raise NoMatch("moe.combine", "the routing weight is not read at the token its output is added to.", selection)
+    if not (is_op(tok, "getitem") and is_op(slot, "getitem") and operand(tok, 0) is operand(slot, 0)):
+        raise NoMatch("moe.combine", "the token and slot indices do not come from one where().", selection)
+    where = operand(tok, 0)
+    if not is_op(where, "where") or len(where.args) != 1 or where.kwargs:
+        raise NoMatch("moe.combine", "the token and slot indices do not come from where(mask).", where)
+    found.nodes.update({tok, slot, where})
+    return where, (operand(tok, 1), operand(slot, 1))
+
+
+def _expert_index(where: fx.Node, outputs: tuple[int, int], found: LoopMatch) -> tuple[fx.Node, fx.Node]:
+    """``where(mask[e])`` with ``mask = one_hot(ids).permute(p)``; checks which output is which axis."""
+    sliced = operand(where, 0)
+    if is_op(sliced, "squeeze") and operand(sliced, 1, "dim") == 0:
+        found.nodes.add(sliced)
+        sliced = operand(sliced, 0)
+    if not is_op(sliced, "getitem"):
+        raise NoMatch("moe.combine", "where() is not applied to one expert's slice of the mask.", sliced)
+    mask, expert = operand(sliced, 0), operand(sliced, 1)
+    if not is_op(mask, "permute"):
+        raise NoMatch("moe.combine", "the expert mask is not a permuted one-hot of the ids.", mask)
+    order = operands(mask)[1:]
+    order = tuple(order[0]) if len(order) == 1 and isinstance(order[0], (tuple, list)) else tuple(order)
+    one_hot = operand(mask, 0)
+    if not is_op(one_hot, "one_hot") or sorted(order) != [0, 1, 2] or order[0] != 2:
+        raise NoMatch("moe.combine", "the mask is not one_hot(ids) with the expert axis moved first.", mask)
+    token_output, slot_output = outputs
+    # After mask[e], where()'s output i runs over axis order[i + 1] of one_hot(ids): 0 tokens, 1 slots.
+    if (order[1 + token_output], order[1 + slot_output]) != (0, 1):
+        raise NoMatch("moe.combine", "the token and slot indices are swapped relative to the mask's axes.", where)
+    found.ids = operand(one_hot, 0)
+    found.nodes.update({sliced, mask, one_hot, *[n for n in one_hot.all_input_nodes if n is not found.ids]})
+    return expert, mask
+
+
+def _check_loop(trace: Trace, expert: fx.Node, mask: fx.Node, found: LoopMatch) -> None:
+    """The expert index is the element of a loop over ``nonzero(mask.sum(...) > 0)``, and every place
+    the trace assumed something is that loop, a skip of the sentinel id, or the member lookup."""
+    element = expert
+    while is_op(element, "getitem") and operand(element, 1) == 0 and not is_op(operand(element, 0), "nonzero"):
+        found.nodes.add(element)
+        element = operand(element, 0)
+    if not (is_op(element, "getitem") and is_op(operand(element, 0), "nonzero")):
+        raise NoMatch("moe.loop-form", "the expert index is not an element of nonzero() over the hit experts.", expert)
+    nonzero = operand(element, 0)
+    hit = operand(nonzero, 0)
+    counts = operand(hit, 0)
+    if not (
+        is_op(hit, "greater", "gt", "ne")
+        and operand(hit, 1) == 0
+        and is_op(counts, "sum")
+        and operand(counts, 0) is mask
+    ):
+        raise NoMatch("moe.loop-form", "the loop does not run over exactly the experts that received tokens.", nonzero)
+    found.nodes.update({element, nonzero, hit, counts})
+    source = method_source(unwrapped_forward(trace.cls))
+    for assumption in trace.assumptions:
+        node = assumption.node
+        if assumption.kind == "loop" and node is nonzero:
+            continue
+        if assumption.kind == "index" and node in (expert, element):
+            continue  # the member lookup self.experts[e]: checked where the member is called
+        if assumption.kind == "branch" and _skips_sentinel(node, expert, source, assumption.location, found):
+            continue
+        raise NoMatch(
+            "moe.loop-form",
+            f"the loop reads data-dependent values in a way transfuse does not follow ({assumption.describe()}).",
+            node,
+        )
+
+
+def _skips_sentinel(node: fx.Node, expert: fx.Node, source, location, found: LoopMatch) -> bool:
+    """``if e == n: continue`` (or ``>=``): skips one id; the instance check makes sure no expert has it."""
+    if not (is_op(node, "eq", "ge") and operand(node, 0) is expert) or source is None or location is None:
+        return False
+    if location[0] != source.filename or not _continue_only_if(source, location[1]):
+        return False
+    found.skip_ids_from = source_of(operand(node, 1), "the skipped expert id", (int,))
+    return True
+
+
+def _continue_only_if(source, line: int) -> bool:
+    for node in m.findall(source.node, m.If()):
+        if source.line(node) == line:
+            body = node.body.body
+            simple = len(body) == 1 and isinstance(body[0], cst.SimpleStatementLine) and len(body[0].body) == 1
+            return node.orelse is None and simple and isinstance(body[0].body[0], cst.Continue)
+    return False
+
+
+def _rows_source(rows: fx.Node, token_idx: fx.Node, found: LoopMatch) -> fx.Node:
+    """``tokens[t]`` or ``tokens[None, t].reshape(-1, H)`` → tokens."""
+    gathered = operand(rows, 0) if is_op(rows, "reshape", "view") else rows
+    index = operand(gathered, 1) if is_op(gathered, "getitem") else None
+    if index is token_idx or (
+        isinstance(index, tuple) and len(index) == 2 and index[0] is None and index[1] is token_idx
+    ):
+        found.nodes.update({rows, gathered})
+        return operand(gathered, 0)
+    raise NoMatch("moe.combine", "the expert is not applied to the rows of the tokens routed to it.", rows)
+
+
+def _check_accumulator(accumulator: fx.Node, tokens: fx.Node, found: LoopMatch) -> None:
+    if is_op(accumulator, "zeros_like") and operand(accumulator, 0) is tokens:
+        found.nodes.add(accumulator)
+        return
+    if is_op(accumulator, "zeros") and getattr(value(accumulator), "shape", None) == getattr(
+        value(tokens), "shape", None
+    ):
+        found.nodes.add(accumulator)
+        return
+    raise NoMatch("moe.combine", "the expert outputs are not added into zeros shaped like the tokens.", accumulator)
+
+
+def _member(call: fx.Node, found: LoopMatch) -> fx.Node:
+    """``self.experts[e](rows)``: the representative member ``<list>.0`` called on the rows alone."""
+    owner, _, index = call.target.rpartition(".")
+    if index != "0" or not owner or len(call.args) != 1 or call.kwargs:
+        raise NoMatch(
+            "moe.expert-form", f"the expert call {call.target} is not a member of a module list on the rows.", call
+        )
+    found.member_list = owner
+    found.member_call = call
+    found.nodes.add(call)
+    return call.args[0]
+
+
+# ---- packed experts --------------------------------------------------------------------
+
+
+def _indexed_param(node, expert: fx.Node) -> str | None:
+    """``param[e]`` → the parameter's path."""
+    if is_op(node, "getitem") and operand(node, 1) is expert:
+        base = operand(node, 0)
+        if isinstance(base, fx.Node) and base.op == "get_attr" and isinstance(value(base), torch.Tensor):
+            return base.target
+    return None
+
+
+def _projection(node: fx.Node, expert: fx.Node, nodes: set[fx.Node]) -> tuple[fx.Node, str, str | None, bool]:
+    """``linear(h, W[e][, b[e]])`` or ``h @ W[e] [+ b[e]]`` → (h, W, b, transposed)."""
+    bias = None
+    if is_op(node, "add"):
+        a, b = operands(node)[:2]
+        for term, other in ((b, a), (a, b)):
+            if _indexed_param(term, expert) is not None and is_op(other, "matmul"):
+                nodes.update({node, term})
+                bias, node = _indexed_param(term, expert), other
+                break
+    if is_op(node, "matmul"):
+        weight = _indexed_param(operand(node, 1), expert)
+        if weight is not None:
+            nodes.update({node, operand(node, 1)})
+            return operand(node, 0), weight, bias, True
+    if is_op(node, "linear") and bias is None:
+        weight = _indexed_param(operand(node, 1, "weight"), expert)
+        b = operand(node, 2, "bias")
+        bias = _indexed_param(b, expert) if b is not None else None
+        if weight is not None and (b is None or bias is not None):
+            nodes.update({node, operand(node, 1, "weight"), *([b] if b is not None else [])})
+            return operand(node, 0), weight, bias, False
+    raise NoMatch("moe.expert-form", f"{op_name(node) or node.op} is not a projection by this expert's weights.", node)
+
+
+def _packed(expert_out: fx.Node, expert: fx.Node, children: Lookup, found: LoopMatch) -> tuple[PackedExpert, fx.Node]:
+    """The packed expert computing ``expert_out``, and the rows it reads."""
+    h, w2, b2, w2_t = _projection(expert_out, expert, found.nodes)
+    gate, up, activation, alpha, limit = _gated(h, children, found.nodes)
+    projection, (interleaved, gate_first) = _split_halves(gate, up, found.nodes)
+    rows, w13, b13, w13_t = _projection(projection, expert, found.nodes)
+    spec = ExpertsSpec(activation, interleaved, gate_first, w13_t, w2_t)
+    return PackedExpert(w13, w2, spec, b13, b2, alpha, limit), rows
+
+
+def _split_halves(gate: fx.Node, up: fx.Node, nodes: set[fx.Node]) -> tuple[fx.Node, tuple[bool, bool]]:
+    """Gate and up as ``chunk(2, -1)`` halves or ``[..., ::2]``/``[..., 1::2]`` → (projection, (interleaved, gate first))."""
+    parts = {}
+    for role, node in (("gate", gate), ("up", up)):
+        if not is_op(node, "getitem"):
+            raise NoMatch("moe.expert-form", f"the {role} is not a part of the gate/up projection.", node)
+        source, index = operand(node, 0), operand(node, 1)
+        if is_op(source, "chunk") and operand(source, 1, "chunks") == 2 and operand(source, 2, "dim") == -1:
+            parts[role] = ("halves", index, operand(source, 0))
+            nodes.add(source)
+        elif isinstance(index, tuple) and len(index) == 2 and index[0] is Ellipsis and isinstance(index[1], slice):
+            s = index[1]
+            if s.step == 2 and s.stop is None and s.start in (None, 0, 1):
+                parts[role] = ("interleaved", s.start or 0, source)
+        nodes.add(node)
+        if role not in parts:
+            raise NoMatch(
+                "moe.expert-form", f"the {role} is not a half or the alternate features of one projection.", node
+            )
+    (g_kind, g_at, g_src), (u_kind, u_at, u_src) = parts["gate"], parts["up"]
+    if g_kind != u_kind or g_src is not u_src or {g_at, u_at} != {0, 1}:
+        raise NoMatch("moe.expert-form", "the gate and up are not the two parts of one projection.", gate)
+    return g_src, (g_kind == "interleaved", g_at == 0)
+
+
+def _gated(h: fx.Node, children: Lookup, nodes: set[fx.Node]):
+    """``act(gate) * up`` or the clamped SwiGLU → (gate, up, activation, alpha, limit)."""
+    if not is_op(h, "mul"):
+        raise NoMatch("moe.expert-form", "the expert's hidden value is not a gated product act(gate) * up.", h)
+    nodes.add(h)
+    clamped = _clamped_swiglu(h, nodes)
+    if clamped is not None:
+        return clamped
+    for act, up in (operands(h)[:2], operands(h)[1::-1]):
+        found = activation_of(act, children)
+        if found is not None:
+            name, gate = found
+            nodes.add(act)
+            return gate, up, name, None, None
+    raise NoMatch("moe.expert-form", "neither factor of the gated product is a known activation of the gate.", h)
+
+
+def _clamped_swiglu(h: fx.Node, nodes: set[fx.Node]):
+    """``(clamp(up, -L, L) + 1) * (g * sigmoid(g * alpha))`` with ``g = clamp(gate, max=L)``."""
+    plus_one, glu = operands(h)[:2]
+    if not is_op(plus_one, "add"):
+        plus_one, glu = glu, plus_one
+    if not (is_op(plus_one, "add") and operand(plus_one, 1) == 1 and is_op(glu, "mul")):
+        return None
+    up_clamp = operand(plus_one, 0)
+    g, sig = operands(glu)[:2]
+    if not is_op(sig, "sigmoid"):
+        g, sig = sig, g
+    scaled = operand(sig, 0) if is_op(sig, "sigmoid") else None
+    if not (is_op(scaled, "mul") and operand(scaled, 0) is g and is_op(g, "clamp") and is_op(up_clamp, "clamp")):
+        return None
+    limit = operand(g, 2, "max")
+    if operand(g, 1, "min") is not None or operand(up_clamp, 2, "max") is not limit:
+        return None
+    low = operand(up_clamp, 1, "min")
+    if not (is_op(low, "neg") and operand(low, 0) is limit):
+        return None
+    nodes.update({plus_one, glu, sig, scaled, g, up_clamp, low})
+    alpha = source_of(operand(scaled, 1), "the SwiGLU alpha", (float, int))
+    return (
+        operand(g, 0),
+        operand(up_clamp, 0),
+        "clamped_swiglu",
+        alpha,
+        source_of(limit, "the SwiGLU limit", (float, int)),
+    )
+
+
+_GELU = {"none": "gelu", "tanh": "gelu_tanh"}
+
+
+def activation_of(node: fx.Node, children: Lookup) -> tuple[str, fx.Node] | None:
+    """(activation name, its input) when ``node`` applies silu, gelu or relu to one input."""
+    if node.op == "call_module":
+        child = children(node.target)
+        if child is None or child.partial or len(node.args) != 1 or node.kwargs:
+            return None
+        inner = _elementwise(child)
+        return (inner, node.args[0]) if inner is not None else None
+    name = _function_activation(node)
+    return (name, operand(node, 0)) if name is not None else None
+
+
+def _function_activation(node: fx.Node) -> str | None:
+    if is_op(node, "silu"):
+        return "silu"
+    if is_op(node, "relu"):
+        return "relu"
+    if is_op(node, "gelu"):
+        return _GELU.get(operand(node, 1, "approximate", "none"))
+    if is_op(node, "mul"):  # x * sigmoid(x)
+        a, b = operands(node)[:2]
+        for x, sig in ((a, b), (b, a)):
+            if is_op(sig, "sigmoid") and operand(sig, 0) is x:
+                return "silu"
+    return None
+
+
+def _elementwise(trace: Trace) -> str | None:
+    """The activation an activation module's graph applies to its single input."""
+    inputs = [p for p in trace.placeholders() if p.users]
+    result = trace.output.args[0] if trace.output is not None else None
+    if len(inputs) != 1 or not isinstance(result, fx.Node):
+        return None
+    name = _function_activation(result)
+    return name if name is not None and operand(result, 0) is inputs[0] else None
+
+
+# ---- module-list members ---------------------------------------------------------------
+
+
+def _linear_child(trace: Trace | None) -> bool:
+    """A child whose forward is ``F.linear(x, self.weight, self.bias)``."""
+    if trace is None or trace.partial or trace.output is None:
+        return False
+    result = trace.output.args[0]
+    return (
+        is_op(result, "linear")
+        and operand(result, 0) in trace.placeholders()
+        and len([n for n in trace.graph.nodes if n.op in ("call_function", "call_method", "call_module")]) == 1
+    )
+
+
+def match_glu_member(trace: Trace, children: Lookup) -> GLUMember:
+    """``down(act(gate(x)) * up(x))`` in a ModuleList member's own graph (children by dataflow)."""
+    if trace.partial or trace.output is None:
+        raise NoMatch("moe.expert-form", f"the expert module's forward could not be traced ({trace.describe_stop()}).")
+    out = trace.output.args[0]
+    x = [p for p in trace.placeholders() if p.users]
+    if len(x) != 1 or not (isinstance(out, fx.Node) and out.op == "call_module" and is_op(operand(out, 0), "mul")):
+        raise NoMatch("moe.expert-form", "the expert module does not compute down(act(gate(x)) * up(x)).", out)
+    for act, up in (operands(operand(out, 0))[:2], operands(operand(out, 0))[1::-1]):
+        found = activation_of(act, children)
+        if found is None:
+            continue
+        name, gate = found
+        calls = (gate, up, out)
+        if all(c.op == "call_module" and _linear_child(children(c.target)) for c in calls) and all(
+            operand(c, 0) is x[0] for c in (gate, up)
+        ):
+            extra = [n for n in trace.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+            if len(extra) != 5:
+                raise NoMatch("moe.expert-form", "the expert module computes more than a gated MLP.", out)
+            return GLUMember(gate.target, up.target, out.target, name)
+    raise NoMatch("moe.expert-form", "the expert module is not a gated MLP of three linear layers.", out)

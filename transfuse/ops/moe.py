@@ -1,0 +1,422 @@
+"""Mixture of experts: ``Σ_k w_k · down_e(act(gate_e(x)) · up_e(x))`` over each token's top-k experts.
+
+Two ops, each a native definition plus providers:
+
+* ``moe_route``: router logits ``[T, E]`` → top-k weights and expert ids ``[T, k]``, in
+  one of the ways models route (``RoutingSpec``): softmax over all experts then top-k,
+  sigmoid scores, top-k of the logits then softmax over the k; optionally a correction
+  bias that only steers the choice, group-limited choice, renormalisation of the k weights
+  (plus an epsilon, or clamped below), a scaling factor, and a final cast. The native
+  definition performs the same torch ops in the same order as the models it stands for,
+  so it chooses the same experts with bit-identical weights.
+* ``moe_experts``: tokens ``[T, H]``, weights and ids ``[T, k]``, and packed expert
+  weights (``w13``: gate and up projections, ``w2``: down projection) → ``[T, H]``. The
+  layouts models use (``ExpertsSpec``) are read through strides, never copied: ``w13`` as
+  ``[E, 2I, H]`` (``F.linear``) or ``[E, H, 2I]`` (``x @ w``), gate and up as halves or
+  interleaved columns, optional biases, and a plain activation or gpt-oss's clamped
+  SwiGLU. The native definition groups the (token, slot) pairs by expert and runs one
+  matmul per *active* expert; each pair's output is multiplied by its weight and rounded
+  to the token dtype, then the k contributions of a token are summed.
+
+Both are ``torch.library`` ops with fake implementations, so ``torch.compile`` sees them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .dispatch import Op, Provider, under_compile_use_library_op
+from .triton import available as triton_available
+from .triton import on_device
+
+__all__ = [
+    "EXPERT_ACTIVATIONS",
+    "MOE_EXPERTS",
+    "MOE_ROUTE",
+    "ExpertsSpec",
+    "RoutingSpec",
+    "moe_experts",
+    "moe_experts_native",
+    "moe_route",
+    "moe_route_native",
+]
+
+ROUTING_SCORINGS = ("softmax", "sigmoid", "topk_softmax")
+# Activations of the gate half; "clamped_swiglu" is ``(clamp(up, ±limit) + 1) · g·σ(α·g)`` with
+# ``g = clamp(gate, max=limit)`` (gpt-oss).
+EXPERT_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "clamped_swiglu")
+
+
+@dataclass(frozen=True)
+class RoutingSpec:
+    """How router logits become top-k weights and ids; the numbers come with each call.
+
+    scoring: "softmax" (over all experts, then top-k), "sigmoid" (then top-k), or
+        "topk_softmax" (top-k of the logits, then softmax over the k chosen).
+    float32: the softmax is computed in float32 (``softmax(x, dtype=float32)``).
+    correction_bias: experts are chosen by ``score + bias``; the weights stay the scores.
+    grouped: group-limited choice: experts form ``n_group`` groups, ranked by the sum of
+        their two best choice scores, and only the best ``topk_group`` groups compete.
+    renormalize: the k weights are divided by their sum (plus ``renorm_eps``, or clamped
+        below at ``renorm_min``, when given).
+    scaled: the weights are multiplied by ``scale``.
+    """
+
+    scoring: str = "softmax"
+    float32: bool = True
+    correction_bias: bool = False
+    grouped: bool = False
+    renormalize: bool = False
+    scaled: bool = False
+
+    def __post_init__(self):
+        if self.scoring not in ROUTING_SCORINGS:
+            raise ValueError(f"RoutingSpec.scoring must be one of {ROUTING_SCORINGS}, not {self.scoring!r}.")
+        if self.scoring == "topk_softmax" and (self.correction_bias or self.grouped):
+            raise ValueError("RoutingSpec: top-k of the logits takes no correction bias and no group limit.")
+
+    def describe(self) -> str:
+        parts = [f"{self.scoring}{' in float32' if self.float32 and self.scoring != 'sigmoid' else ''}"]
+        for flag, text in (
+            (self.correction_bias, "correction bias"),
+            (self.grouped, "group-limited"),
+            (self.renormalize, "renormalised"),
+            (self.scaled, "scaled"),
+        ):
+            if flag:
+                parts.append(text)
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class ExpertsSpec:
+    """How the packed expert weights are laid out and what the activation is.
+
+    activation: one of ``EXPERT_ACTIVATIONS``.
+    interleaved: gate and up are alternating features of ``w13`` (else its two halves).
+    gate_first: the gate is the first half (or the even features); else the up projection is.
+    w13_transposed: ``w13`` is ``[E, H, 2I]`` and applied as ``x @ w`` (else ``[E, 2I, H]``, ``F.linear``).
+    w2_transposed: ``w2`` is ``[E, I, H]`` and applied as ``h @ w`` (else ``[E, H, I]``, ``F.linear``).
+    """
+
+    activation: str = "silu"
+    interleaved: bool = False
+    gate_first: bool = True
+    w13_transposed: bool = False
+    w2_transposed: bool = False
+
+    def __post_init__(self):
+        if self.activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"ExpertsSpec.activation must be one of {EXPERT_ACTIVATIONS}, not {self.activation!r}.")
+
+    def flags(self) -> tuple[str, bool, bool, bool, bool]:
+        return (self.activation, self.interleaved, self.gate_first, self.w13_transposed, self.w2_transposed)
+
+    def describe(self) -> str:
+        parts = [self.activation, "interleaved" if self.interleaved else "halves"]
+        if not self.gate_first:
+            parts.append("up first")
+        if self.w13_transposed or self.w2_transposed:
+            parts.append("transposed")
+        return ", ".join(parts)
+
+
+# ---- routing ---------------------------------------------------------------------------
+
+
+def _group_limited(choice: Tensor, n_group: int, topk_group: int) -> Tensor:
+    """Mask out (with -inf) the experts outside the ``topk_group`` best groups of each token."""
+    tokens, experts = choice.shape
+    group_scores = choice.view(-1, n_group, experts // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores)
+    group_mask.scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, n_group, experts // n_group).reshape(-1, experts)
+    return choice.masked_fill(~score_mask.bool(), float("-inf"))
+
+
+def moe_route_native(
+    logits: Tensor,
+    correction_bias: Tensor | None,
+    top_k: int,
+    scoring: str,
+    float32: bool,
+    grouped: bool,
+    n_group: int,
+    topk_group: int,
+    renormalize: bool,
+    renorm_eps: float | None,
+    renorm_min: float | None,
+    scale: float | None,
+    out_dtype: torch.dtype | None,
+) -> tuple[Tensor, Tensor]:
+    """Top-k weights and ids ``[T, k]`` of router logits ``[T, E]``; see ``RoutingSpec``."""
+    softmax_dtype = torch.float32 if float32 else None
+    if scoring == "topk_softmax":
+        top, ids = torch.topk(logits, top_k, dim=-1)
+        weights = F.softmax(top, dim=-1, dtype=softmax_dtype)
+    else:
+        scores = F.softmax(logits, dim=-1, dtype=softmax_dtype) if scoring == "softmax" else logits.sigmoid()
+        choice = scores + correction_bias if correction_bias is not None else scores
+        if grouped:
+            choice = _group_limited(choice, n_group, topk_group)
+        if correction_bias is not None or grouped:
+            ids = torch.topk(choice, top_k, dim=-1, sorted=False)[1]
+            weights = scores.gather(1, ids)
+        else:
+            weights, ids = torch.topk(scores, top_k, dim=-1)
+    if renormalize:
+        total = weights.sum(dim=-1, keepdim=True)
+        if renorm_eps is not None:
+            total = total + renorm_eps
+        if renorm_min is not None:
+            total = torch.clamp(total, min=renorm_min)
+        weights = weights / total
+    if scale is not None:
+        weights = weights * scale
+    if out_dtype is not None:
+        weights = weights.to(out_dtype)
+    return weights, ids
+
+
+# ---- experts ---------------------------------------------------------------------------
+
+
+def _apply(x: Tensor, weight: Tensor, bias: Tensor | None, transposed: bool) -> Tensor:
+    """``x @ weight + bias`` for a ``[in, out]`` weight, ``F.linear`` for ``[out, in]``; as models write each."""
+    if transposed:
+        out = x @ weight
+        return out + bias if bias is not None else out
+    return F.linear(x, weight, bias)
+
+
+def gated_activation(
+    h: Tensor, activation: str, interleaved: bool, gate_first: bool, alpha: float, limit: float
+) -> Tensor:
+    """``act(gate) * up`` of the gate/up projection output ``h``, in ``h``'s dtype."""
+    if interleaved:
+        first, second = h[..., ::2], h[..., 1::2]
+    else:
+        first, second = h.chunk(2, dim=-1)
+    gate, up = (first, second) if gate_first else (second, first)
+    if activation == "clamped_swiglu":
+        gate = gate.clamp(min=None, max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    if activation == "silu":
+        return F.silu(gate) * up
+    if activation == "relu":
+        return F.relu(gate) * up
+    return F.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none") * up
+
+
+def moe_experts_native(
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    b13: Tensor | None,
+    b2: Tensor | None,
+    activation: str,
+    interleaved: bool,
+    gate_first: bool,
+    w13_transposed: bool,
+    w2_transposed: bool,
+    alpha: float,
+    limit: float,
+) -> Tensor:
+    """Σ over each token's k (weight, expert) pairs of ``weight · expert(token)``; see ``ExpertsSpec``."""
+    tokens, top_k = ids.shape
+    flat_ids = ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0])
+    active = counts.nonzero().squeeze(1)
+    experts, sizes = torch.stack([active, counts[active]]).tolist()  # the one host sync
+    outputs = []
+    for expert, rows in zip(experts, x[order // top_k].split(sizes)):
+        h = _apply(rows, w13[expert], b13[expert] if b13 is not None else None, w13_transposed)
+        h = gated_activation(h, activation, interleaved, gate_first, alpha, limit)
+        outputs.append(_apply(h, w2[expert], b2[expert] if b2 is not None else None, w2_transposed))
+    sorted_out = torch.cat(outputs) if outputs else x.new_zeros((0, x.shape[-1]))
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    # As transformers' grouped and batched experts do: each output times its weight (in the
+    # weights' dtype if wider), the k of a token summed, then rounded to the token dtype.
+    contributions = sorted_out[inverse] * weights.reshape(-1, 1)
+    return contributions.view(tokens, top_k, -1).sum(dim=1).to(x.dtype)
+
+
+# ---- dispatch --------------------------------------------------------------------------
+
+MOE_ROUTE = Op("moe_route", moe_route_native)
+MOE_EXPERTS = Op("moe_experts", moe_experts_native)
+
+
+def _triton_module():
+    from .triton import moe as triton_moe  # imported on first call: importing transfuse never imports Triton
+
+    return triton_moe
+
+
+def _triton_route(*args):
+    return _triton_module().moe_route(*args)
+
+
+def _triton_experts(*args):
+    return _triton_module().moe_experts(*args)
+
+
+def _triton_routes(logits, correction_bias, top_k, scoring, float32, grouped, n_group, topk_group, *rest) -> bool:
+    experts = logits.shape[-1]
+    tensors = (logits,) if correction_bias is None else (logits, correction_bias)
+    if not on_device(*tensors) or logits.dim() != 2 or experts > 1024 or top_k > experts:
+        return False
+    if grouped:
+        per_group = experts // n_group
+        # The kernel ranks groups in a [groups, per-group] tile: both must be powers of two.
+        return experts % n_group == 0 and _pow2(n_group) and _pow2(per_group) and per_group >= 2
+    return True
+
+
+def _triton_runs_experts(x, weights, ids, w13, w2, b13, b2, *flags) -> bool:
+    tensors = [t for t in (x, weights, ids, w13, w2, b13, b2) if t is not None]
+    if not on_device(*tensors) or x.dim() != 2 or ids.dim() != 2:
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or w13.dtype != x.dtype or w2.dtype != x.dtype:
+        return False
+    return ids.dtype in (torch.int32, torch.int64) and x.shape[0] > 0
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+MOE_ROUTE.register(Provider("triton", _triton_route, supported=triton_available, supports_args=_triton_routes))
+MOE_EXPERTS.register(
+    Provider("triton", _triton_experts, supported=triton_available, supports_args=_triton_runs_experts)
+)
+
+
+@torch.library.custom_op("transfuse::moe_route", mutates_args=())
+def _moe_route_library_op(
+    logits: Tensor,
+    correction_bias: Tensor | None,
+    top_k: int,
+    scoring: str,
+    float32: bool,
+    grouped: bool,
+    n_group: int,
+    topk_group: int,
+    renormalize: bool,
+    renorm_eps: float | None,
+    renorm_min: float | None,
+    scale: float | None,
+    out_dtype: torch.dtype | None,
+) -> tuple[Tensor, Tensor]:
+    return MOE_ROUTE(
+        logits, correction_bias, top_k, scoring, float32, grouped, n_group, topk_group,
+        renormalize, renorm_eps, renorm_min, scale, out_dtype,
+    )  # fmt: skip
+
+
+@_moe_route_library_op.register_fake
+def _(logits, correction_bias, top_k, scoring, float32, grouped, n_group, topk_group, renormalize, renorm_eps,
+      renorm_min, scale, out_dtype):  # fmt: skip
+    dtype = out_dtype or (torch.float32 if (float32 and scoring != "sigmoid") else logits.dtype)
+    shape = (*logits.shape[:-1], top_k)
+    return logits.new_empty(shape, dtype=dtype), logits.new_empty(shape, dtype=torch.long)
+
+
+@torch.library.custom_op("transfuse::moe_experts", mutates_args=())
+def _moe_experts_library_op(
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    b13: Tensor | None,
+    b2: Tensor | None,
+    activation: str,
+    interleaved: bool,
+    gate_first: bool,
+    w13_transposed: bool,
+    w2_transposed: bool,
+    alpha: float,
+    limit: float,
+) -> Tensor:
+    return MOE_EXPERTS(
+        x, weights, ids, w13, w2, b13, b2, activation, interleaved, gate_first, w13_transposed, w2_transposed,
+        alpha, limit,
+    )  # fmt: skip
+
+
+@_moe_experts_library_op.register_fake
+def _(x, weights, ids, w13, w2, b13, b2, activation, interleaved, gate_first, w13_transposed, w2_transposed,
+      alpha, limit):  # fmt: skip
+    return x.new_empty(x.shape)
+
+
+def moe_route(
+    logits: Tensor,
+    top_k: int,
+    spec: RoutingSpec = RoutingSpec(),
+    *,
+    correction_bias: Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    renorm_eps: float | None = None,
+    renorm_min: float | None = None,
+    scale: float | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Top-k routing weights and expert ids of router ``logits`` ``[T, E]``, as ``spec`` says."""
+    if spec.correction_bias != (correction_bias is not None):
+        raise ValueError(
+            f"RoutingSpec.correction_bias is {spec.correction_bias} but correction_bias is "
+            f"{'given' if correction_bias is not None else 'None'}; pass the bias exactly when the spec has one."
+        )
+    if spec.grouped and logits.shape[-1] % n_group:
+        raise ValueError(f"{logits.shape[-1]} experts cannot form {n_group} equal groups for group-limited routing.")
+    args = (
+        logits, correction_bias, int(top_k), spec.scoring, spec.float32, spec.grouped, int(n_group), int(topk_group),
+        spec.renormalize, renorm_eps, renorm_min, scale if spec.scaled else None, out_dtype,
+    )  # fmt: skip
+    if torch.compiler.is_compiling():
+        if under_compile_use_library_op("moe_route", args):
+            return torch.ops.transfuse.moe_route(*args)
+        return moe_route_native(*args)
+    return MOE_ROUTE(*args)
+
+
+def moe_experts(
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    spec: ExpertsSpec = ExpertsSpec(),
+    *,
+    b13: Tensor | None = None,
+    b2: Tensor | None = None,
+    alpha: float = 1.0,
+    limit: float = math.inf,
+) -> Tensor:
+    """``[T, H]``: for each token, the sum over its k slots of ``weights · expert_ids(x)``."""
+    if x.dim() != 2 or weights.shape != ids.shape or ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"moe_experts takes tokens [T, H] with weights and ids [T, k]; got x {tuple(x.shape)}, "
+            f"weights {tuple(weights.shape)}, ids {tuple(ids.shape)}."
+        )
+    args = (x, weights, ids, w13, w2, b13, b2, *spec.flags(), float(alpha), float(limit))
+    if torch.compiler.is_compiling():
+        # The native definition groups tokens with data-dependent sizes: compiled, it breaks the graph.
+        if under_compile_use_library_op("moe_experts", args, default="library"):
+            return torch.ops.transfuse.moe_experts(*args)
+        return moe_experts_native(*args)
+    return MOE_EXPERTS(*args)

@@ -1,0 +1,286 @@
+"""The fused mixture-of-experts layer: ``route(linear(x)) → experts(x) [+ Σ σ(g(x))·shared(x)]`` in two ops.
+
+``MoE`` takes the place of a model's block and keeps the block's children (the router,
+the experts' holder, the shared experts and their gates) as its own, under their own
+names: ``state_dict`` keys do not change and the parameters are the same objects. A
+``MoEPlan`` says what each child and tensor is for; the layer knows nothing about where
+the plan came from.
+
+Routing is computed here (``F.linear`` with the router's own weight and casts, then
+``moe_route``) when the plan has a ``RoutingSpec``; otherwise, or when hooks observe the
+router (transformers records router logits with forward hooks), the router child is
+called as is and its outputs are used. ``StackedExperts`` holds per-expert GLU weights
+stacked into the packed layout, saved and loaded under the original per-expert keys.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .moe import ExpertsSpec, RoutingSpec, moe_experts, moe_route
+
+__all__ = ["ExpertsPlan", "LogitsPlan", "MoE", "MoEPlan", "RouterPlan", "SharedPlan", "StackedExperts"]
+
+# Roles of the values a block reads or returns.
+TOKENS, INPUT, HIDDEN, LOGITS, WEIGHTS, IDS = "tokens", "input", "hidden", "logits", "weights", "ids"
+
+
+@dataclass(frozen=True)
+class LogitsPlan:
+    """``F.linear`` of the tokens with the router weight (and bias), with the casts the model makes."""
+
+    weight: str
+    bias: str | None = None
+    input_fp32: bool = False
+    weight_fp32: bool = False
+    output_fp32: bool = False
+
+    def logits(self, layer: nn.Module, tokens: Tensor) -> Tensor:
+        weight = _tensor(layer, self.weight)
+        bias = _tensor(layer, self.bias) if self.bias is not None else None
+        if self.input_fp32:
+            tokens = tokens.float()
+        if self.weight_fp32:
+            weight = weight.float()
+        out = F.linear(tokens, weight, bias)
+        return out.float() if self.output_fp32 else out
+
+
+@dataclass(frozen=True)
+class RouterPlan:
+    """Where the routing weights and expert ids come from.
+
+    module: the router child; called with the tokens (``input`` False) or the block's input.
+    returns: roles of the module's outputs in order (a single role: it returns one tensor).
+    logits: how to compute the logits here (None: they are the module's "logits" output).
+    spec: how logits become weights and ids (None: the module's "weights" and "ids" outputs).
+    weights_dtype: the weights are cast to the dtype of "logits" or "input", to "float32", or not (None).
+    train_as_module: in training mode the module is called (its forward differs there).
+    """
+
+    module: str
+    returns: tuple[str | None, ...]
+    input: bool = False
+    logits: LogitsPlan | None = None
+    spec: RoutingSpec | None = None
+    correction_bias: str | None = None
+    weights_dtype: str | None = None
+    train_as_module: bool = False
+
+
+@dataclass(frozen=True)
+class ExpertsPlan:
+    """The packed expert tensors (paths below the layer) and their layout."""
+
+    w13: str
+    w2: str
+    spec: ExpertsSpec
+    b13: str | None = None
+    b2: str | None = None
+
+
+@dataclass(frozen=True)
+class SharedPlan:
+    """A shared expert added to the routed output, optionally scaled by ``sigmoid(gate(x))``."""
+
+    module: str
+    input: bool = False
+    gate: str | None = None
+    gate_input: bool = False
+
+
+@dataclass(frozen=True)
+class MoEPlan:
+    """What the layer computes; ``outputs`` are the roles of what it returns, in order."""
+
+    router: RouterPlan
+    experts: ExpertsPlan
+    shared: tuple[SharedPlan, ...] = ()
+    outputs: tuple[str, ...] = (HIDDEN,)
+    returns_tuple: bool = False
+    flat_output: bool = False
+    train_error: str | None = None
+
+    def describe(self) -> str:
+        routing = (
+            self.router.spec.describe() if self.router.spec is not None else f"router {self.router.module!r} as is"
+        )
+        parts = [routing, self.experts.spec.describe()]
+        if self.shared:
+            parts.append(f"{len(self.shared)} shared")
+        return "; ".join(parts)
+
+
+def _tensor(layer: nn.Module, path: str) -> Tensor:
+    owner, _, name = path.rpartition(".")
+    return getattr(layer.get_submodule(owner) if owner else layer, name)
+
+
+def _observed(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+@dataclass
+class RoutingNumbers:
+    """The instance's routing numbers (read from its attributes by whoever builds the layer)."""
+
+    top_k: int
+    n_group: int = 1
+    topk_group: int = 1
+    renorm_eps: float | None = None
+    renorm_min: float | None = None
+    scale: float | None = None
+
+
+@dataclass
+class ExpertNumbers:
+    alpha: float = 1.0
+    limit: float = math.inf
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts block computed with ``moe_route`` and ``moe_experts``.
+
+    children: the block's children under their own names (their parameters are not copied).
+    routing: the numbers of a plan with a ``RoutingSpec`` (None when the router is called as is).
+    """
+
+    __transfuse_layer__ = True
+
+    def __init__(
+        self,
+        children: dict[str, nn.Module],
+        plan: MoEPlan,
+        routing: RoutingNumbers | None,
+        experts: ExpertNumbers | None = None,
+    ):
+        super().__init__()
+        for name, child in children.items():
+            self.add_module(name, child)
+        self.plan = plan
+        self.routing = routing
+        self.expert_numbers = experts or ExpertNumbers()
+
+    def forward(self, hidden_states: Tensor, *unused, **unused_kwargs):
+        plan = self.plan
+        if self.training and plan.train_error is not None:
+            raise RuntimeError(plan.train_error)
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+        logits, weights, ids = self._route(hidden_states, tokens)
+        e = plan.experts
+        out = moe_experts(
+            tokens, weights, ids, _tensor(self, e.w13), _tensor(self, e.w2), e.spec,
+            b13=_tensor(self, e.b13) if e.b13 is not None else None,
+            b2=_tensor(self, e.b2) if e.b2 is not None else None,
+            alpha=self.expert_numbers.alpha, limit=self.expert_numbers.limit,
+        )  # fmt: skip
+        for shared in plan.shared:
+            out = out + self._shared(shared, hidden_states, tokens).reshape(out.shape)
+        hidden = out if plan.flat_output else out.reshape(hidden_states.shape)
+        values = {HIDDEN: hidden, LOGITS: logits, WEIGHTS: weights, IDS: ids}
+        returned = tuple(values[role] for role in plan.outputs)
+        return returned if plan.returns_tuple else returned[0]
+
+    def _route(self, hidden_states: Tensor, tokens: Tensor) -> tuple[Tensor | None, Tensor, Tensor]:
+        r = self.plan.router
+        module = getattr(self, r.module)
+        call_module = r.spec is None or (
+            WEIGHTS in r.returns and (_observed(module) or (self.training and r.train_as_module))
+        )
+        if call_module or r.logits is None:
+            out = module(hidden_states if r.input else tokens)
+            found = dict(zip(r.returns, out if len(r.returns) > 1 else (out,)))
+            if call_module:
+                return found.get(LOGITS), found[WEIGHTS], found[IDS]
+            logits = found[LOGITS]
+        else:
+            logits = r.logits.logits(self, tokens)
+        n = self.routing
+        bias = _tensor(self, r.correction_bias).reshape(-1) if r.correction_bias is not None else None
+        dtype = {LOGITS: logits.dtype, INPUT: hidden_states.dtype, "float32": torch.float32, None: None}[
+            r.weights_dtype
+        ]
+        weights, ids = moe_route(
+            logits, n.top_k, r.spec, correction_bias=bias, n_group=n.n_group, topk_group=n.topk_group,
+            renorm_eps=n.renorm_eps, renorm_min=n.renorm_min, scale=n.scale, out_dtype=dtype,
+        )  # fmt: skip
+        return logits, weights, ids
+
+    def _shared(self, shared: SharedPlan, hidden_states: Tensor, tokens: Tensor) -> Tensor:
+        out = getattr(self, shared.module)(hidden_states if shared.input else tokens)
+        if shared.gate is None:
+            return out
+        gate = getattr(self, shared.gate)(hidden_states if shared.gate_input else tokens)
+        return torch.sigmoid(gate) * out
+
+    def extra_repr(self) -> str:
+        top_k = f"top_k={self.routing.top_k}, " if self.routing is not None else ""
+        return top_k + self.plan.describe()
+
+
+class StackedExperts(nn.Module):
+    """Per-expert GLU weights stacked as ``w13 [E, 2I, H]`` (gate rows, then up rows) and
+    ``w2 [E, H, I]``, optional biases ``b13``/``b2``; ``state_dict`` reads and writes the
+    original per-expert keys (``0.gate_proj.weight`` ...), so checkpoints keep their layout.
+
+    keys: for each tensor name of ``w13``, ``w2``, ``b13``, ``b2``, the per-expert key
+        template of each part, with ``{}`` for the expert index: ``w13`` has two parts
+        (gate, up), the others one.
+    """
+
+    __transfuse_layer__ = True
+
+    def __init__(self, tensors: dict[str, Tensor], keys: dict[str, tuple[str, ...]]):
+        super().__init__()
+        for name, tensor in tensors.items():
+            self.register_parameter(name, nn.Parameter(tensor, requires_grad=tensor.requires_grad))
+        self.keys = keys
+        self.num_experts = next(iter(tensors.values())).shape[0]
+
+    def _parts(self, name: str) -> list[tuple[str, slice]]:
+        """Each part of a stacked tensor: its per-expert key template and its rows in one expert."""
+        templates = self.keys[name]
+        rows = getattr(self, name).shape[1] // len(templates)
+        return [(t, slice(i * rows, (i + 1) * rows)) for i, t in enumerate(templates)]
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for name in self.keys:
+            tensor = getattr(self, name)
+            tensor = tensor if keep_vars else tensor.detach()
+            for template, rows in self._parts(name):
+                for e in range(self.num_experts):
+                    # A copy: per-expert views would share storage, which checkpoint writers refuse.
+                    destination[prefix + template.format(e)] = tensor[e, rows].clone()
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        expected = set()
+        with torch.no_grad():
+            for name in self.keys:
+                tensor = getattr(self, name)
+                for template, rows in self._parts(name):
+                    for e in range(self.num_experts):
+                        key = prefix + template.format(e)
+                        expected.add(key)
+                        if key not in state_dict:
+                            missing_keys.append(key)
+                            continue
+                        value = state_dict[key]
+                        if value.shape != tensor[e, rows].shape:
+                            error_msgs.append(
+                                f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}, "
+                                f"the shape in the current model is {tuple(tensor[e, rows].shape)}."
+                            )
+                            continue
+                        tensor[e, rows].copy_(value)
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in expected)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{name}={tuple(getattr(self, name).shape)}" for name in self.keys)
