@@ -42,17 +42,11 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(
   const int64_t row = blockIdx.x;
   const int n_vec = hidden / VEC;
   float cache[VPT][VEC];
-  // The weight is loaded with the row, not after the reduction: its latency then overlaps
-  // the row's instead of adding to every row's critical path. The widest rows (8 vectors a
-  // thread) load it late instead, where holding it too would spill registers.
-  constexpr bool kPrefetchWeight = VPT <= 4;
-  Vec<T, VEC> w[VPT];
   float sum_sq = 0.f;
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     const int v = threadIdx.x + i * blockDim.x;
     if (v < n_vec) {
-      if (kPrefetchWeight && weight != nullptr) w[i] = load_vec<T, VEC>(weight + v * VEC);
       Vec<T, VEC> h = load_vec<T, VEC>(x + row * x_stride + v * VEC);
       if constexpr (ADD_RESIDUAL) {
         const Vec<T, VEC> r = load_vec<T, VEC>(residual + row * residual_stride + v * VEC);
@@ -73,14 +67,15 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(
   for (int i = 0; i < VPT; ++i) {
     const int v = threadIdx.x + i * blockDim.x;
     if (v < n_vec) {
-      if (!kPrefetchWeight && weight != nullptr) w[i] = load_vec<T, VEC>(weight + v * VEC);
+      Vec<T, VEC> w;
+      if (weight != nullptr) w = load_vec<T, VEC>(weight + v * VEC);
       Vec<T, VEC> o;
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         float h = cache[i][j] * rstd;
         if (flags.cast_before_weight) h = round_to<T>(h);
         if (weight != nullptr) {
-          float wj = static_cast<float>(w[i].v[j]);
+          float wj = static_cast<float>(w.v[j]);
           if (flags.offset) {
             wj = 1.f + wj;
             if (flags.round_offset) wj = round_to<T>(wj);
