@@ -18,6 +18,7 @@ from ..dispatch import Provider
 from ..fused_add_rms_norm import FUSED_ADD_RMS_NORM
 from ..platform import current_platform
 from ..rms_norm import RMS_NORM, rms_norm_out_dtype
+from ..triton import available as triton_available
 from . import launch
 from .build import extension
 
@@ -29,6 +30,12 @@ _SCALAR_WIDTH = 4096
 _VECTORS = 4096
 # silu_and_mul covers a row with at most 65535 blocks of 256 threads.
 _MAX_ACT_WIDTH = 2**24
+# From this many rows rms_norm is left to the Triton kernel when Triton can run. Measured on an
+# H200 (benchmarks/results/h200_ops.md, bf16, hidden 4096): the Triton kernel moves more bytes
+# per second (81% of copy bandwidth at 4096 rows against 73% here, 97% against 92% at 32768),
+# while below a few thousand rows a call is bound by its host launch cost, ~18-30 us for this
+# extension against ~68 us for a Triton launch.
+_TRITON_ROWS = 2048
 
 
 def on_cuda_platform() -> bool:
@@ -60,6 +67,8 @@ def _vectorizable(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.
 
 def _rms_norm_args(x, weight, eps, upcast, cast_before_weight, offset, weight_fp32, cast_output, residual=None):
     if not (upcast and x.is_cuda and rows_fit(x, _VECTORS * 8) and weight_fits(weight, x)):
+        return False
+    if residual is None and x.numel() >= _TRITON_ROWS * x.shape[-1] and triton_available():
         return False
     if weight is not None and weight.dtype != x.dtype:
         return False
