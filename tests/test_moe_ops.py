@@ -233,6 +233,7 @@ DECODE_CASES = [
     (ExpertsSpec("clamped_swiglu", interleaved=True, w13_transposed=True, w2_transposed=True), True,
      dict(tokens=4, top_k=4, experts=8)),
     (ExpertsSpec("silu", interleaved=True, gate_first=False, w13_transposed=True), True, dict(tokens=2, top_k=3)),
+    (ExpertsSpec("silu", w2_transposed=True), True, dict(tokens=2, top_k=10, experts=12)),  # 16 slots in a tile
 ]  # fmt: skip
 # Largest error over the reference's largest magnitude. The interpreter rounds float32 to
 # bfloat16 by truncation, and the kernels round where the models do (about 7 times).
