@@ -601,6 +601,7 @@ def _bias_strides(b: torch.Tensor | None) -> tuple[int, int]:
 
 
 def _shared_memory(x: torch.Tensor) -> int:
+    """The shared memory a program may use on ``x``'s device."""
     if interpreting():
         return _UNBOUNDED
     return shared_memory_limit(x.device.index if x.device.index is not None else torch.cuda.current_device())
@@ -625,7 +626,7 @@ def moe_experts(
     while True:
         try:
             return (_decode if isinstance(config, DecodeConfig) else _grouped)(*args, config)
-        except OutOfResources:  # raised before the kernel runs, so the call can be made again
+        except OutOfResources:  # raised at a launch, before that kernel runs; every buffer is new per call
             smaller = config.smaller()
             if smaller == config:
                 raise
