@@ -1,6 +1,7 @@
 """Fused MoE against transformers' experts implementations, torch.compile and the bandwidth floor.
 
-    python benchmarks/bench_moe.py --out DIR [--tokens 1 16 256 4096] [--no-compile] [--no-sweep] [--smoke]
+    python benchmarks/bench_moe.py --out DIR [--tokens 1 16 256 4096] [--crossover 1 2 4 8 16]
+                                   [--no-compile] [--no-sweep] [--smoke]
 
 A Qwen3-MoE-shaped block (hidden 2048, 128 experts, top-8, expert intermediate 768, bf16) from
 transformers, with random weights. In one run:
@@ -13,13 +14,20 @@ transformers, with random weights. In one run:
 3. timings (CUDA events, median, after warm-up; inputs rotated among 8, the L2 cache flushed
    before each call so weights come from memory as they would in a deep model) of:
    transformers eager / grouped_mm / batched_mm, torch.compile of the block (grouped_mm),
-   transfuse native, transfuse Triton with its default tiles, and with each candidate tile
-   configuration of its regime (the best is reported: one run measures and tunes);
-4. DIR/bench_moe.json (everything) and DIR/bench_moe.md (the table, also printed last).
+   transfuse native, transfuse Triton with its default path and tiles (also replayed as a CUDA
+   graph up to 256 tokens: the GPU time without launch overhead), and with each candidate
+   configuration of its regime (``moe_configs.TUNING_CANDIDATES``: decode-path tiles at 1
+   token, grouped tiles above; the best is reported: one run measures and tunes);
+4. the crossover: at a few small token counts, the decode path against the grouped path, each
+   with its default tiles;
+5. DIR/bench_moe.json (everything) and DIR/bench_moe.md (the table, the crossover, and Python
+   to paste into ``transfuse/ops/triton/moe_configs.py``: each measured regime's fastest
+   configuration and the decode path's bound), also printed last.
 
-Times are GPU times: the host runs ahead during the cache flush, so launch overhead hides as
-it does in a model whose GPU work outpaces the host. ``host_us`` is how long each call takes
-to return on the host, for judging when that does not hold.
+Times are GPU times: the host runs ahead during the cache flush (~130 us), so launch overhead
+hides as it does in a model whose GPU work outpaces the host. ``host_us`` is how long each call
+takes to return on the host, for judging when that does not hold. A baseline that runs out of
+memory (batched_mm at 4096 tokens) is recorded as such.
 
 ``--smoke`` runs the same steps on CPU at toy sizes (Triton interpreted), to test the script.
 """
@@ -43,6 +51,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from transfuse.ops.triton import moe_configs  # noqa: E402  (plain Python: Triton is imported later)
+
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
 DEVICE = "cuda"
 TARGETS = {1: ("floor", 3.0), 16: ("floor", 1.5), 256: ("floor", 1.5), 4096: ("us", 1000.0)}
@@ -50,7 +60,7 @@ ROTATION = 8
 # Largest error of an output relative to the reference's largest magnitude (bf16). The smoke test's
 # interpreter rounds float32 to bfloat16 by truncation (the GPU rounds to nearest), hence its own.
 TOLERANCE = 2e-2
-DEADLINE_S = 480  # stop optional work (compile, sweeps) after this, so the run ends well inside 10 minutes
+DEADLINE_S = 240  # stop optional work (compile, sweeps, crossover) after this, so the run ends inside 5 minutes
 
 _START = time.monotonic()
 
@@ -236,24 +246,10 @@ def check(block, config, fused, tokens: int) -> dict:
 
 
 def time_all(block, config, fused, tokens: int, timer: Timer, args) -> dict:
-    from transfuse.ops.triton import moe as triton_moe
-
     inputs = inputs_for(tokens)
     reps = 3 if args.smoke else 50 if tokens <= 16 else 30 if tokens <= 256 else 15
     results = {}
-
-    def attempt(name, fn, n=reps):
-        try:
-            results[name] = timer(fn, inputs, n)
-            log(
-                f"  {tokens:>5} tokens  {name:<34} {results[name]['us']:9.1f} us (host {results[name]['host_us']:.1f} us)"
-            )
-        except torch.cuda.OutOfMemoryError:
-            results[name] = {"error": "out of memory"}
-            torch.cuda.empty_cache()
-        except Exception as exc:  # a baseline that fails is reported, not fatal
-            results[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
-            log(f"  {name} failed: {results[name]['error']}")
+    attempt = attempter(results, timer, inputs, tokens)
 
     for impl in ("eager", "grouped_mm", "batched_mm"):
         with experts_implementation(config, impl):
@@ -261,32 +257,124 @@ def time_all(block, config, fused, tokens: int, timer: Timer, args) -> dict:
     if args.compile and not late():
         # One compiled block for every size, as a user would have it: static for the first size,
         # then recompiled once with dynamic shapes (torch.compile's default).
-        compiled = getattr(args, "compiled", None) or torch.compile(block)
-        args.compiled = compiled
+        if getattr(args, "compiled", None) is None:  # not `or`: a compiled module's truth value calls len()
+            args.compiled = torch.compile(block)
         with experts_implementation(config, "grouped_mm"):
             t0 = time.monotonic()
-            attempt("torch.compile (grouped_mm)", compiled)
+            attempt("torch.compile (grouped_mm)", args.compiled, reps)
             results.get("torch.compile (grouped_mm)", {})["wall_s_with_compile"] = time.monotonic() - t0
     with provider("native"):
         attempt("transfuse native", fused, max(5, reps // 3))
     with provider("triton"):
-        attempt("transfuse triton", fused)
-        default = triton_moe.config_for(tokens, TOP_K, EXPERTS)
+        attempt("transfuse triton", fused, reps)
+        default = moe_configs.config_for(tokens, TOP_K, EXPERTS)
         results["transfuse triton"]["config"] = default.describe()
-        sweep = []
-        if args.sweep:
-            for candidate in triton_moe.TUNING_CANDIDATES[triton_moe.regime(tokens, TOP_K, EXPERTS)]:
-                if late():
-                    break
-                name = f"transfuse triton {candidate.describe()}"
-                with triton_moe.using_config(candidate):
-                    attempt(name, fused)
-                if "us" in results[name]:
-                    sweep.append((results[name]["us"], candidate.describe()))
-        sweep.append((results["transfuse triton"].get("us", math.inf), default.describe()))
-        best_us, best_config = min(sweep)
-        results["transfuse triton best"] = {"us": best_us, "config": best_config}
+        if DEVICE == "cuda" and tokens <= 256:
+            attempt("transfuse triton (CUDA graph)", graphed(fused, inputs[0]), reps)
+        results["transfuse triton best"] = sweep(fused, tokens, default, results, attempt, reps) if args.sweep else {
+            "us": results["transfuse triton"].get("us", math.inf), "config": default.describe(), "repr": repr(default)
+        }  # fmt: skip
     return results
+
+
+def attempter(results: dict, timer: Timer, inputs, tokens: int):
+    """``attempt(name, fn, reps)``: time ``fn`` into ``results[name]``; a failure or running out of
+    memory is recorded as that entry's result, not raised."""
+
+    def attempt(name, fn, reps):
+        try:
+            results[name] = timer(fn, inputs, reps)
+            log(f"  {tokens:>5} tokens  {name:<44} {results[name]['us']:9.1f} us (host {results[name]['host_us']:.1f} us)")
+        except torch.cuda.OutOfMemoryError:
+            results[name] = {"error": "out of memory"}
+            torch.cuda.empty_cache()
+            log(f"  {tokens:>5} tokens  {name:<44} out of memory")
+        except Exception as exc:  # a variant that fails is reported, not fatal
+            results[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+            log(f"  {name} failed: {results[name]['error']}")
+
+    return attempt
+
+
+def graphed(fused, example):
+    """The block captured in a CUDA graph on the first call, then replayed with each input copied
+    into the captured one: GPU time without the host's launch overhead (what a model run under
+    CUDA graphs would see). Captured lazily, so that a failure is the timing's, not the row's."""
+    static, captured = example.clone(), []
+
+    def replay(x):
+        if not captured:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fused(static)  # kernels compiled and memory cached off the capture
+            torch.cuda.current_stream().wait_stream(side)
+            captured.append(torch.cuda.CUDAGraph())
+            with torch.cuda.graph(captured[0]):
+                fused(static)
+        static.copy_(x)
+        captured[0].replay()
+
+    return replay
+
+
+def sweep(fused, tokens: int, default, results: dict, attempt, reps: int) -> dict:
+    """Time each candidate of the token count's regime; the best of them and the default."""
+    timed = [(results["transfuse triton"].get("us", math.inf), default)]
+    for candidate in moe_configs.TUNING_CANDIDATES[moe_configs.regime(tokens, TOP_K, EXPERTS)]:
+        if late():
+            break
+        name = f"transfuse triton {candidate.describe()}"
+        with moe_configs.using_config(candidate):
+            attempt(name, fused, reps)
+        results[name]["config"] = candidate.describe()
+        timed.append((results[name].get("us", math.inf), candidate))
+    best_us, best = min(timed, key=lambda t: t[0])
+    return {"us": best_us, "config": best.describe(), "repr": repr(best)}
+
+
+def crossover(fused, timer: Timer, counts: list[int]) -> list[dict]:
+    """Per token count, the default decode-path and grouped-path ("tiny") configurations, each
+    forced: where the decode path stops winning is where DECODE_MAX_PAIRS belongs."""
+    rows = []
+    for tokens in counts:
+        if late():
+            break
+        results, inputs = {}, inputs_for(tokens)
+        attempt = attempter(results, timer, inputs, tokens)
+        for path in ("decode", "tiny"):
+            with provider("triton"), moe_configs.using_config(moe_configs.CONFIGS[path]):
+                attempt(path, fused, 3 if DEVICE != "cuda" else 50)
+        rows.append({"tokens": tokens, "pairs": tokens * TOP_K, **{k: v.get("us") for k, v in results.items()}})
+    return rows
+
+
+def suggested_defaults(rows: list[dict], cross: list[dict]) -> str:
+    """Python to paste into transfuse/ops/triton/moe_configs.py: each regime's fastest configuration
+    in this run (regimes not measured keep theirs), and the decode path's bound."""
+    best: dict[str, tuple[float, str, int]] = {}
+    for row in rows:
+        found = row.get("results", {}).get("transfuse triton best")
+        if found and math.isfinite(found["us"]):
+            name = moe_configs.regime(row["tokens"], TOP_K, EXPERTS)
+            if name not in best or row["tokens"] > best[name][2]:  # the largest count measured in the regime
+                best[name] = (found["us"], found["repr"], row["tokens"])
+    lines = ["CONFIGS: dict[str, Config] = {"]
+    for name, current in moe_configs.CONFIGS.items():
+        if name in best:
+            us, text, tokens = best[name]
+            lines.append(f'    "{name}": {text},  # fastest at {tokens} tokens: {us:.1f} us')
+        else:
+            lines.append(f'    "{name}": {current!r},  # not measured: unchanged')
+    lines.append("}")
+    wins = [c["pairs"] for c in cross if (c.get("decode") or math.inf) < (c.get("tiny") or math.inf)]
+    if wins:
+        lines.append(f"DECODE_MAX_PAIRS = {max(wins)}  # the most pairs at which the decode path won here")
+    elif cross:
+        lines.append("DECODE_MAX_PAIRS = 0  # the decode path never won here")
+    else:
+        lines.append(f"DECODE_MAX_PAIRS = {moe_configs.DECODE_MAX_PAIRS}  # not measured: unchanged")
+    return "\n".join(lines)
 
 
 def verdict(tokens: int, floor_us: float, results: dict) -> tuple[str, list[str]]:
@@ -304,23 +392,39 @@ def verdict(tokens: int, floor_us: float, results: dict) -> tuple[str, list[str]
     return ("PASS" if not reasons else "FAIL"), reasons
 
 
+def _cell(result: dict | None) -> str:
+    """A timing, or why there is none (out of memory, an error, not run)."""
+    if result is None:
+        return "-"
+    return f"{result['us']:.1f}" if "us" in result else result.get("error", "-")[:24]
+
+
 def table(rows: list[dict]) -> str:
     names = [
         "transformers eager", "transformers grouped_mm", "transformers batched_mm",
         "torch.compile (grouped_mm)", "transfuse native",
     ]  # fmt: skip
-    head = ["tokens", "floor us", "transfuse triton us", "x floor", "best tiles us", "best tiles",
-            *[n.replace("transformers ", "hf ") for n in names], "targets"]  # fmt: skip
+    head = ["tokens", "floor us", "transfuse triton us", "x floor", "host us", "CUDA graph us", "best tiles us",
+            "best tiles", *[n.replace("transformers ", "hf ") for n in names], "targets"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         r = row["results"]
         ours = r["transfuse triton"].get("us", math.nan)
         cells = [
             str(row["tokens"]), f"{row['floor_us']:.1f}", f"{ours:.1f}", f"{ours / row['floor_us']:.2f}",
+            f"{r['transfuse triton'].get('host_us', math.nan):.1f}", _cell(r.get("transfuse triton (CUDA graph)")),
             f"{r['transfuse triton best']['us']:.1f}", r["transfuse triton best"]["config"],
-            *[f"{r[n]['us']:.1f}" if "us" in r.get(n, {}) else r.get(n, {}).get("error", "-")[:24] for n in names],
+            *[_cell(r.get(n)) for n in names],
             row["verdict"] + ("" if row["verdict"] == "PASS" else f" ({'; '.join(row['reasons'])})"),
         ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def crossover_table(rows: list[dict]) -> str:
+    lines = ["| tokens | pairs | decode path | grouped path (tiny) |", "|---|---|---|---|"]
+    for row in rows:
+        cells = [str(row["tokens"]), str(row["pairs"]), *(f"{row.get(k) or math.nan:.1f}" for k in ("decode", "tiny"))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -355,6 +459,10 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 4096])
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile baseline")
     parser.add_argument("--no-sweep", dest="sweep", action="store_false", help="time the default tiles only")
+    parser.add_argument(
+        "--crossover", type=int, nargs="*", default=[1, 2, 4, 8, 16],
+        help="token counts at which to time the decode path against the grouped path (none: skip)",
+    )  # fmt: skip
     parser.add_argument(
         "--smoke", action="store_true", help="toy sizes on CPU with Triton interpreted: tests the script"
     )
@@ -397,15 +505,22 @@ def main() -> int:
             log(row["error"])
         rows.append(row)
         (args.out / "bench_moe.json").write_text(json.dumps({**report, "rows": rows}, indent=2, default=str))
-    complete = [r for r in rows if "results" in r]
-    text = table(complete)
+    report["crossover"] = cross = crossover(fused, timer, args.crossover)
+    report["suggested_defaults"] = suggestion = suggested_defaults(rows, cross)
+    (args.out / "bench_moe.json").write_text(json.dumps({**report, "rows": rows}, indent=2, default=str))
+    text = table([r for r in rows if "results" in r])
     header = (
         f"Qwen3-MoE block (hidden {HIDDEN}, {EXPERTS} experts, top-{TOP_K}, intermediate {INTER}, bf16) "
         f"on {report['environment']['gpu']}; copy bandwidth {bandwidth:.0f} GB/s; times in us (CUDA events, median).\n"
         f"Command: {report['environment']['command']}\n\n"
     )
-    (args.out / "bench_moe.md").write_text(header + text + "\n")
-    print(header + text)
+    extra = (
+        f"\n\nDecode path against the grouped path (default tiles of each, us):\n\n{crossover_table(cross)}\n\n"
+        f"Suggested defaults: replace CONFIGS and DECODE_MAX_PAIRS in transfuse/ops/triton/moe_configs.py with\n\n"
+        f"```python\n{suggestion}\n```\n"
+    )
+    (args.out / "bench_moe.md").write_text(header + text + extra)
+    print(header + text + extra)
     failed = [r for r in rows if "error" in r]
     for r in failed:
         print(f"{r['tokens']} tokens: the benchmark failed; see bench_moe.json", file=sys.stderr)

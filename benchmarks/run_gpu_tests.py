@@ -2,8 +2,10 @@
 
     python benchmarks/run_gpu_tests.py --out DIR
 
-Runs tests/test_moe_gpu.py, the Triton tests of tests/test_moe_ops.py (on the GPU there) and the
-layer-to-kernel test of tests/test_moe.py under pytest, writing DIR/moe_gpu_tests.xml (JUnit) and
+Runs tests/test_moe_gpu.py, the Triton tests of tests/test_moe_ops.py (on the GPU there: both the
+decode and the grouped path in every layout, float32 and bf16), the tile tables' shared-memory
+fit (tests/test_moe_configs.py) and the layer-to-kernel test of tests/test_moe.py under pytest
+(about two minutes on an H200), writing DIR/moe_gpu_tests.xml (JUnit) and
 DIR/moe_gpu_tests.log (pytest's output); exits with pytest's status.
 """
 
@@ -19,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = [
     "tests/test_moe_gpu.py",
     "tests/test_moe_ops.py",
+    "tests/test_moe_configs.py",
     "tests/test_moe.py::test_fused_blocks_run_the_triton_kernels_with_the_same_numbers",
 ]
 

@@ -1,4 +1,5 @@
-"""The MoE benchmark script runs end to end (at toy sizes on CPU, ``--smoke``) and writes its results."""
+"""The MoE benchmark script runs end to end (at toy sizes on CPU, ``--smoke``) and writes its results,
+with defaults to paste into the tile tables."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+from transfuse.ops.triton import moe_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,6 +24,8 @@ def test_benchmark_smoke_run_writes_json_and_table(tmp_path):
         "1",
         "5",
         "--no-sweep",
+        "--crossover",
+        "3",
         "--out",
         str(tmp_path),
     ]
@@ -31,5 +36,10 @@ def test_benchmark_smoke_run_writes_json_and_table(tmp_path):
     for row in results["rows"]:
         assert row["errors"]["transfuse native"] == 0.0  # the native op is exact against transformers' eager
         assert row["floor_us"] > 0 and "us" in row["results"]["transfuse triton"]
-    table = (tmp_path / "bench_moe.md").read_text()
-    assert table.splitlines()[-1].startswith("| 5 |") and done.stdout.rstrip().endswith(table.splitlines()[-1])
+    text = (tmp_path / "bench_moe.md").read_text()
+    assert any(line.startswith("| 5 |") for line in text.splitlines()) and done.stdout.rstrip().endswith(text.rstrip())
+    assert [(c["tokens"], c["decode"] > 0, c["tiny"] > 0) for c in results["crossover"]] == [(3, True, True)]
+    # The suggested defaults are Python that replaces the tables as they are.
+    namespace = dict(vars(moe_configs))
+    exec(results["suggested_defaults"], namespace)
+    assert namespace["CONFIGS"] == moe_configs.CONFIGS and isinstance(namespace["DECODE_MAX_PAIRS"], int)

@@ -1,14 +1,18 @@
-"""The Triton fused MoE on a CUDA GPU, at the sizes models use: against the native op, every
-kernel configuration, and real transformers blocks in bf16. Needs a GPU: elsewhere these tests
+"""The Triton fused MoE on a CUDA GPU, at the sizes models use: against the native op (both paths,
+every layout, float32 fitted to shared memory), every kernel configuration, and real
+transformers blocks in bf16. Needs a GPU: elsewhere these tests
 are skipped (the same kernels are covered under the interpreter by test_moe_ops.py)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 
 import transfuse
 from transfuse.ops import ExpertsSpec, MoE, RoutingSpec, moe_experts_native, moe_route_native
+from transfuse.ops.triton import moe_configs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -49,34 +53,72 @@ SPECS = [
     (ExpertsSpec("silu"), False),
     (ExpertsSpec("clamped_swiglu", interleaved=True, w13_transposed=True, w2_transposed=True), True),
 ]
+# Largest error over the reference's largest magnitude, per dtype.
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 
-@pytest.mark.parametrize("tokens", [1, 16, 256, 4096])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("spec, bias", SPECS, ids=["silu", "gpt-oss"])
-def test_triton_experts_equal_native_at_model_sizes(tokens, dtype, spec, bias):
+def _check(tokens, dtype, spec, bias, config=None):
     args = _case(tokens, dtype, spec, bias)
     want = moe_experts_native(*args, *spec.flags(), 1.702, 7.0)
     _poison_allocator()
-    got = triton_moe.moe_experts(*args, *spec.flags(), 1.702, 7.0)
+    with moe_configs.using_config(config) if config is not None else contextlib.nullcontext():
+        got = triton_moe.moe_experts(*args, *spec.flags(), 1.702, 7.0)
     assert not got.isnan().any()
-    assert _relative_error(got, want) <= 1e-2
+    assert _relative_error(got, want) <= TOLERANCE[dtype]
 
 
-def _sweep_configs() -> list:
-    candidates = {c for configs in triton_moe.TUNING_CANDIDATES.values() for c in configs}
-    return sorted(candidates | set(triton_moe.CONFIGS.values()), key=str)
+@pytest.mark.parametrize("tokens", [1, 8, 16, 256, 4096])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("spec, bias", SPECS, ids=["silu", "gpt-oss"])
+def test_triton_experts_equal_native_at_model_sizes(tokens, dtype, spec, bias):
+    _check(tokens, dtype, spec, bias)
 
 
-@pytest.mark.parametrize("tokens", [16, 512])
-def test_every_kernel_configuration_compiles_and_agrees(tokens):
+def test_the_shared_memory_limit_is_read_from_the_device():
+    limit = moe_configs.shared_memory_limit(torch.cuda.current_device())
+    assert limit != moe_configs.FALLBACK_SHARED_MEMORY and limit >= 64 * 1024
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 256])
+def test_float32_experts_fit_the_shared_memory_and_equal_native(tokens):
+    """float32 tiles take twice the shared memory of bf16 ones: fitted, they compile and agree."""
+    _check(tokens, torch.float32, ExpertsSpec("silu"), False)
+
+
+# Every layout the decode path reads: halves or interleaved, [E, 2I, H] or [E, H, 2I], w2 either way.
+DECODE_LAYOUTS = [
+    (ExpertsSpec("silu"), False),
+    (ExpertsSpec("silu", interleaved=True), True),
+    (ExpertsSpec("gelu", gate_first=False, w13_transposed=True), True),
+    (ExpertsSpec("gelu_tanh", w2_transposed=True), False),
+    (ExpertsSpec("clamped_swiglu", interleaved=True, w13_transposed=True, w2_transposed=True), True),
+]
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("spec, bias", DECODE_LAYOUTS, ids=lambda v: v.describe() if isinstance(v, ExpertsSpec) else "")
+def test_decode_path_equals_native_in_every_layout(tokens, dtype, spec, bias):
+    assert moe_configs.regime(tokens, TOP_K, EXPERTS) == "decode"
+    _check(tokens, dtype, spec, bias)
+
+
+def _sweep_configs(kind) -> list:
+    candidates = {c for configs in moe_configs.TUNING_CANDIDATES.values() for c in configs}
+    return sorted((c for c in candidates | set(moe_configs.CONFIGS.values()) if isinstance(c, kind)), key=str)
+
+
+@pytest.mark.parametrize(
+    "tokens, kind", [(5, moe_configs.DecodeConfig), (16, moe_configs.MoEConfig), (512, moe_configs.MoEConfig)]
+)
+def test_every_kernel_configuration_compiles_and_agrees(tokens, kind):
     """Each configuration the defaults or the benchmark's sweep may pick fits the GPU and is correct."""
     spec = ExpertsSpec("silu")
     args = _case(tokens, torch.bfloat16, spec)
     want = moe_experts_native(*args, *spec.flags(), 1.0, 7.0)
     failures = []
-    for config in _sweep_configs():
-        with triton_moe.using_config(config):
+    for config in _sweep_configs(kind):
+        with moe_configs.using_config(config):
             got = triton_moe.moe_experts(*args, *spec.flags(), 1.0, 7.0)
         if _relative_error(got, want) > 1e-2:
             failures.append(config.describe())

@@ -180,6 +180,7 @@ def test_experts_op_compiles_without_graph_breaks():
 # ---- Triton kernels, under the interpreter on CPU ----------------------------------------
 
 triton_moe = pytest.importorskip("transfuse.ops.triton.moe", reason="triton is part of the dev dependencies")
+from transfuse.ops.triton import moe_configs  # noqa: E402  (after the check that Triton is there)
 # On a GPU machine the same tests run the compiled kernels; elsewhere conftest sets TRITON_INTERPRET=1.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -215,10 +216,102 @@ def test_triton_experts_equal_native(spec, bias, shape, dtype, monkeypatch):
     want = moe_experts_native(*args, *spec.flags(), 1.702, 0.8)
     _poisoned_empty(monkeypatch)
     # Small tiles, so that several K steps and N blocks run and the odd sizes are masked.
-    with triton_moe.using_config(triton_moe.MoEConfig(16, 16, 16, 4, 2)):
+    with moe_configs.using_config(moe_configs.MoEConfig(16, 16, 16, 4, 2)):
         got = triton_moe.moe_experts(*args, *spec.flags(), 1.702, 0.8)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+# Every layout the kernels read, with shared experts (more pairs than experts used), one slot,
+# all experts in use, odd and power-of-two sizes; (spec, bias, case shape).
+DECODE_CASES = [
+    (ExpertsSpec("silu"), False, dict(tokens=1, top_k=2, experts=4)),
+    (ExpertsSpec("silu", interleaved=True), True, dict(tokens=1, top_k=8, experts=8)),
+    (ExpertsSpec("gelu", gate_first=False), False, dict(tokens=3, top_k=3, experts=4)),
+    (ExpertsSpec("gelu_tanh", w2_transposed=True), True, dict(tokens=2, top_k=1, experts=5)),
+    (ExpertsSpec("relu", w13_transposed=True), False, dict(tokens=5, top_k=2, experts=16, hidden=64, inter=32)),
+    (ExpertsSpec("clamped_swiglu", interleaved=True, w13_transposed=True, w2_transposed=True), True,
+     dict(tokens=4, top_k=4, experts=8)),
+    (ExpertsSpec("silu", interleaved=True, gate_first=False, w13_transposed=True), True, dict(tokens=2, top_k=3)),
+    (ExpertsSpec("silu", w2_transposed=True), True, dict(tokens=2, top_k=10, experts=12)),  # 16 slots in a tile
+]  # fmt: skip
+# Largest error over the reference's largest magnitude. The interpreter rounds float32 to
+# bfloat16 by truncation, and the kernels round where the models do (about 7 times).
+SCALED_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 4e-2}
+
+
+def _assert_close_to_scale(got, want):
+    scale = want.float().abs().max().item()
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=SCALED_TOLERANCE[want.dtype] * scale)
+
+
+@pytest.mark.parametrize("spec, bias, shape", DECODE_CASES, ids=lambda v: v.describe() if isinstance(v, ExpertsSpec) else "")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_decode_path_equals_native(spec, bias, shape, dtype, monkeypatch):
+    args = _on_device(_experts_case(spec, bias=bias, dtype=dtype, **shape))
+    want = moe_experts_native(*args, *spec.flags(), 1.702, 0.8)
+    _poisoned_empty(monkeypatch)
+    # Small tiles, so that several K steps and N blocks run and the odd sizes are masked.
+    with moe_configs.using_config(moe_configs.DecodeConfig(16, 16, 16, 16, 4, 2)):
+        got = triton_moe.moe_experts(*args, *spec.flags(), 1.702, 0.8)
+    _assert_close_to_scale(got, want)
+
+
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
+def test_triton_decode_path_weighs_the_slots_in_the_models_dtype(weights_dtype, monkeypatch):
+    """bf16 tokens with float32 routing weights add float32 products; with bf16 weights each
+    product is rounded to bf16 first, as torch's type promotion does in the models."""
+    spec = ExpertsSpec("silu")
+    x, weights, ids, w13, w2, _, _ = _experts_case(spec, tokens=3, top_k=4, experts=8, dtype=torch.bfloat16)
+    args = _on_device((x, weights.to(weights_dtype), ids, w13, w2, None, None))
+    want = moe_experts_native(*args, *spec.flags(), 1.0, math.inf)
+    _poisoned_empty(monkeypatch)
+    with moe_configs.using_config(moe_configs.CONFIGS["decode"]):
+        got = triton_moe.moe_experts(*args, *spec.flags(), 1.0, math.inf)
+    _assert_close_to_scale(got, want)
+
+
+def test_decode_path_runs_for_few_pairs_and_the_grouped_path_for_more(monkeypatch):
+    spec = ExpertsSpec("silu")
+    ran = []
+    for path in ("_decode", "_grouped"):
+        real = getattr(triton_moe, path)
+        monkeypatch.setattr(triton_moe, path, lambda *a, real=real, path=path: ran.append(path) or real(*a))
+    for tokens in (2, 3):  # 8 experts, top-3: 6 pairs fit the decode path, 9 do not
+        args = _on_device(_experts_case(spec, tokens=tokens, top_k=3, experts=8))
+        want = moe_experts_native(*args, *spec.flags(), 1.0, math.inf)
+        torch.testing.assert_close(triton_moe.moe_experts(*args, *spec.flags(), 1.0, math.inf), want)
+    assert ran == ["_decode", "_grouped"]
+    assert moe_configs.regime(1, 8, 128) == moe_configs.regime(8, 8, 128) == "decode"
+    assert moe_configs.regime(16, 8, 128) == "tiny" and moe_configs.regime(4096, 8, 128) == "large"
+
+
+def test_a_configuration_too_large_for_the_device_is_shrunk_and_remembered(monkeypatch):
+    """Should Triton refuse a configuration for want of shared memory, the call still succeeds
+    with a smaller one, and later calls start from that one."""
+    from triton.runtime.errors import OutOfResources
+
+    spec = ExpertsSpec("silu")
+    args = _on_device(_experts_case(spec, tokens=4, top_k=2, experts=4))
+    want = moe_experts_native(*args, *spec.flags(), 1.0, math.inf)
+    tried = []
+    real = triton_moe._grouped
+
+    def short_of_shared_memory(*a):
+        tried.append(a[-1])
+        if a[-1].num_stages > 2:
+            raise OutOfResources(245760, 232448, "shared memory")
+        return real(*a)
+
+    monkeypatch.setattr(triton_moe, "_grouped", short_of_shared_memory)
+    monkeypatch.setattr(triton_moe, "_SHRUNK", {})
+    config = moe_configs.MoEConfig(16, 16, 16, 4, 4)
+    with moe_configs.using_config(config):
+        for _ in range(2):
+            torch.testing.assert_close(triton_moe.moe_experts(*args, *spec.flags(), 1.0, math.inf), want)
+    assert [c.num_stages for c in tried] == [4, 3, 2, 2]
+    assert {c.block_m for c in tried} == {16}
 
 
 @pytest.mark.parametrize("spec", ROUTINGS, ids=RoutingSpec.describe)

@@ -1,4 +1,4 @@
-"""Triton fused MoE: routing, token grouping with block alignment, two grouped GEMMs, the combine.
+"""Triton fused MoE: routing, then the experts by a decode path (few pairs) or a grouped path.
 
 ``moe_route(logits) → (weights, ids)`` and ``moe_experts(x, weights, ids, w13, w2) → out``, with
 the semantics of ``transfuse.ops.moe``'s native definitions:
@@ -6,6 +6,18 @@ the semantics of ``transfuse.ops.moe``'s native definitions:
 1. ``_route_kernel``: per token, scores (softmax / sigmoid / none), correction bias,
    group-limited choice, top-k by repeated arg-max, renormalisation, scale, cast. One
    program holds a few tokens' full score rows.
+
+Decode path (few (token, slot) pairs; weight-bandwidth bound, so launches and bytes count):
+
+2. ``_decode_gate_up_kernel``: programs (block of intermediate features, pair), each reading
+   its pair's expert's gate and up rows once over the whole hidden size; the act-and-mul is
+   fused.
+3. ``_decode_down_kernel``: programs (block of output features, token), each reading the
+   down weights of the token's k experts and adding the k weighted projections in float32:
+   the combine needs no kernel of its own and is deterministic.
+
+Grouped path (everything else):
+
 2. Alignment: the (token, slot) pairs are grouped by expert, each expert's run padded to
    a multiple of ``BLOCK_M`` rows, so a GEMM block never mixes experts. Counting and
    ranking use one-hot tiles and prefix sums, not atomics, so the order is deterministic.
@@ -18,112 +30,24 @@ the semantics of ``transfuse.ops.moe``'s native definitions:
    dtype, written per pair; ``_sum_slots_kernel`` adds each token's k pairs in float32.
 
 Weights are read in place through their strides: ``[E, 2I, H]`` or ``[E, H, 2I]``, halves
-or interleaved gate/up, optional biases. Block sizes come from ``config_for`` (by pairs
-per expert) unless a ``MoEConfig`` is given, which the benchmark uses to tune.
+or interleaved gate/up, optional biases. The path and its tiles come from
+``moe_configs.config_for``, fitted to the device's shared memory (``moe_configs.fit``).
 """
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
-from typing import Iterator
-
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from . import interpreting
+from .moe_configs import DecodeConfig, MoEConfig, config_for, fit, k_pad, shared_memory_limit
 
-__all__ = [
-    "CONFIGS", "TUNING_CANDIDATES", "MoEConfig", "config_for", "moe_experts", "moe_route", "regime", "using_config",
-]  # fmt: skip
+__all__ = ["moe_experts", "moe_route"]
 
 _ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "clamped_swiglu": 4}
 _SCORING_CODES = {"softmax": 0, "sigmoid": 1, "topk_softmax": 2}
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """Tile sizes of the two grouped GEMMs."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-    def describe(self) -> str:
-        return f"M{self.block_m} N{self.block_n} K{self.block_k} w{self.num_warps} s{self.num_stages}"
-
-
-# Chosen by pairs per expert (tokens · k / E). Few pairs: every expert's weights are read for
-# one or two rows, so the kernel is bound by weight bandwidth: small M, wide K, deep pipeline,
-# many programs. Many pairs: tiles large enough to reuse each weight tile across rows.
-CONFIGS: dict[str, MoEConfig] = {
-    "decode": MoEConfig(16, 64, 128, 4, 4),
-    "small": MoEConfig(32, 64, 128, 4, 4),
-    "medium": MoEConfig(64, 128, 64, 4, 3),
-    "large": MoEConfig(128, 128, 64, 8, 3),
-}
-
-# Alternatives per regime that the benchmark times next to the default (benchmarks/bench_moe.py).
-# Every one fits the 227 KiB of shared memory of an H100/H200 block: stages x (A tile + gate and up tiles).
-TUNING_CANDIDATES: dict[str, tuple[MoEConfig, ...]] = {
-    "decode": (
-        MoEConfig(16, 32, 128, 4, 4),
-        MoEConfig(16, 64, 64, 4, 5),
-        MoEConfig(16, 128, 64, 4, 4),
-        MoEConfig(16, 32, 256, 4, 3),
-        MoEConfig(16, 64, 128, 8, 4),
-    ),
-    "small": (
-        MoEConfig(16, 64, 128, 4, 4),
-        MoEConfig(32, 128, 64, 4, 4),
-        MoEConfig(64, 64, 64, 4, 4),
-        MoEConfig(32, 64, 64, 4, 5),
-    ),
-    "medium": (
-        MoEConfig(32, 64, 128, 4, 4),
-        MoEConfig(64, 64, 64, 4, 4),
-        MoEConfig(128, 128, 64, 8, 3),
-    ),
-    "large": (
-        MoEConfig(64, 128, 64, 4, 3),
-        MoEConfig(128, 64, 64, 4, 4),
-        MoEConfig(128, 128, 32, 8, 4),
-        MoEConfig(64, 128, 64, 8, 4),
-        MoEConfig(128, 128, 64, 8, 4),
-    ),
-}
-
-_FORCED: list[MoEConfig] = []
-
-
-def regime(tokens: int, top_k: int, experts: int) -> str:
-    """The name of the tile regime for this many (token, expert) pairs per expert."""
-    per_expert = tokens * top_k / max(experts, 1)
-    if per_expert <= 2:
-        return "decode"
-    if per_expert <= 24:
-        return "small"
-    if per_expert <= 96:
-        return "medium"
-    return "large"
-
-
-def config_for(tokens: int, top_k: int, experts: int) -> MoEConfig:
-    """The tile sizes for ``tokens`` tokens routed to ``top_k`` of ``experts`` experts."""
-    return _FORCED[-1] if _FORCED else CONFIGS[regime(tokens, top_k, experts)]
-
-
-@contextlib.contextmanager
-def using_config(config: MoEConfig) -> Iterator[None]:
-    """Run every ``moe_experts`` call inside the block with ``config`` (for tuning)."""
-    _FORCED.append(config)
-    try:
-        yield
-    finally:
-        _FORCED.pop()
 
 
 def _next_pow2(n: int) -> int:
@@ -240,7 +164,7 @@ def moe_route(
         logits, correction_bias if correction_bias is not None else logits, weights, ids,
         tokens, experts, logits.stride(0),
         float(renorm_eps or 0.0), float(renorm_min or 0.0), float(scale or 1.0),
-        TOP_K=top_k, K_PAD=max(2, _next_pow2(top_k)), E_PAD=e_pad, BLOCK_T=block_t,
+        TOP_K=top_k, K_PAD=k_pad(top_k), E_PAD=e_pad, BLOCK_T=block_t,
         SCORING=_SCORING_CODES[scoring], HAS_BIAS=correction_bias is not None,
         N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group if grouped else 1,
         RENORM=renormalize, HAS_EPS=renorm_eps is not None, HAS_MIN=renorm_min is not None,
@@ -536,28 +460,217 @@ def _sum_slots_kernel(buf_ptr, out_ptr, hidden, TOP_K: tl.constexpr, K_PAD: tl.c
     tl.store(out_ptr + token * hidden + cols, tl.sum(values, axis=0).to(out_ptr.dtype.element_ty), mask=cols < hidden)
 
 
+# ---- decode path -----------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_gate_up_kernel(
+    x_ptr, w_ptr, b_ptr, ids_ptr, out_ptr,
+    hidden, inter, gate_offset, up_offset, alpha, limit,
+    stride_xm, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+    TOP_K: tl.constexpr, N_STEP: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """h[pair, cols] = act(x·W_gate) * (x·W_up) for one (token, slot) pair and BLOCK_N features.
+    One row needs no tensor cores: products are accumulated elementwise in float32 over the
+    hidden size and summed across the K block once, at the end."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pair = tl.program_id(1)
+    token = (pair // TOP_K).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    dtype = out_ptr.dtype.element_ty
+    col_ok = cols < inter
+    gate_n = cols * N_STEP + gate_offset
+    up_n = cols * N_STEP + up_offset
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token * stride_xm + ks
+    w_base = w_ptr + expert * stride_we
+    g_ptrs = w_base + gate_n[:, None].to(tl.int64) * stride_wn + ks[None, :] * stride_wk
+    u_ptrs = w_base + up_n[:, None].to(tl.int64) * stride_wn + ks[None, :] * stride_wk
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # Triton pipelines loads that feed no tl.dot only in a loop given its own number of stages.
+    for k in tl.range(0, hidden, BLOCK_K, num_stages=STAGES):
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            g = tl.load(g_ptrs, mask=col_ok[:, None], other=0.0)
+            u = tl.load(u_ptrs, mask=col_ok[:, None], other=0.0)
+        else:
+            k_ok = ks < hidden - k
+            a = tl.load(x_ptrs, mask=k_ok, other=0.0)
+            g = tl.load(g_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        a = a.to(tl.float32)[None, :]
+        acc_gate += g.to(tl.float32) * a
+        acc_up += u.to(tl.float32) * a
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K * stride_wk
+        u_ptrs += BLOCK_K * stride_wk
+    gate = tl.sum(acc_gate, axis=1).to(dtype).to(tl.float32)
+    up = tl.sum(acc_up, axis=1).to(dtype).to(tl.float32)
+    if HAS_BIAS:
+        b_base = b_ptr + expert * stride_be
+        gate = (gate + tl.load(b_base + gate_n * stride_bn, mask=col_ok, other=0.0).to(tl.float32)).to(dtype)
+        up = (up + tl.load(b_base + up_n * stride_bn, mask=col_ok, other=0.0).to(tl.float32)).to(dtype)
+        gate, up = gate.to(tl.float32), up.to(tl.float32)
+    h = _activate(gate, up, alpha, limit, ACT, dtype)
+    tl.store(out_ptr + pair.to(tl.int64) * inter + cols, h, mask=col_ok)
+
+
+@triton.jit
+def _decode_down_kernel(
+    h_ptr, w_ptr, b_ptr, ids_ptr, weights_ptr, out_ptr,
+    hidden, inter, stride_we, stride_wn, stride_wk, stride_be,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    ROUND_PRODUCT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """out[token, cols] = Σ_j w_j · (h_j·W_down[e_j] + b) over the token's k slots, for BLOCK_N
+    output features: all k slots in one [K_PAD, BLOCK_N, BLOCK_K] tile, each slot's projection
+    rounded as the models round it, the k added in float32 in slot order (deterministic, and no
+    combining kernel)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    token = tl.program_id(1).to(tl.int64)
+    dtype = out_ptr.dtype.element_ty
+    slots = tl.arange(0, K_PAD)
+    slot_ok = slots < TOP_K
+    pairs = token * TOP_K + slots
+    experts = tl.load(ids_ptr + pairs, mask=slot_ok, other=0).to(tl.int64)
+    col_ok = cols < hidden
+    ks = tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + pairs[:, None] * inter + ks[None, :]
+    w_ptrs = (
+        w_ptr + experts[:, None, None] * stride_we + cols[None, :, None].to(tl.int64) * stride_wn
+        + ks[None, None, :] * stride_wk
+    )  # fmt: skip
+    w_ok = slot_ok[:, None, None] & col_ok[None, :, None]
+    acc = tl.zeros((K_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in tl.range(0, inter, BLOCK_K, num_stages=STAGES):
+        if EVEN_K:
+            a = tl.load(h_ptrs, mask=slot_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=w_ok, other=0.0)
+        else:
+            k_ok = ks < inter - k
+            a = tl.load(h_ptrs, mask=slot_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=w_ok & k_ok[None, None, :], other=0.0)
+        acc += w.to(tl.float32) * a.to(tl.float32)[:, None, :]
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    y = tl.sum(acc, axis=2).to(dtype).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + experts[:, None] * stride_be + cols[None, :], mask=slot_ok[:, None] & col_ok[None, :],
+                       other=0.0)  # fmt: skip
+        y = (y + bias.to(tl.float32)).to(dtype).to(tl.float32)
+    contribution = y * tl.load(weights_ptr + pairs, mask=slot_ok, other=0.0).to(tl.float32)[:, None]
+    if ROUND_PRODUCT:  # weights no wider than the tokens: the models' product is in the tokens' dtype
+        contribution = contribution.to(dtype).to(tl.float32)
+    out = tl.sum(tl.where(slot_ok[:, None], contribution, 0.0), axis=0)
+    tl.store(out_ptr + token * hidden + cols, out.to(dtype), mask=col_ok)
+
+
+# ---- host ------------------------------------------------------------------------------
+
+# The shared-memory limit under the interpreter, where there is none.
+_UNBOUNDED = 1 << 40
+# Configurations that Triton still found too large for a device (dtype, top-k): the smaller one that ran.
+_SHRUNK: dict[tuple, MoEConfig | DecodeConfig] = {}
+
+
 def _w13_strides(w13: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
-    """(expert, output feature, input feature) strides of w13 in either layout."""
-    if transposed:  # [E, H, 2I]
+    """(expert, output feature, input feature) strides of w13: [E, 2I, H], or [E, H, 2I] transposed."""
+    if transposed:
         return w13.stride(0), w13.stride(2), w13.stride(1)
     return w13.stride(0), w13.stride(1), w13.stride(2)
 
 
+def _w2_strides(w2: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
+    """(expert, output feature, input feature) strides of w2: [E, H, I], or [E, I, H] transposed."""
+    if transposed:
+        return w2.stride(0), w2.stride(2), w2.stride(1)
+    return w2.stride(0), w2.stride(1), w2.stride(2)
+
+
+def _gate_up_columns(interleaved: bool, gate_first: bool, inter: int) -> tuple[int, int, int]:
+    """(step, gate offset, up offset): intermediate feature i's gate is w13 feature i·step + gate offset."""
+    if interleaved:
+        return 2, 0 if gate_first else 1, 1 if gate_first else 0
+    return 1, 0 if gate_first else inter, inter if gate_first else 0
+
+
+def _bias_strides(b: torch.Tensor | None) -> tuple[int, int]:
+    return (b.stride(0), b.stride(1)) if b is not None else (0, 0)
+
+
+def _shared_memory(x: torch.Tensor) -> int:
+    """The shared memory a program may use on ``x``'s device."""
+    if interpreting():
+        return _UNBOUNDED
+    return shared_memory_limit(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
 def moe_experts(
     x, weights, ids, w13, w2, b13, b2, activation, interleaved, gate_first, w13_transposed, w2_transposed,
-    alpha, limit, config: MoEConfig | None = None,
+    alpha, limit,
 ):  # fmt: skip
-    """Triton provider of ``transfuse.ops.moe.moe_experts_native``."""
+    """Triton provider of ``transfuse.ops.moe.moe_experts_native``: the decode path or the grouped
+    path, as ``config_for`` says, with tiles fitted to the device's shared memory. Should Triton
+    still find them too large, a smaller configuration is tried (and remembered) instead."""
+    tokens, top_k = ids.shape
+    chosen = fit(config_for(tokens, top_k, w13.shape[0]), x.element_size(), top_k, _shared_memory(x))
+    key = (chosen, x.dtype, x.device, top_k)
+    config = _SHRUNK.get(key, chosen)
+    # The kernels step through the input feature with stride 1, and through ids and weights as [T·k].
+    x, b13, b2 = (t.contiguous() if t is not None and t.stride(-1) != 1 else t for t in (x, b13, b2))
+    ids, weights = ids.contiguous(), weights.contiguous()
+    args = (x, weights, ids, w13, w2, b13, b2, activation, interleaved, gate_first, w13_transposed, w2_transposed,
+            float(alpha), float(limit))  # fmt: skip
+    while True:
+        try:
+            return (_decode if isinstance(config, DecodeConfig) else _grouped)(*args, config)
+        except OutOfResources:  # raised at a launch, before that kernel runs; every buffer is new per call
+            smaller = config.smaller()
+            if smaller == config:
+                raise
+            config = _SHRUNK[key] = smaller
+
+
+def _decode(x, weights, ids, w13, w2, b13, b2, activation, interleaved, gate_first, w13_transposed, w2_transposed,
+            alpha, limit, cfg: DecodeConfig):  # fmt: skip
+    """Two kernels: gate/up per (pair, block of intermediate features), down per (token, block of
+    output features) over the token's k pairs."""
+    tokens, hidden = x.shape
+    top_k = ids.shape[1]
+    inter = (w13.shape[2] if w13_transposed else w13.shape[1]) // 2
+    launch = {"num_warps": cfg.num_warps, "STAGES": cfg.num_stages}
+    h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
+    n_step, gate_offset, up_offset = _gate_up_columns(interleaved, gate_first, inter)
+    _decode_gate_up_kernel[(_cdiv(inter, cfg.gate_up_n), tokens * top_k)](
+        x, w13, b13 if b13 is not None else w13, ids, h,
+        hidden, inter, gate_offset, up_offset, alpha, limit,
+        x.stride(0), *_w13_strides(w13, w13_transposed), *_bias_strides(b13),
+        TOP_K=top_k, N_STEP=n_step, ACT=_ACTIVATION_CODES[activation], HAS_BIAS=b13 is not None,
+        EVEN_K=hidden % cfg.gate_up_k == 0, BLOCK_N=cfg.gate_up_n, BLOCK_K=cfg.gate_up_k, **launch,
+    )  # fmt: skip
+    out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
+    down_k = cfg.down_block_k(top_k)
+    _decode_down_kernel[(_cdiv(hidden, cfg.down_n), tokens)](
+        h, w2, b2 if b2 is not None else w2, ids, weights, out,
+        hidden, inter, *_w2_strides(w2, w2_transposed), _bias_strides(b2)[0],
+        TOP_K=top_k, K_PAD=k_pad(top_k), HAS_BIAS=b2 is not None, EVEN_K=inter % down_k == 0,
+        ROUND_PRODUCT=torch.promote_types(x.dtype, weights.dtype) == x.dtype,
+        BLOCK_N=cfg.down_n, BLOCK_K=down_k, **launch,
+    )  # fmt: skip
+    return out
+
+
+def _grouped(x, weights, ids, w13, w2, b13, b2, activation, interleaved, gate_first, w13_transposed, w2_transposed,
+             alpha, limit, cfg: MoEConfig):  # fmt: skip
+    """Pairs grouped by expert into blocks of rows, two grouped GEMMs, then each token's k rows added."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     experts = w13.shape[0]
     inter = (w13.shape[2] if w13_transposed else w13.shape[1]) // 2
     pairs = tokens * top_k
-    cfg = config or config_for(tokens, top_k, experts)
     max_blocks = pairs // cfg.block_m + min(pairs, experts) + 1
-    # The kernels step through the input feature with stride 1, and through ids and weights as [T·k].
-    x, b13, b2 = (t.contiguous() if t is not None and t.stride(-1) != 1 else t for t in (x, b13, b2))
-    ids, weights = ids.contiguous(), weights.contiguous()
     meta = torch.empty(_workspace_size(pairs, experts, cfg.block_m, max_blocks), dtype=torch.int32, device=x.device)
     _align(ids, experts, cfg.block_m, max_blocks, meta)
     # float32 stays float32 (no TF32); Triton's interpreter multiplies bfloat16 wrongly, so there
@@ -567,30 +680,23 @@ def moe_experts(
     launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
     h = torch.empty((max_blocks * cfg.block_m, inter), dtype=x.dtype, device=x.device)
-    if interleaved:
-        n_step, gate_offset, up_offset = 2, 0 if gate_first else 1, 1 if gate_first else 0
-    else:
-        n_step, gate_offset, up_offset = 1, 0 if gate_first else inter, inter if gate_first else 0
-    se, sn, sk = _w13_strides(w13, w13_transposed)
+    n_step, gate_offset, up_offset = _gate_up_columns(interleaved, gate_first, inter)
     n_blocks = _cdiv(inter, cfg.block_n)
     _gate_up_kernel[(max_blocks * n_blocks,)](
         x, w13, b13 if b13 is not None else w13, h, meta, max_blocks,
-        hidden, inter, n_blocks, gate_offset, up_offset, float(alpha), float(limit),
-        x.stride(0), se, sn, sk,
-        b13.stride(0) if b13 is not None else 0, b13.stride(1) if b13 is not None else 0, h.stride(0),
+        hidden, inter, n_blocks, gate_offset, up_offset, alpha, limit,
+        x.stride(0), *_w13_strides(w13, w13_transposed), *_bias_strides(b13), h.stride(0),
         TOP_K=top_k, N_STEP=n_step, ACT=_ACTIVATION_CODES[activation], HAS_BIAS=b13 is not None,
         EVEN_K=hidden % cfg.block_k == 0, PRECISION=precision, DOT_FP32=dot_fp32,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch,
     )  # fmt: skip
 
     per_pair = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
-    # w2 as (expert, output feature, input feature): [E, H, I], or [E, I, H] transposed.
-    se, sn, sk = (w2.stride(0), w2.stride(2), w2.stride(1)) if w2_transposed else w2.stride()
     n_blocks = _cdiv(hidden, cfg.block_n)
     _down_kernel[(max_blocks * n_blocks,)](
         h, w2, b2 if b2 is not None else w2, weights, per_pair, meta, max_blocks,
         hidden, inter, n_blocks,
-        h.stride(0), se, sn, sk, b2.stride(0) if b2 is not None else 0, per_pair.stride(0),
+        h.stride(0), *_w2_strides(w2, w2_transposed), _bias_strides(b2)[0], per_pair.stride(0),
         HAS_BIAS=b2 is not None, EVEN_K=inter % cfg.block_k == 0, PRECISION=precision, DOT_FP32=dot_fp32,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch,
     )  # fmt: skip
@@ -598,6 +704,6 @@ def moe_experts(
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
     block_h = min(1024, _next_pow2(hidden))
     _sum_slots_kernel[(tokens, _cdiv(hidden, block_h))](
-        per_pair, out, hidden, TOP_K=top_k, K_PAD=max(2, _next_pow2(top_k)), BLOCK_H=block_h
+        per_pair, out, hidden, TOP_K=top_k, K_PAD=k_pad(top_k), BLOCK_H=block_h
     )
     return out
