@@ -1,7 +1,9 @@
 """Per-class analysis: trace a class once, ask each fuser once, cache both.
 
 The cache key is the class and its children's names and classes, so a decoder layer
-with a dense MLP and one with a mixture of experts are analysed separately. A trace is
+with a dense MLP and one with a mixture of experts are analysed separately, and a trace
+is reused only for calls with the shapes and dtypes it was made with (a model of another
+size is traced again). A trace is
 specialised on the ``self`` attributes its control flow read (``if self.norm_topk_prob``);
 an instance whose attributes differ there gets its own trace, so a cached graph is only
 ever used for instances it describes. Nothing per-instance is kept in an analysis:
@@ -20,8 +22,10 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from .capture import Probe
 from .fusion import Fuser, Refusal
@@ -45,6 +49,8 @@ class ClassAnalysis:
     had_example: bool
     # The class key's children: name -> class.
     children: dict[str, type] = field(default_factory=dict)
+    # Shapes and dtypes of the recorded call the trace was made with (None without one).
+    signature: tuple | None = None
     # Source rewrites of the class's forward, by the (kind, found) pairs they compose.
     rewrites: dict[tuple, Any] = field(default_factory=dict)
     # fuser kind -> [(analyses of the children the match consulted, verdict)]
@@ -138,13 +144,30 @@ def _child_lookup(module: nn.Module, path: str, probe: Probe) -> Callable[[str],
     return lookup
 
 
+def _call_signature(call) -> tuple | None:
+    """Shapes and dtypes of a recorded call's tensors: Python reads them concretely while tracing
+    (``b, s, h = x.shape``), so a trace describes only calls with the same ones."""
+    if call is None:
+        return None
+    leaves, _ = tree_flatten((call.args, call.kwargs))
+    return tuple((tuple(t.shape), t.dtype) for t in leaves if isinstance(t, torch.Tensor))
+
+
 def analyse(module: nn.Module, path: str, probe: Probe) -> ClassAnalysis:
     """The cached analysis of ``module``'s class, tracing it (with this instance's recorded call) if new."""
     key = class_key(module)
     call = probe.calls.get(path)
+    signature = _call_signature(call)
     with _LOCK:
         variants = _CACHE.get(key[0], {}).get(key[1:], [])
-        cached = next((a for a in variants if _describes(a, module) and (a.had_example or call is None)), None)
+        cached = next(
+            (
+                a
+                for a in variants
+                if _describes(a, module) and (call is None or (a.had_example and a.signature == signature))
+            ),
+            None,
+        )
     if cached is None:
         example = (call.args, call.kwargs) if call is not None else None
         trace = trace_module(module, example, _children_outputs(path, module, probe))
@@ -154,10 +177,15 @@ def analyse(module: nn.Module, path: str, probe: Probe) -> ClassAnalysis:
             traced_path=path,
             had_example=example is not None,
             children=dict(key[1]),
+            signature=signature,
         )
         with _LOCK:
             variants = _CACHE.setdefault(key[0], {}).setdefault(key[1:], [])
-            variants[:] = [a for a in variants if a.trace.specialisation != trace.specialisation]
+            variants[:] = [
+                a
+                for a in variants
+                if a.trace.specialisation != trace.specialisation or a.signature != signature
+            ]
             variants.append(cached)
     cached._children = _child_lookup(module, path, probe)
     return cached
