@@ -118,14 +118,15 @@ DECODE_MAX_PAIRS = 64
 # Defaults per regime, for bf16 on an H100/H200 (float32 is fitted to shared memory by ``fit``).
 # decode: weight bandwidth: small N blocks for many programs (1 token, top-8, intermediate 768:
 #   8 x 48 gate/up programs, 256 down programs), a long K run per row of weights, each program's
-#   16 KB of loads per step in flight with those of the other 2-3 programs on its SM. One stage:
-#   no software pipelining (its loads feed no tl.dot); the candidates time 2-4 stages.
+#   16 KB of loads per step in flight with those of the other 2-3 programs on its SM. Its loads
+#   feed no tl.dot, so they are pipelined only through the loop's stage count: four stages were
+#   fastest in the H200 sweep.
 # tiny / small: still weight-bound, one or a few rows per expert: small M, wide K, deep pipeline.
 # medium / large: compute-bound: tiles large enough to reuse each weight tile across rows.
 CONFIGS: dict[str, Config] = {
-    "decode": DecodeConfig(16, 256, 8, 128, 4, 1),
+    "decode": DecodeConfig(16, 128, 8, 64, 4, 4),  # H200 sweep (benchmarks/results/h200_moe.md): fastest at 1 token
     "tiny": MoEConfig(16, 32, 256, 4, 3),
-    "small": MoEConfig(32, 64, 128, 4, 4),
+    "small": MoEConfig(32, 128, 64, 4, 4),  # H200 sweep: fastest at 256 tokens
     "medium": MoEConfig(64, 128, 64, 4, 3),
     "large": MoEConfig(128, 128, 64, 8, 3),
 }
