@@ -96,6 +96,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 512])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (to check the script on a CPU)")
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--fusions", nargs="+", default=None, help="fusion kinds for transfuse (default: all)")
+    parser.add_argument("--variants", nargs="+", default=None, help="only variants whose name contains one of these")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -104,7 +106,7 @@ def main() -> None:
 
     baseline = build(args.layers, shape, device, dtype)
     fused = build(args.layers, shape, device, dtype)
-    transfuse.rewrite(fused)
+    transfuse.rewrite(fused, fusions=args.fusions)
     print(transfuse.report(fused))
     embedding = baseline.get_input_embeddings().weight
     tied = embedding is baseline.get_output_embeddings().weight
@@ -118,6 +120,8 @@ def main() -> None:
         variants["transfuse compiled (native)"] = (torch.compile(fused), "native")
         variants["transfuse compiled (library ops)"] = (torch.compile(fused), "library")
 
+    if args.variants:
+        variants = {k: v for k, v in variants.items() if k == "transformers eager" or any(w in k for w in args.variants)}
     rows = []
     for tokens in args.tokens:
         ids = torch.randint(0, shape["vocab_size"], (1, tokens), device=device)
@@ -145,7 +149,8 @@ def main() -> None:
             )
             print(f"T={tokens:5d} {name:34s} {ms:9.3f} ms  err {error:.2e}  {' '.join(providers)}", flush=True)
 
-    with open(os.path.join(args.out, "bench_e2e.json"), "w") as f:
+    suffix = "" if args.fusions is None else "_" + "_".join(args.fusions)
+    with open(os.path.join(args.out, f"bench_e2e{suffix}.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", layers=args.layers,
                        weight_bytes=weight_bytes, copy_bandwidth=bandwidth, rows=rows), f, indent=1)
     lines = [
@@ -159,7 +164,7 @@ def main() -> None:
             f"| {row['tokens']} | {row['variant']} | {row['ms']:.3f} | {base / row['ms']:.2f}x | {floor} | {row['error']:.1e} |"
         )
     table = "\n".join(lines)
-    with open(os.path.join(args.out, "bench_e2e.md"), "w") as f:
+    with open(os.path.join(args.out, f"bench_e2e{suffix}.md"), "w") as f:
         f.write(table + "\n")
     print(table)
 
