@@ -164,8 +164,10 @@ def main() -> None:
             f"| {row['tokens']} | {row['variant']} | {row['ms']:.3f} | {base / row['ms']:.2f}x | {floor} | {row['error']:.1e} |"
         )
     table = "\n".join(lines)
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    header = f"Command: `python3 {' '.join(sys.argv)}` on {device_name}, {args.layers} layers\n\n"
     with open(os.path.join(args.out, f"bench_e2e{suffix}.md"), "w") as f:
-        f.write(table + "\n")
+        f.write(header + table + "\n")
     print(table)
 
 
