@@ -162,6 +162,9 @@ def test_fused_models_match_in_bf16_on_the_gpu_with_the_triton_kernels(model_typ
 
     model = tiny_model(model_type, dtype=torch.bfloat16).cuda()
     exact = copy.deepcopy(model).double()  # bf16 weights are exact in float64
+    for module in exact.modules():  # the eager experts loop: grouped_mm has no float64
+        if getattr(module, "config", None) is not None:
+            module.config._experts_implementation = "eager"
     ids = torch.randint(0, model.config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(2)).cuda()
     with torch.no_grad():
         reference = exact(input_ids=ids).logits
