@@ -158,11 +158,11 @@ def _compose_source_edits(instance: _Instance, report: RewriteReport) -> None:
     if not source_plans:
         return
     analysis = instance.analysis
-    kinds = tuple(p.fuser.kind for p in source_plans)
-    if kinds not in analysis.rewrites:
+    key = tuple((p.fuser.kind, p.found) for p in source_plans)  # found records are frozen: hashable
+    if key not in analysis.rewrites:
         edits = [(p.fuser.kind, _edit_for(p)) for p in source_plans]
-        analysis.rewrites[kinds] = rewrite_method(analysis.cls, unwrapped_forward(analysis.cls), edits)
-    rewrite, refusals = analysis.rewrites[kinds]
+        analysis.rewrites[key] = rewrite_method(analysis.cls, unwrapped_forward(analysis.cls), edits)
+    rewrite, refusals = analysis.rewrites[key]
     for kind, refusal in refusals.items():
         where = analysis.where()
         report.add_skip(SkipRecord(analysis.cls.__name__, kind, refusal.reason, refusal.tag, where))
