@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -25,24 +24,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench_e2e import time_fn  # noqa: E402  (the same median-of-CUDA-events timing)
 from transfuse.ops import act_and_mul  # noqa: E402
 
 HIDDEN, Q, KV, INTER = 4096, 4096, 1024, 14336
-
-
-def median_ms(fn, repeats: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def separate_qkv(x, wq, wk, wv):
@@ -84,7 +69,7 @@ def main() -> None:
                 sep = torch.compile(separate) if mode == "compiled" else separate
                 mer = torch.compile(merged) if mode == "compiled" else merged
                 with torch.inference_mode():
-                    s_ms, m_ms = median_ms(lambda: sep(x)), median_ms(lambda: mer(x))
+                    s_ms, m_ms = time_fn(lambda: sep(x), dev, 50), time_fn(lambda: mer(x), dev, 50)
                 rows.append(dict(tokens=tokens, case=name, mode=mode, separate_ms=s_ms, merged_ms=m_ms))
                 print(f"T={tokens:5d} {name:8s} {mode:9s} separate {s_ms:8.4f} ms  merged {m_ms:8.4f} ms  "
                       f"({s_ms / m_ms:.2f}x)", flush=True)
