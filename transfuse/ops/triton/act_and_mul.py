@@ -12,6 +12,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import device_of
+from .launch import Kernel
 
 __all__ = ["gelu_and_mul", "silu_and_mul"]
 
@@ -20,8 +21,11 @@ _GELU_APPROXIMATIONS = {"none": GELU, "tanh": GELU_TANH}
 
 # Elements per program along the row: 8 per thread at 4 warps, 16-byte accesses in half types.
 _BLOCK = 1024
+# Benchmarks override the block and warps here (``benchmarks/sweep_triton_ops.py``).
+TUNING: dict = {}
 
 
+@Kernel
 @triton.jit
 def _act_and_mul_kernel(x_ptr, out_ptr, d, x_row_stride, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -49,10 +53,10 @@ def _act_and_mul(x: Tensor, activation: int) -> Tensor:
     n_rows = x2.shape[0]
     if n_rows == 0:
         return out
-    block = min(_BLOCK, triton.next_power_of_2(d))
+    block = min(TUNING.get("block", _BLOCK), triton.next_power_of_2(d))
     with device_of(x):
         _act_and_mul_kernel[(n_rows, triton.cdiv(d, block))](
-            x2, out, d, x2.stride(0), ACTIVATION=activation, BLOCK=block, num_warps=4
+            x2, out, d, x2.stride(0), ACTIVATION=activation, BLOCK=block, num_warps=TUNING.get("num_warps", 4)
         )
     return out
 

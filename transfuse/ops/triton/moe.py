@@ -42,7 +42,15 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from . import interpreting
-from .moe_configs import DecodeConfig, MoEConfig, config_for, fit, k_pad, shared_memory_limit
+from .launch import Kernel
+from .moe_configs import (
+    DecodeConfig,
+    MoEConfig,
+    config_for,
+    fit,
+    k_pad,
+    shared_memory_limit,
+)
 
 __all__ = ["moe_experts", "moe_route"]
 
@@ -83,6 +91,7 @@ def _limit_groups(choice, BLOCK_T: tl.constexpr, E_PAD: tl.constexpr, N_GROUP: t
     return tl.reshape(masked, (BLOCK_T, E_PAD))
 
 
+@Kernel
 @triton.jit
 def _route_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr,
@@ -232,6 +241,7 @@ def _count(ids_ptr, first, count, num_pairs, SUB: tl.constexpr, E_PAD: tl.conste
     return totals
 
 
+@Kernel
 @triton.jit
 def _align_small_kernel(ids_ptr, meta_ptr, num_pairs, max_blocks, SUB: tl.constexpr, E_PAD: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):  # fmt: skip
@@ -241,6 +251,7 @@ def _align_small_kernel(ids_ptr, meta_ptr, num_pairs, max_blocks, SUB: tl.conste
     _place(ids_ptr, meta_ptr, 0, num_pairs, num_pairs, run_start, max_blocks, SUB, E_PAD)
 
 
+@Kernel
 @triton.jit
 def _count_kernel(ids_ptr, meta_ptr, num_pairs, max_blocks, CHUNK: tl.constexpr, SUB: tl.constexpr,
                   E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
@@ -251,6 +262,7 @@ def _count_kernel(ids_ptr, meta_ptr, num_pairs, max_blocks, CHUNK: tl.constexpr,
     tl.store(counts_ptr + chunk * E_PAD + tl.arange(0, E_PAD), counts)
 
 
+@Kernel
 @triton.jit
 def _offsets_kernel(meta_ptr, num_chunks, max_blocks, C_PAD: tl.constexpr, E_PAD: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):  # fmt: skip
@@ -267,6 +279,7 @@ def _offsets_kernel(meta_ptr, num_chunks, max_blocks, C_PAD: tl.constexpr, E_PAD
     tl.store(bases_ptr + where, run_start[None, :] + earlier, mask=chunks[:, None] < num_chunks)
 
 
+@Kernel
 @triton.jit
 def _scatter_kernel(ids_ptr, meta_ptr, num_pairs, num_chunks, max_blocks, CHUNK: tl.constexpr, SUB: tl.constexpr,
                     E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
@@ -345,6 +358,7 @@ def _activate(gate, up, alpha, limit, ACT: tl.constexpr, DTYPE: tl.constexpr):
     return (act.to(DTYPE).to(tl.float32) * up).to(DTYPE)
 
 
+@Kernel
 @triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, meta_ptr, max_blocks,
@@ -404,6 +418,7 @@ def _gate_up_kernel(
     tl.store(out_ptrs, h, mask=row_ok[:, None] & col_ok[None, :])
 
 
+@Kernel
 @triton.jit
 def _down_kernel(
     h_ptr, w_ptr, b_ptr, weights_ptr, out_ptr, meta_ptr, max_blocks,
@@ -449,6 +464,7 @@ def _down_kernel(
     tl.store(out_ptrs, (y * weight[:, None]).to(dtype), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@Kernel
 @triton.jit
 def _sum_slots_kernel(buf_ptr, out_ptr, hidden, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
     """out[t] = Σ_j buf[t·k + j], accumulated in float32."""
@@ -463,6 +479,7 @@ def _sum_slots_kernel(buf_ptr, out_ptr, hidden, TOP_K: tl.constexpr, K_PAD: tl.c
 # ---- decode path -----------------------------------------------------------------------
 
 
+@Kernel
 @triton.jit
 def _decode_gate_up_kernel(
     x_ptr, w_ptr, b_ptr, ids_ptr, out_ptr,
@@ -517,6 +534,7 @@ def _decode_gate_up_kernel(
     tl.store(out_ptr + pair.to(tl.int64) * inter + cols, h, mask=col_ok)
 
 
+@Kernel
 @triton.jit
 def _decode_down_kernel(
     h_ptr, w_ptr, b_ptr, ids_ptr, weights_ptr, out_ptr,

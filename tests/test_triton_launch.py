@@ -1,0 +1,97 @@
+"""The fast Triton launch path (``transfuse.ops.triton.launch``): its key, and on a GPU, that a
+second call with the same specialisation skips Triton's binding and still computes the same."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from transfuse import ops
+from transfuse.ops import RMSNormSpec, rms_norm_native, silu_and_mul_native
+from transfuse.ops.triton.launch import _arg_key
+
+CUDA = torch.cuda.is_available()
+
+
+def test_the_key_tells_apart_what_triton_specialises_on():
+    buffer = torch.zeros(64, dtype=torch.bfloat16)
+    aligned, shifted = buffer[:32], buffer[1:33]  # 0 and 2 bytes past a 16-byte boundary
+    assert _arg_key(aligned, True, True) != _arg_key(shifted, True, True)
+    assert _arg_key(aligned, True, False) == _arg_key(shifted, True, False)  # do_not_specialize_on_alignment
+    assert _arg_key(aligned, True, True) != _arg_key(aligned.float(), True, True)  # dtype
+    assert len({_arg_key(v, True, True) for v in (1, 16, 17, 32, 2**31, 2**63)}) == 5  # 16 and 32 alike
+    assert _arg_key(16, True, True) == _arg_key(32, True, True)
+    assert _arg_key(1, False, True) == _arg_key(16, False, True) != _arg_key(2**31, False, True)
+    assert _arg_key(True, True, True) == _arg_key(False, True, True) != _arg_key(1, True, True)
+    assert _arg_key(0.5, True, True) == _arg_key(3.0, True, True)
+    assert _arg_key(None, True, True) is None
+    with pytest.raises(TypeError):
+        _arg_key("text", True, True)
+
+
+def test_an_empty_hook_chain_is_no_hook():
+    from transfuse.ops.triton.launch import _hook_set
+
+    class Chain:  # newer Triton keeps launch hooks in a chain object that is never None
+        def __init__(self, calls):
+            self.calls = calls
+
+    assert not _hook_set(None) and not _hook_set(Chain([]))
+    assert _hook_set(Chain([print])) and _hook_set(print)
+
+
+class _CountingJIT:
+    """Stands in for a Kernel's jit function and counts the launches that go through Triton."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __getitem__(self, grid):
+        self.calls += 1
+        return self.fn[grid]
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    from transfuse.ops.triton import act_and_mul, rms_norm
+
+    kernels = {}
+    for name, kernel in (("rms_norm", rms_norm._rms_norm_kernel), ("act_and_mul", act_and_mul._act_and_mul_kernel)):
+        monkeypatch.setattr(kernel, "fn", _CountingJIT(kernel.fn))
+        monkeypatch.setattr(kernel, "_compiled", {})
+        kernels[name] = kernel
+    return kernels
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_repeated_calls_skip_triton_binding_and_match_native(counted):
+    torch.manual_seed(0)
+    provider = ops.get_op("rms_norm").providers["triton"]
+    flags = RMSNormSpec(upcast=True, cast_before_weight=True).flags()
+    weight = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    for rows in (1, 1, 7, 7, 7):
+        x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+        args = (x, weight, 1e-6, *flags)
+        torch.testing.assert_close(provider.impl(*args), rms_norm_native(*args), rtol=0, atol=2 ** -6)
+    # One Triton launch per specialisation (the row count is not specialised on), the rest direct.
+    assert counted["rms_norm"].fn.calls == 1 and len(counted["rms_norm"]._compiled) == 1
+
+    silu = ops.get_op("silu_and_mul").providers["triton"]
+    for _ in range(3):
+        x = torch.randn(5, 2 * 1024, device="cuda", dtype=torch.float16)
+        torch.testing.assert_close(silu.impl(x), silu_and_mul_native(x), rtol=0, atol=2 ** -8)
+    assert counted["act_and_mul"].fn.calls == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_a_misaligned_input_compiles_its_own_specialisation(counted):
+    torch.manual_seed(0)
+    silu = ops.get_op("silu_and_mul").providers["triton"]
+    flat = torch.randn(3 * 2048 + 1, device="cuda", dtype=torch.bfloat16)
+    aligned = flat[: 3 * 2048].view(3, 2048)
+    shifted = flat[1:].view(3, 2048)  # starts 2 bytes past a 16-byte boundary
+    for x in (aligned, shifted, aligned, shifted):
+        torch.testing.assert_close(silu.impl(x), silu_and_mul_native(x), rtol=0, atol=2 ** -6)
+    assert counted["act_and_mul"].fn.calls == 2 and len(counted["act_and_mul"]._compiled) == 2

@@ -1,0 +1,173 @@
+"""Launch compiled Triton kernels without Triton's per-call argument binding.
+
+``kernel[grid](*args)`` re-derives, on every call, everything the compiled binary was
+specialised on: it binds the arguments to the signature, classifies each one, builds a
+cache key and looks the binary up. For the small calls of a decode step (one row to
+normalise, eight experts to run) that host work costs more than the kernel itself.
+
+``Kernel`` wraps a ``@triton.jit`` function and keeps the same call syntax. The first call
+of each specialisation goes through Triton (which compiles and launches it) and the
+``CompiledKernel`` it returns is kept under a key that records the same properties Triton
+specialises on:
+
+* tensors: dtype, and whether the data pointer is 16-byte aligned;
+* integers: 32- or 64-bit, and (unless the parameter is ``do_not_specialize``) whether the
+  value is 1 or a multiple of 16;
+* floats, bools and None by type; constexpr values and launch options by value;
+* the current device.
+
+Later calls with the same key go straight to the compiled kernel's launcher. Anything else
+(the CPU interpreter, a callable grid, launch hooks set by a profiler, an argument type
+not listed above) takes Triton's own path, so the fast path can only skip work, never
+change which binary runs. ``TRANSFUSE_TRITON_FAST_LAUNCH=0`` (or ``launch.FAST = False``)
+sends every call through Triton's path.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from . import interpreting
+
+__all__ = ["Kernel"]
+
+FAST = os.environ.get("TRANSFUSE_TRITON_FAST_LAUNCH", "1") != "0"
+_I32 = range(-(2**31), 2**31)
+# Launch options a call may pass besides constexprs; each is part of the key by value.
+_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg"})
+
+
+def _current_stream(device: int) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+# The raw stream handle without building a Stream object, where torch has the binding.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _current_stream)
+
+
+def _hook_holder() -> Any:
+    """Where this Triton version keeps its launch hooks: ``triton.knobs.runtime`` or ``CompiledKernel``."""
+    import triton
+
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is not None and hasattr(runtime, "launch_enter_hook"):
+        return runtime
+    from triton.compiler import CompiledKernel
+
+    return CompiledKernel
+
+
+def _hook_set(hook: Any) -> bool:
+    """A launch hook is installed: None and an empty ``HookChain`` (newer Triton's default) are not."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _hooks_set(holder: Any) -> bool:
+    """A launch hook (e.g. a profiler's) is installed: only Triton's own path calls it."""
+    return _hook_set(getattr(holder, "launch_enter_hook", None)) or _hook_set(getattr(holder, "launch_exit_hook", None))
+
+
+def _arg_key(arg: Any, specialize: bool, align: bool) -> Any:
+    """What Triton's specialisation sees of one runtime argument; raises TypeError for other types."""
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, align and arg.data_ptr() % 16 == 0)
+    if arg is None:
+        return None
+    if isinstance(arg, bool):  # before int: a bool is an int
+        return "i1"
+    if isinstance(arg, int):
+        width = "i32" if arg in _I32 else "i64" if arg < 2**63 else "u64"
+        return (width, arg == 1, arg % 16 == 0) if specialize else width
+    if isinstance(arg, float):
+        return "fp32"
+    raise TypeError(type(arg).__name__)
+
+
+class _Compiled:
+    """One specialisation's launcher and the handles it takes."""
+
+    __slots__ = ("function", "metadata", "run")
+
+    def __init__(self, kernel: Any):
+        self.run = kernel.run  # a property in some Triton versions: it loads the module first
+        self.function = kernel.function
+        self.metadata = kernel.packed_metadata
+
+
+class Kernel:
+    """A ``@triton.jit`` function launched as ``Kernel(fn)[grid](*runtime_args, **constexprs_and_options)``.
+
+    Runtime arguments are passed by position and constexprs and launch options
+    (``num_warps``, ``num_stages``) by keyword, as at every call site in transfuse.
+    """
+
+    def __init__(self, fn: Any):
+        self.fn = fn
+        self._compiled: dict[tuple, _Compiled] = {}
+        params = getattr(fn, "params", None)
+        # Only plain parameters are modelled: a type annotation changes how Triton specialises one.
+        self._fast = (
+            not interpreting()
+            and params is not None
+            and all(p.is_constexpr or not getattr(p, "annotation_type", "") for p in params)
+        )
+        if self._fast:
+            self._names = tuple(p.name for p in params)
+            self._constexpr = tuple(p.is_constexpr for p in params)
+            self._spec = tuple((not p.do_not_specialize, not p.do_not_specialize_on_alignment) for p in params)
+            self._keywords = frozenset(p.name for p in params if p.is_constexpr) | _OPTIONS
+            self._defaults = {p.name: p.default for p in params if p.is_constexpr and p.has_default}
+            self._hooks = _hook_holder()
+
+    def __getitem__(self, grid: tuple) -> Any:
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def _key(self, args: tuple, kwargs: dict) -> tuple | None:
+        if not self._keywords.issuperset(kwargs):
+            return None  # a runtime argument passed by keyword: let Triton bind it
+        try:
+            positional = tuple(
+                ("constexpr", arg) if constexpr else _arg_key(arg, *spec)
+                for arg, spec, constexpr in zip(args, self._spec, self._constexpr)
+            )
+            key = (torch.cuda.current_device(), positional, tuple(sorted(kwargs.items())))
+            hash(key)
+            return key
+        except TypeError:  # an argument type the key does not model, or an unhashable constexpr
+            return None
+
+    def _all_args(self, args: tuple, kwargs: dict) -> tuple | None:
+        """Every parameter's value in declaration order, as Triton passes them to the launcher."""
+        values = list(args)
+        for name in self._names[len(args) :]:
+            if name in kwargs:
+                values.append(kwargs[name])
+            elif name in self._defaults:
+                values.append(self._defaults[name])
+            else:
+                return None
+        return tuple(values)
+
+    def launch(self, grid: tuple, args: tuple, kwargs: dict) -> None:
+        if not (FAST and self._fast) or callable(grid) or len(args) > len(self._names) or _hooks_set(self._hooks):
+            self.fn[grid](*args, **kwargs)
+            return
+        key = self._key(args, kwargs)
+        compiled = self._compiled.get(key) if key is not None else None
+        if compiled is None:
+            kernel = self.fn[grid](*args, **kwargs)
+            if key is not None and hasattr(kernel, "packed_metadata"):
+                self._compiled[key] = _Compiled(kernel)
+            return
+        values = self._all_args(args, kwargs)
+        if values is None:
+            self.fn[grid](*args, **kwargs)
+            return
+        device = key[0]
+        stream = _raw_stream(device)
+        grid_1 = grid[1] if len(grid) > 1 else 1
+        grid_2 = grid[2] if len(grid) > 2 else 1
+        compiled.run(grid[0], grid_1, grid_2, stream, compiled.function, compiled.metadata, None, None, None, *values)
