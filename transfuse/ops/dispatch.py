@@ -80,8 +80,17 @@ _TRACES: list[list[Dispatch]] = []
 def _needs_grad(args: tuple, kwargs: dict) -> bool:
     if not torch.is_grad_enabled():
         return False
-    leaves, _ = tree_flatten((args, kwargs))
-    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+    # Ops take tensors, scalars and None, so a flat scan is the common case; a pytree walk (a few
+    # microseconds per call, which eager decoding pays per op) only for nested arguments.
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            if value.requires_grad:
+                return True
+        elif isinstance(value, (list, tuple, dict)):
+            leaves, _ = tree_flatten(value)
+            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
+                return True
+    return False
 
 
 class Op:

@@ -23,6 +23,7 @@ Both are ``torch.library`` ops with fake implementations, so ``torch.compile`` s
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -258,6 +259,7 @@ MOE_ROUTE = Op("moe_route", moe_route_native)
 MOE_EXPERTS = Op("moe_experts", moe_experts_native)
 
 
+@functools.cache
 def _triton_module():
     from .triton import moe as triton_moe  # imported on first call: importing transfuse never imports Triton
 

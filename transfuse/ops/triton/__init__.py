@@ -33,8 +33,10 @@ MAX_HIDDEN = 65536
 _MAX_ACT_WIDTH = 2**30
 
 
+@functools.cache
 def interpreting() -> bool:
-    """Triton's CPU interpreter is on (``TRITON_INTERPRET=1``)."""
+    """Triton's CPU interpreter is on (``TRITON_INTERPRET=1``). Triton reads the variable when
+    it is imported, so it is read once here too (and kept: every launch asks)."""
     return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
@@ -48,8 +50,11 @@ def available() -> bool:
 
 def on_device(*tensors: torch.Tensor) -> bool:
     """All tensors are where Triton kernels can read them: on the GPU, or on CPU when interpreting."""
-    device = "cpu" if interpreting() else "cuda"
-    return all(t.device.type == device for t in tensors)
+    # ``is_cuda``/``is_cpu`` rather than ``.device``, which builds a device object per tensor per call.
+    # (ROCm builds of torch report their GPUs as CUDA devices too.)
+    if interpreting():
+        return all(t.is_cpu for t in tensors)
+    return all(t.is_cuda for t in tensors)
 
 
 def device_of(x: torch.Tensor) -> contextlib.AbstractContextManager:

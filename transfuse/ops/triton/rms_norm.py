@@ -5,8 +5,15 @@ once and each output element written once, so the kernel runs at memory bandwidt
 rounding the native definition makes (the squares, mean and rsqrt in the input dtype when
 it does not upcast; the normalised value cast back before the weight; ``1 + w`` in the
 weight's dtype) is reproduced by a round trip through that dtype. The rounding choices are
-runtime flags rather than ``constexpr``: they cost a uniform branch, and each dtype and
-width then compiles once instead of once per RMSNorm variant.
+``constexpr``: a model has one or two RMSNorm variants, each compiled once, and at a few rows
+a call is latency-bound, where even a uniform branch shows.
+
+The weight is loaded before the row (its latency overlaps the row's instead of following
+the sum of squares) and kept in cache (every program reads it), the row evicted first.
+Launch shapes come from ``benchmarks/sweep_triton_ops.py`` on an H200, hidden 4096, bf16
+(``benchmarks/results/h200_sweep_triton_ops.md``): up to a few waves of programs, one
+16-byte vector per thread is fastest (16 warps: 1.76 against 1.94 us at one row); beyond
+that, two vectors per thread (8 warps) keep more bytes in flight per multiprocessor.
 """
 
 from __future__ import annotations
@@ -17,11 +24,13 @@ from torch import Tensor
 
 from ..rms_norm import rms_norm_out_dtype
 from . import device_of
+from .launch import Kernel
 
 __all__ = ["fused_add_rms_norm", "rms_norm"]
 
 
 # The row count only bounds the last program: specialising on it would only multiply compilations.
+@Kernel
 @triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(
     x_ptr,
@@ -34,10 +43,10 @@ def _rms_norm_kernel(
     x_row_stride,
     residual_row_stride,
     eps,
-    upcast,
-    cast_before_weight,
-    offset,
-    weight_fp32,
+    UPCAST: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr,
+    OFFSET: tl.constexpr,
+    WEIGHT_FP32: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -47,16 +56,25 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     dtype = x_ptr.dtype.element_ty
-    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0, eviction_policy="evict_last")
+    x = tl.load(
+        x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
+    )
     if ADD_RESIDUAL:
-        r = tl.load(residual_ptr + rows[:, None] * residual_row_stride + cols[None, :], mask=mask, other=0.0)
+        r = tl.load(
+            residual_ptr + rows[:, None] * residual_row_stride + cols[None, :],
+            mask=mask,
+            other=0.0,
+            eviction_policy="evict_first",
+        )
         x = (r.to(tl.float32) + x.to(tl.float32)).to(dtype)  # the sum rounds to the inputs' dtype
         tl.store(residual_out_ptr + rows[:, None] * n_cols + cols[None, :], x, mask=mask)
     h = x.to(tl.float32)
-    if upcast:
+    if UPCAST:
         rstd = tl.rsqrt(tl.sum(h * h, axis=1) / n_cols + eps)
         h = h * rstd[:, None]
-        if cast_before_weight:
+        if CAST_BEFORE_WEIGHT:
             h = h.to(dtype).to(tl.float32)
     else:
         # In the input dtype every step rounds: the squares, the mean, mean + eps, rsqrt, x * rstd.
@@ -65,23 +83,34 @@ def _rms_norm_kernel(
         rstd = tl.rsqrt((mean + eps).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         h = (h * rstd[:, None]).to(dtype).to(tl.float32)
     if HAS_WEIGHT:
-        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        if offset:
+        w = w.to(tl.float32)
+        if OFFSET:
             w = 1.0 + w
-            if not weight_fp32:
+            if not WEIGHT_FP32:
                 w = w.to(w_ptr.dtype.element_ty).to(tl.float32)  # 1 + w rounds to the weight's dtype
         h = h * w[None, :]
     # The product's own dtype is the output's whenever it is a half type: one rounding, here.
     tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_shape(n_rows: int, n_cols: int) -> tuple[int, int, int]:
+# Up to this many rows a call is a few waves of programs and bound by latency, not bandwidth.
+_LATENCY_BOUND_ROWS = 1024
+
+
+def _launch_shape(n_rows: int, n_cols: int, element_size: int) -> tuple[int, int, int]:
     """(BLOCK_N, ROWS, num_warps): whole rows per program, several short rows together."""
     block_n = triton.next_power_of_2(n_cols)
     rows = max(1, min(2048 // block_n, triton.next_power_of_2(n_rows)))
     elements = block_n * rows
+    if n_rows <= _LATENCY_BOUND_ROWS:
+        vectors = elements * element_size // 16  # one 16-byte vector per thread
+        return block_n, rows, max(4, min(16, vectors // 32))
     num_warps = 4 if elements <= 2048 else 8 if elements <= 8192 else 16 if elements <= 32768 else 32
     return block_n, rows, num_warps
+
+
+# Benchmarks override the launch shape here (``benchmarks/sweep_triton_ops.py``).
+TUNING: dict = {}
 
 
 def _normalise(x: Tensor, residual: Tensor | None, weight: Tensor | None, eps: float, flags: tuple) -> tuple:
@@ -95,7 +124,8 @@ def _normalise(x: Tensor, residual: Tensor | None, weight: Tensor | None, eps: f
     n_rows = x2.shape[0]
     if n_rows == 0:
         return out, residual_out
-    block_n, rows, num_warps = _launch_shape(n_rows, n_cols)
+    block_n, rows, num_warps = _launch_shape(n_rows, n_cols, x.element_size())
+    rows, num_warps = TUNING.get("rows", rows), TUNING.get("num_warps", num_warps)
     with device_of(x):
         _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
             x2,
@@ -108,10 +138,10 @@ def _normalise(x: Tensor, residual: Tensor | None, weight: Tensor | None, eps: f
             x2.stride(0),
             residual2.stride(0),
             eps,
-            upcast,
-            cast_before_weight,
-            offset,
-            weight_fp32,
+            UPCAST=upcast,
+            CAST_BEFORE_WEIGHT=cast_before_weight,
+            OFFSET=offset,
+            WEIGHT_FP32=weight_fp32,
             HAS_WEIGHT=weight is not None,
             ADD_RESIDUAL=residual is not None,
             BLOCK_N=block_n,
