@@ -95,3 +95,39 @@ def test_a_misaligned_input_compiles_its_own_specialisation(counted):
     for x in (aligned, shifted, aligned, shifted):
         torch.testing.assert_close(silu.impl(x), silu_and_mul_native(x), rtol=0, atol=2 ** -6)
     assert counted["act_and_mul"].fn.calls == 2 and len(counted["act_and_mul"]._compiled) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_a_specialisation_first_compiled_inside_a_graph_capture_replays_correctly():
+    # In a capture, dispatch prefers Triton, so a kernel's first call may happen there.
+    torch.manual_seed(0)
+    silu = ops.get_op("silu_and_mul").providers["triton"]
+    x = torch.randn(3, 2 * 1544, device="cuda", dtype=torch.bfloat16)  # a width no other test uses
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = silu.impl(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, silu_and_mul_native(x), rtol=0, atol=2 ** -6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_eager_calls_take_the_cuda_kernels_and_captured_ones_triton():
+    from transfuse.ops.cuda.build import extension
+
+    if extension() is None:
+        pytest.skip("the CUDA extension did not build here")
+    x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    with ops.trace() as eager:
+        ops.rms_norm(x, weight, 1e-6)
+        ops.act_and_mul(x, "silu")
+    graph = torch.cuda.CUDAGraph()
+    with ops.trace() as captured, torch.cuda.graph(graph):
+        ops.rms_norm(x, weight, 1e-6)
+        ops.act_and_mul(x, "silu")
+    assert [e.provider for e in eager] == ["cuda", "cuda"]
+    assert [e.provider for e in captured] == ["triton", "triton"]

@@ -30,12 +30,17 @@ _SCALAR_WIDTH = 4096
 _VECTORS = 4096
 # silu_and_mul covers a row with at most 65535 blocks of 256 threads.
 _MAX_ACT_WIDTH = 2**24
-# From this many rows rms_norm is left to the Triton kernel when Triton can run. Measured on an
-# H200 (benchmarks/results/h200_ops.md, bf16, hidden 4096): the Triton kernel moves more bytes
-# per second (81% of copy bandwidth at 4096 rows against 73% here, 97% against 92% at 32768),
-# while below a few thousand rows a call is bound by its host launch cost, ~18-30 us for this
-# extension against ~68 us for a Triton launch.
-_TRITON_ROWS = 2048
+# Which of this extension and the Triton kernels runs, where both can. Measured on an H200
+# (benchmarks/results/h200_ops.md and h200_sweep_triton_ops.md; bf16, hidden 4096):
+# * issued eagerly from Python, a call of up to a few thousand rows is bound by its host cost,
+#   which is 2-3x lower here (about 15-45 us against 40-90 us for a Triton launch, depending on
+#   the machine), so this extension runs;
+# * in a CUDA-graph capture the host cost is paid once, and from _DEVICE_BOUND_ROWS rows the
+#   device time dominates anyway: there the provider with less device time runs. That is Triton
+#   for rms_norm and silu_and_mul at every size (rms_norm 1.55 against 2.51 us at one row, 16.9
+#   against ~21 us at 4096 rows), and for fused_add_rms_norm below _DEVICE_BOUND_ROWS only (at
+#   4096 and 32768 rows this kernel is 2-5% faster).
+_DEVICE_BOUND_ROWS = 2048
 
 
 def on_cuda_platform() -> bool:
@@ -68,7 +73,7 @@ def _vectorizable(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.
 def _rms_norm_args(x, weight, eps, upcast, cast_before_weight, offset, weight_fp32, cast_output, residual=None):
     if not (upcast and x.is_cuda and rows_fit(x, _VECTORS * 8) and weight_fits(weight, x)):
         return False
-    if residual is None and x.numel() >= _TRITON_ROWS * x.shape[-1] and triton_available():
+    if _leave_to_triton(x, always_slower=residual is None):
         return False
     if weight is not None and weight.dtype != x.dtype:
         return False
@@ -87,7 +92,20 @@ def _fused_add_rms_norm_args(x, residual, weight, eps, *flags) -> bool:
 
 
 def _silu_and_mul_args(x) -> bool:
-    return x.is_cuda and rows_fit(x, _MAX_ACT_WIDTH) and x.shape[-1] % 2 == 0 and _built()
+    if not (x.is_cuda and rows_fit(x, _MAX_ACT_WIDTH) and x.shape[-1] % 2 == 0):
+        return False
+    return not _leave_to_triton(x, always_slower=True) and _built()
+
+
+def _leave_to_triton(x: torch.Tensor, always_slower: bool) -> bool:
+    """Whether Triton runs this call instead (see _DEVICE_BOUND_ROWS): ``always_slower`` when this
+    extension's kernel takes more device time at every size, else only below _DEVICE_BOUND_ROWS."""
+    if not triton_available():
+        return False
+    large = x.numel() >= _DEVICE_BOUND_ROWS * x.shape[-1]
+    if large:
+        return always_slower
+    return torch.cuda.is_current_stream_capturing()
 
 
 RMS_NORM.register(Provider("cuda", launch.rms_norm, on_cuda_platform, _rms_norm_args))
