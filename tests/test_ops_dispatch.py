@@ -43,6 +43,18 @@ def test_priority_order_native_last_and_argument_checks(scratch_op):
     assert [p.name for p in scratch_op.order()] == ["fast", "native"]
 
 
+def test_a_deferring_provider_runs_only_when_no_later_one_can(scratch_op):
+    # "shy" can run any input but prefers to leave 2-D inputs to a later provider.
+    scratch_op.register(Provider("shy", lambda x: x * 2, defers=lambda x: x.dim() == 2))
+    ops.set_priority(["shy", "fast"], op=scratch_op.name)
+    assert _provider_for(scratch_op, torch.ones(2, 2)) == "fast"
+    assert _provider_for(scratch_op, torch.ones(2, 2, 2)) == "shy"  # does not defer 3-D
+    ops.set_priority(["shy"], op=scratch_op.name)
+    assert _provider_for(scratch_op, torch.ones(2, 2)) == "shy"  # nothing after it but native
+    ops.set_priority(["shy", "other"], op=scratch_op.name)
+    assert _provider_for(scratch_op, torch.ones(2, 2)) == "other"
+
+
 def test_environment_overrides(scratch_op, monkeypatch):
     monkeypatch.setenv("TRANSFUSE_OP_PRIORITY", f"{scratch_op.name}=other,fast")
     ops.refresh()

@@ -50,15 +50,26 @@ def _always(*args: Any, **kwargs: Any) -> bool:
     return True
 
 
+def _never(*args: Any, **kwargs: Any) -> bool:
+    return False
+
+
 @dataclass(frozen=True)
 class Provider:
-    """One implementation of an op."""
+    """One implementation of an op.
+
+    supported: whether it can run here at all (evaluated once). supports_args: whether it can run
+    these arguments (per call, cheap). defers: whether, though it can, a later provider in the
+    order should take these arguments (a measured preference, per call, cheap); when no later
+    provider can, it runs after all.
+    """
 
     name: str
     impl: Callable[..., Any]
     supported: Callable[[], bool] = _always
     supports_args: Callable[..., bool] = _always
     differentiable: bool = False
+    defers: Callable[..., bool] = _never
 
 
 @dataclass(frozen=True)
@@ -113,6 +124,7 @@ class Op:
         self._providers[provider.name] = provider
         self._supported.pop(provider.name, None)
         self._order = None
+        _changed()
         return provider
 
     @property
@@ -149,12 +161,18 @@ class Op:
 
     def select(self, *args: Any, **kwargs: Any) -> Provider:
         grad = _needs_grad(args, kwargs)
+        deferred = None
         for provider in self.order():
             if grad and not provider.differentiable:
                 continue
-            if provider is self.native or provider.supports_args(*args, **kwargs):
+            if provider is self.native:
+                break
+            if provider.supports_args(*args, **kwargs):
+                if deferred is None and provider.defers(*args, **kwargs):
+                    deferred = provider
+                    continue
                 return provider
-        return self.native
+        return deferred or self.native
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         provider = self.select(*args, **kwargs)
@@ -240,6 +258,7 @@ def set_priority(providers: list[str] | tuple[str, ...] | None, op: str | None =
         _USER_PRIORITY[key] = tuple(providers)
     for each in _OPS.values():
         each._order = None
+    _changed()
 
 
 def refresh() -> None:
@@ -247,6 +266,21 @@ def refresh() -> None:
     for op in _OPS.values():
         op._order = None
         op._supported.clear()
+    _changed()
+
+
+_GENERATION = 0
+
+
+def _changed() -> None:
+    global _GENERATION
+    _GENERATION += 1
+
+
+def generation() -> int:
+    """A number that changes whenever the providers or their order may have changed: whoever
+    keeps the result of past dispatch (a captured CUDA graph) keys it on this."""
+    return _GENERATION
 
 
 def get_op(name: str) -> Op:

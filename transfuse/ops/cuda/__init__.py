@@ -73,8 +73,6 @@ def _vectorizable(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.
 def _rms_norm_args(x, weight, eps, upcast, cast_before_weight, offset, weight_fp32, cast_output, residual=None):
     if not (upcast and x.is_cuda and rows_fit(x, _VECTORS * 8) and weight_fits(weight, x)):
         return False
-    if _leave_to_triton(x, always_slower=residual is None):
-        return False
     if weight is not None and weight.dtype != x.dtype:
         return False
     flags = (upcast, cast_before_weight, offset, weight_fp32, cast_output)
@@ -92,22 +90,37 @@ def _fused_add_rms_norm_args(x, residual, weight, eps, *flags) -> bool:
 
 
 def _silu_and_mul_args(x) -> bool:
-    if not (x.is_cuda and rows_fit(x, _MAX_ACT_WIDTH) and x.shape[-1] % 2 == 0):
-        return False
-    return not _leave_to_triton(x, always_slower=True) and _built()
+    return x.is_cuda and rows_fit(x, _MAX_ACT_WIDTH) and x.shape[-1] % 2 == 0 and _built()
 
 
 def _leave_to_triton(x: torch.Tensor, always_slower: bool) -> bool:
-    """Whether Triton runs this call instead (see _DEVICE_BOUND_ROWS): ``always_slower`` when this
-    extension's kernel takes more device time at every size, else only below _DEVICE_BOUND_ROWS."""
+    """Whether Triton should run this call instead (see _DEVICE_BOUND_ROWS): ``always_slower`` when
+    this extension's kernel takes more device time at every size, else only below _DEVICE_BOUND_ROWS."""
     if not triton_available():
         return False
-    large = x.numel() >= _DEVICE_BOUND_ROWS * x.shape[-1]
-    if large:
+    if x.numel() >= _DEVICE_BOUND_ROWS * x.shape[-1]:
         return always_slower
     return torch.cuda.is_current_stream_capturing()
 
 
-RMS_NORM.register(Provider("cuda", launch.rms_norm, on_cuda_platform, _rms_norm_args))
-FUSED_ADD_RMS_NORM.register(Provider("cuda", launch.fused_add_rms_norm, on_cuda_platform, _fused_add_rms_norm_args))
-SILU_AND_MUL.register(Provider("cuda", launch.silu_and_mul, on_cuda_platform, _silu_and_mul_args))
+def _rms_norm_defers(x, *args) -> bool:
+    return _leave_to_triton(x, always_slower=True)
+
+
+def _fused_add_rms_norm_defers(x, *args) -> bool:
+    return _leave_to_triton(x, always_slower=False)
+
+
+def _silu_and_mul_defers(x) -> bool:
+    return _leave_to_triton(x, always_slower=True)
+
+
+RMS_NORM.register(Provider("cuda", launch.rms_norm, on_cuda_platform, _rms_norm_args, defers=_rms_norm_defers))
+FUSED_ADD_RMS_NORM.register(
+    Provider(
+        "cuda", launch.fused_add_rms_norm, on_cuda_platform, _fused_add_rms_norm_args, defers=_fused_add_rms_norm_defers
+    )
+)
+SILU_AND_MUL.register(
+    Provider("cuda", launch.silu_and_mul, on_cuda_platform, _silu_and_mul_args, defers=_silu_and_mul_defers)
+)
