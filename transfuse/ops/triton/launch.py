@@ -35,7 +35,6 @@ from . import interpreting
 __all__ = ["Kernel"]
 
 FAST = os.environ.get("TRANSFUSE_TRITON_FAST_LAUNCH", "1") != "0"
-_I32 = range(-(2**31), 2**31)
 # Launch options a call may pass besides constexprs; each is part of the key by value.
 _OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg"})
 
@@ -70,31 +69,39 @@ def _hooks_set(holder: Any) -> bool:
     return _hook_set(getattr(holder, "launch_enter_hook", None)) or _hook_set(getattr(holder, "launch_exit_hook", None))
 
 
-def _arg_key(arg: Any, specialize: bool, align: bool) -> Any:
-    """What Triton's specialisation sees of one runtime argument; raises TypeError for other types."""
-    if isinstance(arg, torch.Tensor):
+def _arg_key(arg: Any, specialize: bool | None, align: bool) -> Any:
+    """What Triton's specialisation sees of one argument (``specialize`` None: a constexpr, keyed by
+    value); raises TypeError for other types. Exact types first: this runs per argument per launch."""
+    if specialize is None:
+        return ("constexpr", arg)
+    kind = type(arg)
+    if kind is torch.Tensor or kind is torch.nn.Parameter:  # before isinstance, which is slow for tensors
         return (arg.dtype, align and arg.data_ptr() % 16 == 0)
+    if kind is int:
+        width = "i32" if -(2**31) <= arg < 2**31 else "i64" if arg < 2**63 else "u64"
+        return (width, arg == 1, arg % 16 == 0) if specialize else width
+    if kind is float:
+        return "fp32"
+    if kind is bool:
+        return "i1"
     if arg is None:
         return None
-    if isinstance(arg, bool):  # before int: a bool is an int
-        return "i1"
-    if isinstance(arg, int):
-        width = "i32" if arg in _I32 else "i64" if arg < 2**63 else "u64"
-        return (width, arg == 1, arg % 16 == 0) if specialize else width
-    if isinstance(arg, float):
-        return "fp32"
-    raise TypeError(type(arg).__name__)
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, align and arg.data_ptr() % 16 == 0)
+    raise TypeError(kind.__name__)
 
 
 class _Compiled:
-    """One specialisation's launcher and the handles it takes."""
+    """One specialisation's launcher, the handles it takes, and the values of the parameters
+    after the positional ones (constexprs and defaults: fixed by the key)."""
 
-    __slots__ = ("function", "metadata", "run")
+    __slots__ = ("function", "metadata", "run", "tail")
 
-    def __init__(self, kernel: Any):
+    def __init__(self, kernel: Any, tail: tuple):
         self.run = kernel.run  # a property in some Triton versions: it loads the module first
         self.function = kernel.function
         self.metadata = kernel.packed_metadata
+        self.tail = tail
 
 
 class Kernel:
@@ -116,8 +123,8 @@ class Kernel:
         )
         if self._fast:
             self._names = tuple(p.name for p in params)
-            self._constexpr = tuple(p.is_constexpr for p in params)
-            self._spec = tuple((not p.do_not_specialize, not p.do_not_specialize_on_alignment) for p in params)
+            self._specialize = tuple(None if p.is_constexpr else not p.do_not_specialize for p in params)
+            self._align = tuple(not p.do_not_specialize_on_alignment for p in params)
             self._keywords = frozenset(p.name for p in params if p.is_constexpr) | _OPTIONS
             self._defaults = {p.name: p.default for p in params if p.is_constexpr and p.has_default}
             self._hooks = _hook_holder()
@@ -129,11 +136,9 @@ class Kernel:
         if not self._keywords.issuperset(kwargs):
             return None  # a runtime argument passed by keyword: let Triton bind it
         try:
-            positional = tuple(
-                ("constexpr", arg) if constexpr else _arg_key(arg, *spec)
-                for arg, spec, constexpr in zip(args, self._spec, self._constexpr)
-            )
-            key = (torch.cuda.current_device(), positional, tuple(sorted(kwargs.items())))
+            positional = tuple(map(_arg_key, args, self._specialize, self._align))
+            # Keywords in call order: a call site always passes them in the same order.
+            key = (torch.cuda.current_device(), positional, tuple(kwargs.items()))
             hash(key)
             return key
         except TypeError:  # an argument type the key does not model, or an unhashable constexpr
@@ -159,13 +164,11 @@ class Kernel:
         compiled = self._compiled.get(key) if key is not None else None
         if compiled is None:
             kernel = self.fn[grid](*args, **kwargs)
-            if key is not None and hasattr(kernel, "packed_metadata"):
-                self._compiled[key] = _Compiled(kernel)
+            values = self._all_args(args, kwargs)
+            if key is not None and values is not None and hasattr(kernel, "packed_metadata"):
+                self._compiled[key] = _Compiled(kernel, values[len(args) :])
             return
-        values = self._all_args(args, kwargs)
-        if values is None:
-            self.fn[grid](*args, **kwargs)
-            return
+        values = args + compiled.tail
         device = key[0]
         stream = _raw_stream(device)
         grid_1 = grid[1] if len(grid) > 1 else 1
