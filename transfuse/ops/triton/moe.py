@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from . import interpreting
+from . import device_of, interpreting
 from .launch import Kernel
 from .moe_configs import (
     DecodeConfig,
@@ -169,16 +169,17 @@ def moe_route(
         return weights, ids
     e_pad = _next_pow2(experts)
     block_t = max(1, min(16, 2048 // e_pad))
-    _route_kernel[(_cdiv(tokens, block_t),)](
-        logits, correction_bias if correction_bias is not None else logits, weights, ids,
-        tokens, experts, logits.stride(0),
-        float(renorm_eps or 0.0), float(renorm_min or 0.0), float(scale or 1.0),
-        TOP_K=top_k, K_PAD=k_pad(top_k), E_PAD=e_pad, BLOCK_T=block_t,
-        SCORING=_SCORING_CODES[scoring], HAS_BIAS=correction_bias is not None,
-        N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group if grouped else 1,
-        RENORM=renormalize, HAS_EPS=renorm_eps is not None, HAS_MIN=renorm_min is not None,
-        HAS_SCALE=scale is not None,
-    )  # fmt: skip
+    with device_of(logits):
+        _route_kernel[(_cdiv(tokens, block_t),)](
+            logits, correction_bias if correction_bias is not None else logits, weights, ids,
+            tokens, experts, logits.stride(0),
+            float(renorm_eps or 0.0), float(renorm_min or 0.0), float(scale or 1.0),
+            TOP_K=top_k, K_PAD=k_pad(top_k), E_PAD=e_pad, BLOCK_T=block_t,
+            SCORING=_SCORING_CODES[scoring], HAS_BIAS=correction_bias is not None,
+            N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group if grouped else 1,
+            RENORM=renormalize, HAS_EPS=renorm_eps is not None, HAS_MIN=renorm_min is not None,
+            HAS_SCALE=scale is not None,
+        )  # fmt: skip
     return weights, ids
 
 
@@ -643,7 +644,8 @@ def moe_experts(
             float(alpha), float(limit))  # fmt: skip
     while True:
         try:
-            return (_decode if isinstance(config, DecodeConfig) else _grouped)(*args, config)
+            with device_of(x):  # Triton launches on the current device
+                return (_decode if isinstance(config, DecodeConfig) else _grouped)(*args, config)
         except OutOfResources:  # raised at a launch, before that kernel runs; every buffer is new per call
             smaller = config.smaller()
             if smaller == config:
