@@ -201,3 +201,21 @@ def test_fused_add_rms_norm_library_op_has_a_fake_implementation():
     out, residual = torch.ops.transfuse.fused_add_rms_norm(x, x, None, 1e-6, True, True, False, False, False)
     assert out.device.type == residual.device.type == "meta"
     assert out.shape == residual.shape == x.shape and out.dtype == residual.dtype == torch.bfloat16
+
+
+def test_the_cuda_kernels_defer_to_triton_where_the_gpu_time_decides(monkeypatch):
+    from transfuse.ops import cuda
+
+    capturing = [False]
+    monkeypatch.setattr(cuda, "triton_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    few, many = torch.ones(16, 64), torch.ones(4096, 64)
+    # Eagerly, few rows are host-bound: the extension runs; many rows: where Triton's kernel is faster.
+    assert not cuda._rms_norm_defers(few) and not cuda._fused_add_rms_norm_defers(few)
+    assert cuda._rms_norm_defers(many) and cuda._silu_and_mul_defers(many)
+    assert not cuda._fused_add_rms_norm_defers(many)  # the extension's fused add is the faster one there
+    capturing[0] = True  # in a graph the host cost is paid once: Triton below 2048 rows for all three
+    assert cuda._rms_norm_defers(few) and cuda._fused_add_rms_norm_defers(few) and cuda._silu_and_mul_defers(few)
+    assert not cuda._fused_add_rms_norm_defers(many)
+    monkeypatch.setattr(cuda, "triton_available", lambda: False)
+    assert not cuda._rms_norm_defers(many) and not cuda._silu_and_mul_defers(few)

@@ -131,3 +131,74 @@ def test_eager_calls_take_the_cuda_kernels_and_captured_ones_triton():
         ops.act_and_mul(x, "silu")
     assert [e.provider for e in eager] == ["cuda", "cuda"]
     assert [e.provider for e in captured] == ["triton", "triton"]
+
+
+class _Param:
+    def __init__(self, name, constexpr=False, default=None, do_not_specialize=False):
+        self.name, self.is_constexpr = name, constexpr
+        self.do_not_specialize, self.do_not_specialize_on_alignment = do_not_specialize, False
+        self.has_default, self.default = default is not None, default
+        self.annotation_type = ""
+
+
+class _FakeJIT:
+    """Triton's JITFunction as the launcher sees it: params, and ``fn[grid](...)`` that compiles
+    (here: records the call) and returns the compiled kernel."""
+
+    params = [_Param("x_ptr"), _Param("n", do_not_specialize=True), _Param("stride"), _Param("eps"),
+              _Param("BLOCK", constexpr=True), _Param("FLAG", constexpr=True, default=7)]  # fmt: skip
+
+    def __init__(self):
+        self.calls, self.runs = [], []
+        jit = self
+
+        class Compiled:
+            function, packed_metadata = "function", "metadata"
+
+            def run(self, *launch_args):
+                jit.runs.append(launch_args)
+
+        self.compiled = Compiled()
+
+    def __getitem__(self, grid):
+        def call(*args, **kwargs):
+            self.calls.append((grid, args, kwargs))
+            return self.compiled
+
+        return call
+
+
+def test_the_launcher_reuses_a_compiled_kernel_only_for_the_same_specialisation(monkeypatch):
+    from transfuse.ops.triton import launch
+
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch, "_raw_stream", lambda device: 1234)
+    jit = _FakeJIT()
+    kernel = launch.Kernel(jit)
+    buffer = torch.zeros(64)
+    x, other_x, shifted = buffer[:16], torch.zeros(16), buffer[1:17]
+
+    kernel[(4,)](x, 5, 32, 1e-6, BLOCK=128, num_warps=4)  # compiled through Triton
+    kernel[(2, 3)](other_x, 9, 48, 1e-5, BLOCK=128, num_warps=4)  # same specialisation: direct
+    assert len(jit.calls) == 1
+    assert jit.runs == [(2, 3, 1, 1234, "function", "metadata", None, None, None, other_x, 9, 48, 1e-5, 128, 7)]
+
+    for args, kwargs in [
+        ((shifted, 5, 32, 1e-6), {"BLOCK": 128, "num_warps": 4}),  # misaligned pointer
+        ((x, 5, 33, 1e-6), {"BLOCK": 128, "num_warps": 4}),  # stride no longer a multiple of 16
+        ((x, 5, 1, 1e-6), {"BLOCK": 128, "num_warps": 4}),  # stride 1
+        ((x, 5, 32, 1e-6), {"BLOCK": 256, "num_warps": 4}),  # another constexpr
+        ((x, 5, 32, 1e-6), {"BLOCK": 128, "num_warps": 8}),  # another launch option
+    ]:
+        before = len(jit.calls)
+        kernel[(1,)](*args, **kwargs)
+        assert len(jit.calls) == before + 1, (args, kwargs)
+    kernel[(1,)](x, 6, 32, 1e-6, BLOCK=128, num_warps=4)  # n is not specialised on: direct
+    assert len(jit.calls) == 6 and len(jit.runs) == 2
+
+    kernel[lambda meta: (1,)](x, 5, 32, 1e-6, BLOCK=128, num_warps=4)  # a callable grid
+    kernel[(1,)](x, 5, 32, eps=1e-6, BLOCK=128, num_warps=4)  # a runtime argument by keyword
+    monkeypatch.setattr(launch, "FAST", False)
+    kernel[(1,)](x, 5, 32, 1e-6, BLOCK=128, num_warps=4)
+    assert len(jit.calls) == 9 and len(jit.runs) == 2
