@@ -10,8 +10,9 @@ time each variant with CUDA-graph replays over rotated inputs (several input set
 total exceeds the L2, so large sizes are not flattered) and, for reference, as plain eager
 calls (host launch overhead included). The default dispatch may pick one provider eagerly
 (least host cost) and another inside a graph capture (least device time): its provider
-column names both, and its graph time is the captured choice's; count kernel launches at small sizes with the
-profiler. Writes DIR/results.json and DIR/results.md and prints a summary table last.
+column names both, and its graph time is the captured choice's. Kernel launches at small
+sizes are counted with the profiler. Writes DIR/results.json and DIR/results.md and prints a
+summary table last.
 
 Bandwidth counts the fewest bytes each op must move: inputs read once, outputs written once.
 """

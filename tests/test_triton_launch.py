@@ -176,8 +176,8 @@ def test_the_launcher_reuses_a_compiled_kernel_only_for_the_same_specialisation(
     monkeypatch.setattr(launch, "_raw_stream", lambda device: 1234)
     jit = _FakeJIT()
     kernel = launch.Kernel(jit)
-    buffer = torch.zeros(64)
-    x, other_x, shifted = buffer[:16], torch.zeros(16), buffer[1:17]
+    buffer = torch.randn(64)
+    x, other_x, shifted = buffer[:16], torch.randn(16), buffer[1:17]
 
     kernel[(4,)](x, 5, 32, 1e-6, BLOCK=128, num_warps=4)  # compiled through Triton
     kernel[(2, 3)](other_x, 9, 48, 1e-5, BLOCK=128, num_warps=4)  # same specialisation: direct
@@ -199,6 +199,7 @@ def test_the_launcher_reuses_a_compiled_kernel_only_for_the_same_specialisation(
 
     kernel[lambda meta: (1,)](x, 5, 32, 1e-6, BLOCK=128, num_warps=4)  # a callable grid
     kernel[(1,)](x, 5, 32, eps=1e-6, BLOCK=128, num_warps=4)  # a runtime argument by keyword
+    kernel[(1,)](x, 5, 32, 1e-6, BLOCK=[128], num_warps=4)  # an unhashable constexpr
     monkeypatch.setattr(launch, "FAST", False)
     kernel[(1,)](x, 5, 32, 1e-6, BLOCK=128, num_warps=4)
-    assert len(jit.calls) == 9 and len(jit.runs) == 2
+    assert len(jit.calls) == 10 and len(jit.runs) == 2

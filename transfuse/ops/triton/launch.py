@@ -138,10 +138,8 @@ class Kernel:
         try:
             positional = tuple(map(_arg_key, args, self._specialize, self._align))
             # Keywords in call order: a call site always passes them in the same order.
-            key = (torch.cuda.current_device(), positional, tuple(kwargs.items()))
-            hash(key)
-            return key
-        except TypeError:  # an argument type the key does not model, or an unhashable constexpr
+            return (torch.cuda.current_device(), positional, tuple(kwargs.items()))
+        except TypeError:  # an argument type the key does not model
             return None
 
     def _all_args(self, args: tuple, kwargs: dict) -> tuple | None:
@@ -161,7 +159,10 @@ class Kernel:
             self.fn[grid](*args, **kwargs)
             return
         key = self._key(args, kwargs)
-        compiled = self._compiled.get(key) if key is not None else None
+        try:
+            compiled = self._compiled.get(key) if key is not None else None
+        except TypeError:  # an unhashable constexpr: no key
+            key = compiled = None
         if compiled is None:
             kernel = self.fn[grid](*args, **kwargs)
             values = self._all_args(args, kwargs)
