@@ -1,4 +1,4 @@
-"""Sweep the Triton rms_norm, fused_add_rms_norm and silu_and_mul launch shapes against torch.compile.
+"""Sweep the Triton rms_norm, fused_add_rms_norm, silu_and_mul and gelu_and_mul launch shapes against torch.compile.
 
     python benchmarks/sweep_triton_ops.py --out DIR [--tokens 1 16 256 4096 32768]
 
@@ -6,7 +6,8 @@ For each op and token count (hidden 4096, bf16) it times, in CUDA-graph replays 
 inputs (``bench_ops.time_graph``), ``torch.compile`` of the Hugging Face code (before and after
 the sweep, so the table shows its run-to-run spread), the CUDA provider, the Triton kernel with
 its default launch shape, and under each launch shape of the grid below, checked against native
-first. The norms vary rows per program and warps; silu_and_mul the block and the warps. Writes DIR/sweep.md and
+first. The norms vary rows per program and warps; the act-and-mul ops the block, the warps, and
+whether the loads are predicated when the blocks tile the row. Writes DIR/sweep.md and
 DIR/sweep.json: per size, the fastest shape and how it compares with torch.compile.
 """
 
@@ -31,7 +32,8 @@ from transfuse.ops.triton import act_and_mul as triton_act  # noqa: E402
 from transfuse.ops.triton import rms_norm as triton_norm  # noqa: E402
 
 NORM_GRID = {"rows": (1, 2), "num_warps": (4, 8, 16)}
-ACT_GRID = {"block": (512, 1024, 2048, 4096), "num_warps": (2, 4, 8, 16)}
+# "masked": the act-and-mul kernel predicates its loads even where its blocks tile the row exactly.
+ACT_GRID = {"block": (512, 1024, 2048, 4096), "num_warps": (2, 4, 8, 16), "masked": (False, True)}
 
 
 def configs(grid: dict, tokens: int):

@@ -32,13 +32,15 @@ TUNING: dict = {}
 
 @Kernel
 @triton.jit
-def _act_and_mul_kernel(x_ptr, out_ptr, d, x_row_stride, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
+def _act_and_mul_kernel(
+    x_ptr, out_ptr, d, x_row_stride, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < d
+    mask = None if EVEN else cols < d  # blocks that tile the row exactly need no predicate
     dtype = x_ptr.dtype.element_ty
-    gate = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * x_row_stride + d + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(x_ptr + row * x_row_stride + cols, mask=mask).to(tl.float32)
+    up = tl.load(x_ptr + row * x_row_stride + d + cols, mask=mask).to(tl.float32)
     if ACTIVATION == 0:
         act = gate / (1.0 + tl.exp(-gate))
     elif ACTIVATION == 1:
@@ -61,9 +63,10 @@ def _act_and_mul(x: Tensor, activation: int) -> Tensor:
     block = _BLOCK if n_rows <= _LATENCY_BOUND_ROWS else _LARGE_BLOCK
     block = min(TUNING.get("block", block), triton.next_power_of_2(d))
     num_warps = TUNING.get("num_warps", max(1, min(16, block * x.element_size() // 16 // 32)))
+    even = d % block == 0 and not TUNING.get("masked", False)
     with device_of(x):
         _act_and_mul_kernel[(n_rows, triton.cdiv(d, block))](
-            x2, out, d, x2.stride(0), ACTIVATION=activation, BLOCK=block, num_warps=num_warps
+            x2, out, d, x2.stride(0), ACTIVATION=activation, BLOCK=block, EVEN=even, num_warps=num_warps
         )
     return out
 
