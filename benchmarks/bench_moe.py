@@ -14,8 +14,10 @@ transformers, with random weights. In one run:
 3. timings (CUDA events, median, after warm-up; inputs rotated among 8, the L2 cache flushed
    before each call so weights come from memory as they would in a deep model) of:
    transformers eager / grouped_mm / batched_mm, torch.compile of the block (grouped_mm),
-   transfuse native, transfuse Triton with its default path and tiles (also replayed as a CUDA
-   graph up to 256 tokens: the GPU time without launch overhead), and with each candidate
+   transfuse native, transfuse Triton with its default path and tiles (up to
+   ``DECODE_GRAPH_TOKENS`` the layer replays its own CUDA graph, ``transfuse.ops.graphs``: also
+   timed without it; and the whole call replayed as a CUDA graph up to 256 tokens: the GPU time
+   without launch overhead), and with each candidate
    configuration of its regime (``moe_configs.TUNING_CANDIDATES``: decode-path tiles at 1
    token, grouped tiles above; the best is reported: one run measures and tunes);
 4. the crossover: at a few small token counts, the decode path against the grouped path, each
@@ -52,6 +54,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transfuse.ops.triton import moe_configs  # noqa: E402  (plain Python: Triton is imported later)
+from transfuse.ops.moe_layer import DECODE_GRAPH_TOKENS  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
 DEVICE = "cuda"
@@ -263,18 +266,37 @@ def time_all(block, config, fused, tokens: int, timer: Timer, args) -> dict:
             t0 = time.monotonic()
             attempt("torch.compile (grouped_mm)", args.compiled, reps)
             results.get("torch.compile (grouped_mm)", {})["wall_s_with_compile"] = time.monotonic() - t0
-    with provider("native"):
+    with provider("native"), no_decode_graphs():
         attempt("transfuse native", fused, max(5, reps // 3))
     with provider("triton"):
         attempt("transfuse triton", fused, reps)
         default = moe_configs.config_for(tokens, TOP_K, EXPERTS)
         results["transfuse triton"]["config"] = default.describe()
+        if DEVICE == "cuda" and tokens <= DECODE_GRAPH_TOKENS:
+            with no_decode_graphs():
+                attempt("transfuse triton, no decode graph", fused, reps)
         if DEVICE == "cuda" and tokens <= 256:
             attempt("transfuse triton (CUDA graph)", graphed(fused, inputs[0]), reps)
-        results["transfuse triton best"] = sweep(fused, tokens, default, results, attempt, reps) if args.sweep else {
+        with no_decode_graphs():  # a decode graph replays the tiles it was captured with
+            best = sweep(fused, tokens, default, results, attempt, reps) if args.sweep else None
+        results["transfuse triton best"] = best or {
             "us": results["transfuse triton"].get("us", math.inf), "config": default.describe(), "repr": repr(default)
         }  # fmt: skip
     return results
+
+
+@contextmanager
+def no_decode_graphs():
+    """The fused layer runs eagerly at every size (``transfuse.ops.graphs``)."""
+    previous = os.environ.get("TRANSFUSE_DECODE_GRAPHS")
+    os.environ["TRANSFUSE_DECODE_GRAPHS"] = "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["TRANSFUSE_DECODE_GRAPHS"]
+        else:
+            os.environ["TRANSFUSE_DECODE_GRAPHS"] = previous
 
 
 def attempter(results: dict, timer: Timer, inputs, tokens: int):
@@ -343,7 +365,7 @@ def crossover(fused, timer: Timer, counts: list[int]) -> list[dict]:
         results, inputs = {}, inputs_for(tokens)
         attempt = attempter(results, timer, inputs, tokens)
         for path in ("decode", "tiny"):
-            with provider("triton"), moe_configs.using_config(moe_configs.CONFIGS[path]):
+            with provider("triton"), moe_configs.using_config(moe_configs.CONFIGS[path]), no_decode_graphs():
                 attempt(path, fused, 3 if DEVICE != "cuda" else 50)
         rows.append({"tokens": tokens, "pairs": tokens * TOP_K, **{k: v.get("us") for k, v in results.items()}})
     return rows
@@ -404,7 +426,8 @@ def table(rows: list[dict]) -> str:
         "transformers eager", "transformers grouped_mm", "transformers batched_mm",
         "torch.compile (grouped_mm)", "transfuse native",
     ]  # fmt: skip
-    head = ["tokens", "floor us", "transfuse triton us", "x floor", "host us", "CUDA graph us", "best tiles us",
+    head = ["tokens", "floor us", "transfuse triton us", "x floor", "host us", "no decode graph us", "CUDA graph us",
+            "best tiles us",
             "best tiles", *[n.replace("transformers ", "hf ") for n in names], "targets"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
@@ -412,7 +435,8 @@ def table(rows: list[dict]) -> str:
         ours = r["transfuse triton"].get("us", math.nan)
         cells = [
             str(row["tokens"]), f"{row['floor_us']:.1f}", f"{ours:.1f}", f"{ours / row['floor_us']:.2f}",
-            f"{r['transfuse triton'].get('host_us', math.nan):.1f}", _cell(r.get("transfuse triton (CUDA graph)")),
+            f"{r['transfuse triton'].get('host_us', math.nan):.1f}", _cell(r.get("transfuse triton, no decode graph")),
+            _cell(r.get("transfuse triton (CUDA graph)")),
             f"{r['transfuse triton best']['us']:.1f}", r["transfuse triton best"]["config"],
             *[_cell(r.get(n)) for n in names],
             row["verdict"] + ("" if row["verdict"] == "PASS" else f" ({'; '.join(row['reasons'])})"),

@@ -7,7 +7,7 @@ divides the host time by the count; the GPU work of each call is a few microseco
 host is the bottleneck and this is its cost. Paths: a torch ``add`` (the machine's floor for
 one dispatched op), every provider of rms_norm, fused_add_rms_norm and silu_and_mul (direct,
 and through ``transfuse.ops`` dispatch), and the fused Qwen3-MoE block of ``bench_moe.py`` at
-one token. The dispatched path adds ``transfuse.ops``' provider choice to the direct call of
+one token, replaying its decode graph (``transfuse.ops.graphs``) and without it. The dispatched path adds ``transfuse.ops``' provider choice to the direct call of
 the same provider. The Triton paths run twice: through Triton's own launch (``launch.FAST = False``)
 and through ``transfuse.ops.triton.launch``'s fast path. ``--profile`` also writes cProfile's
 top functions for the Triton paths. Writes DIR/host_overhead.md and .json.
@@ -19,6 +19,7 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import pstats
 import statistics
 import sys
@@ -96,6 +97,7 @@ def paths() -> dict[str, tuple]:
         fused = bench_moe.build_fused(bench_moe.build_block()[0])
         token = torch.randn(1, 1, bench_moe.HIDDEN, **bf16)
         out["MoE block, 1 token (Qwen3-MoE shape)"] = (lambda: fused(token), True)
+        out["MoE block, 1 token, no decode graph"] = (lambda: _without_graphs(fused, token), True)
         from transfuse.ops import moe_experts
         from transfuse.ops.moe_layer import _tensor
 
@@ -108,6 +110,14 @@ def paths() -> dict[str, tuple]:
     except Exception as exc:  # noqa: BLE001 - report and go on with the op paths
         print(f"MoE block skipped: {type(exc).__name__}: {exc}", flush=True)
     return out
+
+
+def _without_graphs(layer, x):
+    os.environ["TRANSFUSE_DECODE_GRAPHS"] = "0"
+    try:
+        return layer(x)
+    finally:
+        del os.environ["TRANSFUSE_DECODE_GRAPHS"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -124,6 +124,7 @@ class Op:
         self._providers[provider.name] = provider
         self._supported.pop(provider.name, None)
         self._order = None
+        _changed()
         return provider
 
     @property
@@ -257,6 +258,7 @@ def set_priority(providers: list[str] | tuple[str, ...] | None, op: str | None =
         _USER_PRIORITY[key] = tuple(providers)
     for each in _OPS.values():
         each._order = None
+    _changed()
 
 
 def refresh() -> None:
@@ -264,6 +266,21 @@ def refresh() -> None:
     for op in _OPS.values():
         op._order = None
         op._supported.clear()
+    _changed()
+
+
+_GENERATION = 0
+
+
+def _changed() -> None:
+    global _GENERATION
+    _GENERATION += 1
+
+
+def generation() -> int:
+    """A number that changes whenever the providers or their order may have changed: whoever
+    keeps the result of past dispatch (a captured CUDA graph) keys it on this."""
+    return _GENERATION
 
 
 def get_op(name: str) -> Op:

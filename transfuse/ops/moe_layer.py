@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .graphs import SmallBatchGraphs
 from .moe import ExpertsSpec, RoutingSpec, moe_experts, moe_route
 
 __all__ = ["ExpertsPlan", "LogitsPlan", "MoE", "MoEPlan", "RouterPlan", "SharedPlan", "StackedExperts"]
@@ -122,6 +124,13 @@ def _split(path: str) -> tuple[str, ...]:
     return tuple(path.split("."))
 
 
+# Up to this many tokens an eager call replays a CUDA graph of the layer (``graphs.py``): at one
+# token the Qwen3-MoE block's host work is ~5x its GPU time (benchmarks/results/h200_host_overhead.md).
+DECODE_GRAPH_TOKENS = 16
+# Graphs per layer, outside the module so that copying or pickling a model never copies them.
+_LAYER_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _tensor(layer: nn.Module, path: str) -> Tensor:
     """The tensor at a dotted path under ``layer``, resolved on every call (weights may be replaced),
     through the module dicts directly: ``get_submodule`` costs microseconds a call in a decode step."""
@@ -181,6 +190,15 @@ class MoE(nn.Module):
         self.expert_numbers = experts or ExpertNumbers()
 
     def forward(self, hidden_states: Tensor, *unused, **unused_kwargs):
+        if hidden_states.is_cuda and not self.training:
+            graphs = _LAYER_GRAPHS.get(self)
+            if graphs is None:
+                graphs = _LAYER_GRAPHS[self] = SmallBatchGraphs(self, self._forward, DECODE_GRAPH_TOKENS)
+            if graphs.graphable(hidden_states):
+                return graphs(hidden_states)
+        return self._forward(hidden_states)
+
+    def _forward(self, hidden_states: Tensor):
         plan = self.plan
         if self.training and plan.train_error is not None:
             raise RuntimeError(plan.train_error)

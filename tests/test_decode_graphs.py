@@ -1,0 +1,111 @@
+"""Small-batch CUDA graphs of the fused MoE layer (``transfuse.ops.graphs``): replay gives what
+running the layer gives, follows the weights, and stays out of the way where it cannot be exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import transfuse
+from transfuse.ops import MoE
+from transfuse.ops.moe_layer import _LAYER_GRAPHS
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture
+def layer():
+    from transformers import AutoConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = AutoConfig.for_model(
+        "qwen3_moe", hidden_size=256, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    block = Qwen3MoeSparseMoeBlock(config).to("cuda", torch.bfloat16).eval()
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    holder = torch.nn.Sequential(block)
+    transfuse.rewrite(holder, example_inputs=(torch.randn(1, 8, 256, device="cuda", dtype=torch.bfloat16),),
+                      fusions=["moe"])  # fmt: skip
+    fused = holder[0]
+    assert isinstance(fused, MoE), transfuse.report(holder)
+    return fused
+
+
+def _captured(layer) -> int:
+    graphs = _LAYER_GRAPHS.get(layer)
+    return 0 if graphs is None else len(graphs._graphs)
+
+
+def test_replay_matches_running_the_layer_and_outputs_are_fresh(layer):
+    with torch.no_grad():
+        for tokens in (1, 3, 1):
+            xs = [torch.randn(1, tokens, 256, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+            outs = [layer(x) for x in xs]
+            for x, out in zip(xs, outs):  # earlier outputs are not overwritten by later replays
+                assert torch.equal(out, layer._forward(x))
+    assert _captured(layer) == 2  # one graph per shape
+
+
+def test_replay_follows_weights_changed_in_place_and_replaced(layer):
+    x = torch.randn(1, 1, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer(x)
+        for p in layer.parameters():
+            p.mul_(1.5)
+        assert torch.equal(layer(x), layer._forward(x))
+        first = next(layer.parameters())
+        first.data = first.data * 0.5  # a new tensor at a new address
+        assert torch.equal(layer(x), layer._forward(x))
+    assert _captured(layer) == 1  # the graph of the old weights was dropped
+
+
+def test_hooks_autograd_and_the_switch_keep_the_layer_eager(layer, monkeypatch):
+    x = torch.randn(1, 1, 256, device="cuda", dtype=torch.bfloat16)
+    graphs_of = lambda: _LAYER_GRAPHS.get(layer)  # noqa: E731
+    seen = []
+    handle = next(layer.children()).register_forward_hook(lambda *args: seen.append(1))
+    with torch.no_grad():
+        layer(x)
+        layer(x)
+    handle.remove()
+    assert len(seen) == 2 and _captured(layer) == 0
+    layer(x).float().sum().backward()  # parameters require grad: autograd records, no graph
+    assert _captured(layer) == 0 and next(layer.parameters()).grad is not None
+    monkeypatch.setenv("TRANSFUSE_DECODE_GRAPHS", "0")
+    with torch.no_grad():
+        layer(x)
+    assert _captured(layer) == 0 and graphs_of().failed is None
+    monkeypatch.setenv("TRANSFUSE_DECODE_GRAPHS", "1")
+    with torch.no_grad():
+        assert torch.equal(layer(x), layer._forward(x))
+    assert _captured(layer) == 1
+
+
+def test_a_larger_batch_runs_eagerly(layer):
+    x = torch.randn(2, 40, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(layer(x), layer._forward(x))
+    assert _captured(layer) == 0
+
+
+def test_changing_providers_recaptures_and_uncapturable_code_runs_eagerly(layer):
+    from transfuse import ops
+
+    x = torch.randn(1, 1, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        triton_out = layer(x)
+        ops.set_priority(["native"], "moe_experts")  # the native experts read group sizes on the host
+        try:
+            with pytest.warns(UserWarning, match="runs eagerly"):
+                native_out = layer(x)
+            with ops.trace() as calls:
+                layer(x)  # eager from now on at this shape: the native provider runs every call
+        finally:
+            ops.set_priority(None, "moe_experts")
+        assert [c.provider for c in calls if c.op == "moe_experts"] == ["native"]
+        torch.testing.assert_close(native_out, triton_out, rtol=2e-2, atol=2e-2)
+        assert torch.equal(layer(x), triton_out)  # the default providers again, in a new graph
+    assert _captured(layer) == 1
