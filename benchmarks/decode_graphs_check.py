@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_moe  # noqa: E402
 
-from transfuse.ops import graphs  # noqa: E402
+from transfuse.ops import dispatch, graphs  # noqa: E402
 from transfuse.ops.moe_layer import _LAYER_GRAPHS  # noqa: E402
 
 
@@ -43,6 +43,14 @@ def host_us(fn, calls: int = 300) -> float:
 
 def main() -> int:
     fused = bench_moe.build_fused(bench_moe.build_block()[0])
+    captures = []
+    capture = graphs.SmallBatchGraphs._capture
+
+    def counted(self, x, key):
+        captures.append((key[:5], dispatch.generation()))
+        return capture(self, x, key)
+
+    graphs.SmallBatchGraphs._capture = counted
     a = torch.randn(1, 2048, device="cuda")
     print(f"torch add: {host_us(lambda: torch.add(a, a)):.1f} us", flush=True)
     with torch.no_grad():
@@ -57,13 +65,18 @@ def main() -> int:
             print(f"{tokens} token(s): graphable {table.graphable(x) if table else None}, "
                   f"captured {len(table._graphs) if table else 0}, failed {table.failed if table else None}")
             print("  replay == layer:", torch.equal(out, fused._forward(x)), flush=True)
+            print(f"  captures so far: {len(captures)}, first: {captures[:1]}; generation now {dispatch.generation()}")
             print(f"  host us, graph: {host_us(lambda: fused(x)):.1f}", flush=True)
+            print(f"  captures so far: {len(captures)}, last: {captures[-1:]}; generation now {dispatch.generation()}")
+            if table:
+                now = table._key(x)
+                for k in table._graphs:
+                    print("  stored key differs at", [i for i, (a, b) in enumerate(zip(k, now)) if a != b], k[:5])
             os.environ["TRANSFUSE_DECODE_GRAPHS"] = "0"
             print(f"  host us, eager: {host_us(lambda: fused(x)):.1f}", flush=True)
             del os.environ["TRANSFUSE_DECODE_GRAPHS"]
             if table and table._graphs:
-                key = table._key(x)
-                graph, static_x, static_out = table._graphs[key]
+                graph, static_x, static_out = next(iter(table._graphs.values()))
                 for name, fn in (
                     ("graphable", lambda: table.graphable(x)),
                     ("key", lambda: table._key(x)),
