@@ -1,5 +1,6 @@
 """Small-batch CUDA graphs of the fused MoE layer (``transfuse.ops.graphs``): replay gives what
-running the layer gives, follows the weights, and stays out of the way where it cannot be exact."""
+running the layer gives, follows the weights, and stays out of the way where it cannot be exact.
+A shape is captured the second time it is seen, so each case calls the layer at least twice."""
 
 from __future__ import annotations
 
@@ -40,25 +41,31 @@ def _captured(layer) -> int:
 
 
 def test_replay_matches_running_the_layer_and_outputs_are_fresh(layer):
+    assert not layer.training  # it took the flag of the block it replaced
     with torch.no_grad():
+        layer(torch.randn(1, 5, 256, device="cuda", dtype=torch.bfloat16))  # a shape seen once
+        assert _captured(layer) == 0
         for tokens in (1, 3, 1):
             xs = [torch.randn(1, tokens, 256, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
             outs = [layer(x) for x in xs]
             for x, out in zip(xs, outs):  # earlier outputs are not overwritten by later replays
                 assert torch.equal(out, layer._forward(x))
-    assert _captured(layer) == 2  # one graph per shape
+    assert _captured(layer) == 2  # one graph per shape seen twice
 
 
 def test_replay_follows_weights_changed_in_place_and_replaced(layer):
     x = torch.randn(1, 1, 256, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         layer(x)
+        layer(x)
+        assert _captured(layer) == 1
         for p in layer.parameters():
             p.mul_(1.5)
         assert torch.equal(layer(x), layer._forward(x))
         first = next(layer.parameters())
         first.data = first.data * 0.5  # a new tensor at a new address
-        assert torch.equal(layer(x), layer._forward(x))
+        for _ in range(2):
+            assert torch.equal(layer(x), layer._forward(x))
     assert _captured(layer) == 1  # the graph of the old weights was dropped
 
 
@@ -68,26 +75,30 @@ def test_hooks_autograd_and_the_switch_keep_the_layer_eager(layer, monkeypatch):
     seen = []
     handle = next(layer.children()).register_forward_hook(lambda *args: seen.append(1))
     with torch.no_grad():
-        layer(x)
-        layer(x)
+        for _ in range(3):
+            layer(x)
     handle.remove()
-    assert len(seen) == 2 and _captured(layer) == 0
-    layer(x).float().sum().backward()  # parameters require grad: autograd records, no graph
+    assert len(seen) == 3 and _captured(layer) == 0
+    for _ in range(2):
+        layer(x).float().sum().backward()  # parameters require grad: autograd records, no graph
     assert _captured(layer) == 0 and next(layer.parameters()).grad is not None
     monkeypatch.setenv("TRANSFUSE_DECODE_GRAPHS", "0")
     with torch.no_grad():
         layer(x)
+        layer(x)
     assert _captured(layer) == 0 and graphs_of().failed is None
     monkeypatch.setenv("TRANSFUSE_DECODE_GRAPHS", "1")
     with torch.no_grad():
-        assert torch.equal(layer(x), layer._forward(x))
+        for _ in range(2):  # none of the calls above counted as a sighting
+            assert torch.equal(layer(x), layer._forward(x))
     assert _captured(layer) == 1
 
 
 def test_a_larger_batch_runs_eagerly(layer):
     x = torch.randn(2, 40, 256, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
-        assert torch.equal(layer(x), layer._forward(x))
+        for _ in range(2):
+            assert torch.equal(layer(x), layer._forward(x))
     assert _captured(layer) == 0
 
 
@@ -96,16 +107,19 @@ def test_changing_providers_recaptures_and_uncapturable_code_runs_eagerly(layer)
 
     x = torch.randn(1, 1, 256, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
+        layer(x)
         triton_out = layer(x)
         ops.set_priority(["native"], "moe_experts")  # the native experts read group sizes on the host
         try:
+            native_out = layer(x)  # a new dispatch generation: seen once, run eagerly
             with pytest.warns(UserWarning, match="runs eagerly"):
-                native_out = layer(x)
+                assert torch.equal(layer(x), native_out)  # the capture fails: eager
             with ops.trace() as calls:
                 layer(x)  # eager from now on at this shape: the native provider runs every call
         finally:
             ops.set_priority(None, "moe_experts")
         assert [c.provider for c in calls if c.op == "moe_experts"] == ["native"]
         torch.testing.assert_close(native_out, triton_out, rtol=2e-2, atol=2e-2)
+        layer(x)
         assert torch.equal(layer(x), triton_out)  # the default providers again, in a new graph
     assert _captured(layer) == 1

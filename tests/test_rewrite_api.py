@@ -112,3 +112,18 @@ def test_meta_device_model_rewrites_quickly_without_verification():
     assert report.counts() == {"rms_norm": 65, "qkv": 32, "gate_up": 32}
     assert any("meta device" in n for n in report.notes)
     assert elapsed < 30  # about 1 s on 2 CPU cores; generous for slow CI machines
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["layers-train", "layers-eval"])
+def test_modules_a_fusion_creates_take_the_training_flag_of_what_they_fuse_into(training):
+    from transfuse.ops import MoE
+
+    model = tiny_model("qwen3_moe").train()
+    for layer in model.model.layers:
+        layer.train(training)  # the root stays in training mode: only the flags of the layers count
+    transfuse.rewrite(model)
+    fused = [m for m in model.modules() if isinstance(m, MoE)]
+    assert fused, transfuse.report(model)
+    assert model.training
+    for layer in model.model.layers:
+        assert [m for m in layer.modules() if m.training != training] == []

@@ -3,23 +3,28 @@
 A decode step hands an MoE block one token. Its GPU work is tens of microseconds, but
 issuing it from Python (the router matmul, the routing and expert kernels, their
 allocations and checks) costs several times that, so an eager model waits on its host.
-``SmallBatchGraphs`` captures the forward once per input shape and afterwards copies the
-input into the captured buffer, replays, and returns copies of the outputs: a handful of
-host calls instead of dozens.
+``SmallBatchGraphs`` captures the forward of an input shape the second time it sees that
+shape (a decode step repeats its shape; a verification probe or an odd prompt length does
+not) and afterwards copies the input into the captured buffer, replays, and returns copies
+of the outputs: four host calls instead of dozens.
 
 It is used only where replay cannot differ from running the code (``graphable``): CUDA
 inputs; no autograd to record; not under ``torch.compile`` or inside another capture; no
-forward hooks anywhere in the layer (a hook would run once, at capture). A captured graph
-reads the weights by address, so the key includes every parameter's and buffer's data
-pointer: weights changed in place are read as they are, weights replaced (``.to()``,
-loading new tensors) mean a new capture. It also includes the dispatch generation
-(``transfuse.ops.dispatch.generation()``): a graph replays the providers chosen when it
-was captured, so changing them means a new capture. All graphs on a device share one
-memory pool: replays are sequential on a stream and each output is copied out before the
-next replay. Code that synchronises with the host (the native MoE experts read their group
-sizes) cannot be captured: the warm-up call runs with synchronisations made errors, and a
-shape whose warm-up or capture fails runs eagerly from then on. Replays run no Python, so
-``transfuse.ops.trace()`` records the calls of a capture, not of its replays.
+forward hooks on the layer's children (a hook would run once, at capture; hooks on the
+layer itself run around every call as usual). A captured graph reads the weights by
+address, so the key holds the data pointer of each of the layer's parameters and buffers
+(by the names they had at the first call): weights changed in place are read as they are,
+weights replaced (``.to()``, loading new tensors, ``p.data = ...``) mean a new capture. The
+key also holds the dispatch generation (``transfuse.ops.dispatch.generation()``): a graph
+replays the providers chosen when it was captured, so changing them means a new capture.
+
+Graphs are captured per CUDA stream, and the graphs of one stream on one device share one
+memory pool: replays on a stream run one after another, and each output is copied out
+before the next. Code that synchronises with the host (the native MoE experts read their
+group sizes) cannot be captured: the warm-up call runs with synchronisations made errors,
+and a shape whose warm-up or capture fails runs eagerly from then on (with one warning per
+layer). Replays run no Python, so ``transfuse.ops.trace()`` records the calls of a capture,
+not of its replays.
 
 ``TRANSFUSE_DECODE_GRAPHS=0`` turns this off.
 """
@@ -32,30 +37,28 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules import module as module_globals
 
 from . import dispatch
 
 __all__ = ["SmallBatchGraphs", "enabled"]
 
-_POOLS: dict[int, Any] = {}
+# One memory pool per (device, stream).
+_POOLS: dict[tuple[int, int], Any] = {}
+# Keys seen once and not yet captured, per layer, at most this many (older ones are forgotten).
+_MAX_SEEN = 64
+# The raw handle of the current stream, without building a Stream object (where torch has the binding).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", lambda device: torch.cuda.current_stream(device).cuda_stream)
 
 
 def enabled() -> bool:
     return os.environ.get("TRANSFUSE_DECODE_GRAPHS", "1") != "0"
 
 
-def _pool(device: int) -> Any:
-    if device not in _POOLS:
-        _POOLS[device] = torch.cuda.graph_pool_handle()
-    return _POOLS[device]
-
-
-def _hooked(module: nn.Module) -> bool:
-    from torch.nn.modules import module as module_globals
-
-    if module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks:
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+def _pool(device: int, stream: int) -> Any:
+    if (device, stream) not in _POOLS:
+        _POOLS[(device, stream)] = torch.cuda.graph_pool_handle()
+    return _POOLS[(device, stream)]
 
 
 def _copy_out(value: Any) -> Any:
@@ -67,7 +70,7 @@ def _copy_out(value: Any) -> Any:
 
 
 class SmallBatchGraphs:
-    """CUDA graphs of ``forward(x)`` for a layer, one per input shape and dtype and weights."""
+    """CUDA graphs of ``forward(x)`` for a layer: one per input shape, dtype, stream and set of weights."""
 
     def __init__(self, layer: nn.Module, forward: Callable[[Tensor], Any], max_tokens: int):
         self.layer = layer
@@ -75,7 +78,20 @@ class SmallBatchGraphs:
         self.max_tokens = max_tokens
         self.failed: str | None = None  # why the last capture that failed did
         self._failed_keys: set[tuple] = set()
+        self._seen: dict[tuple, None] = {}
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Tensor, Any]] = {}
+        # The layer's children and its tensors' (dict, name) slots, read once: walking the module
+        # tree costs more per call than everything else here.
+        self._children = tuple(layer.modules())[1:]
+        self._slots = tuple(
+            (tensors, name)
+            for module in layer.modules()
+            for tensors in (module._parameters, module._buffers)
+            for name in tensors
+        )
+
+    def _tensors(self) -> list[Tensor]:
+        return [t for t in (tensors.get(name) for tensors, name in self._slots) if t is not None]
 
     def graphable(self, x: Tensor) -> bool:
         if not x.is_cuda or not enabled():
@@ -84,22 +100,26 @@ class SmallBatchGraphs:
             return False
         if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
             return False
-        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.layer.parameters())):
+        if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in self._tensors())):
             return False
-        return not _hooked(self.layer)
+        if module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks:
+            return False
+        return not any(m._forward_hooks or m._forward_pre_hooks for m in self._children)
 
     def _key(self, x: Tensor) -> tuple:
-        tensors = (*self.layer.parameters(), *self.layer.buffers())
-        return (
-            x.shape, x.stride(), x.dtype, x.device.index, dispatch.generation(), tuple(t.data_ptr() for t in tensors)
-        )  # fmt: skip
+        device = x.get_device()
+        pointers = tuple(t.data_ptr() for t in self._tensors())
+        return (x.shape, x.dtype, device, _raw_stream(device), dispatch.generation(), pointers)
 
     def __call__(self, x: Tensor) -> Any:
         """The forward's outputs for ``x`` (call only when ``graphable(x)``)."""
         key = self._key(x)
         entry = self._graphs.get(key)
         if entry is None:
-            entry = None if key in self._failed_keys else self._capture(x, key)
+            if key in self._failed_keys or key not in self._seen:
+                self._remember(key)
+                return self.forward(x)
+            entry = self._capture(x, key)
             if entry is None:
                 return self.forward(x)
         graph, static_x, static_out = entry
@@ -107,24 +127,15 @@ class SmallBatchGraphs:
         graph.replay()
         return _copy_out(static_out)
 
+    def _remember(self, key: tuple) -> None:
+        self._seen[key] = None
+        if len(self._seen) > _MAX_SEEN:
+            del self._seen[next(iter(self._seen))]
+
     def _capture(self, x: Tensor, key: tuple) -> tuple | None:
-        static_x = x.clone()
-        sync_mode = torch.cuda.get_sync_debug_mode()
+        self._seen.pop(key, None)
         try:
-            # Warm up off the capturing stream (first calls compile kernels and create handles),
-            # with host synchronisations made errors: code that has them cannot be captured.
-            stream = torch.cuda.Stream(x.device)
-            stream.wait_stream(torch.cuda.current_stream(x.device))
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                with torch.cuda.stream(stream):
-                    self.forward(static_x)
-            finally:
-                torch.cuda.set_sync_debug_mode(sync_mode)
-            torch.cuda.current_stream(x.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=_pool(x.device.index)):
-                static_out = self.forward(static_x)
+            entry = self._record(x, key)
         except Exception as exc:  # noqa: BLE001 - any failure means: run this shape eagerly
             first = self.failed is None
             self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -133,10 +144,31 @@ class SmallBatchGraphs:
                 warnings.warn(
                     f"transfuse: {type(self.layer).__name__} runs eagerly at {tuple(x.shape)}: capturing it as a "
                     f"CUDA graph failed ({self.failed}).",
-                    stacklevel=3,
+                    stacklevel=4,
                 )
             return None
         # Graphs of replaced weights or of an earlier dispatch generation are never replayed again.
         self._graphs = {k: v for k, v in self._graphs.items() if k[4:] == key[4:]}
-        self._graphs[key] = (graph, static_x, static_out)
-        return self._graphs[key]
+        self._graphs[key] = entry
+        return entry
+
+    def _record(self, x: Tensor, key: tuple) -> tuple[torch.cuda.CUDAGraph, Tensor, Any]:
+        """(graph, its input buffer, its outputs) of the forward on a copy of ``x``."""
+        static_x = x.clone()
+        # Warm up off the capturing stream (first calls compile kernels and create handles),
+        # with host synchronisations made errors: code that has them cannot be captured.
+        current = torch.cuda.current_stream(x.device)
+        stream = torch.cuda.Stream(x.device)
+        stream.wait_stream(current)
+        sync_mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.cuda.stream(stream):
+                self.forward(static_x)
+        finally:
+            torch.cuda.set_sync_debug_mode(sync_mode)
+        current.wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=_pool(key[2], key[3])):
+            static_out = self.forward(static_x)
+        return graph, static_x, static_out

@@ -185,16 +185,27 @@ def _forward_slot(module: nn.Module) -> str:
 
 
 def _apply(model: nn.Module, instance: _Instance) -> None:
+    existing = {id(m) for m in instance.module.modules()}
     for plan in instance.plans:
         plan.fused = plan.fuser.fuse(instance.module, plan.found)
         if plan.fused.replacement is not None:
             _set_submodule(model, instance.path, plan.fused.replacement)
+            _adopt_training(plan.fused.replacement, instance.module.training, existing)
+    _adopt_training(instance.module, instance.module.training, existing)
     if instance.rewrite is not None:
         module = instance.module
         slot = _forward_slot(module)
         instance.previous_forward = module.__dict__.get(slot)
         module.__dict__[slot] = types.MethodType(instance.rewrite.compile(), module)
         module.__dict__[REWRITTEN_ATTR] = instance.rewrite
+
+
+def _adopt_training(root: nn.Module, training: bool, existing: set[int]) -> None:
+    """Modules a fusion created (a new nn.Module starts in training mode) take the training flag
+    of the module they were fused into; the modules they reuse keep their own."""
+    for module in root.modules():
+        if id(module) not in existing:
+            module.training = training
 
 
 def _undo(model: nn.Module, instance: _Instance) -> None:
