@@ -78,7 +78,7 @@ def main() -> int:
             print(f"  host us, eager: {host_us(lambda: fused(x)):.1f}", flush=True)
             del os.environ["TRANSFUSE_DECODE_GRAPHS"]
             if table and table._graphs:
-                graph, static_x, static_out = next(iter(table._graphs.values()))
+                graph, static_x, static_out = table._graphs[table._key(x)]
                 for name, fn in (
                     ("graphable", lambda: table.graphable(x)),
                     ("key", lambda: table._key(x)),

@@ -94,6 +94,9 @@ def test_calls_that_must_run_the_code_never_replay(monkeypatch):
         handle = layer.register_forward_hook(lambda *args: None)
         assert table.graphable(cpu)  # the layer's own hooks run around every call anyway
         handle.remove()
+        with graphs.suspended():
+            assert not table.graphable(cpu)
+        assert table.graphable(cpu)
         monkeypatch.setenv("TRANSFUSE_DECODE_GRAPHS", "0")
         assert not table.graphable(cpu)
     assert not table.graphable(cpu.requires_grad_())  # autograd has to record

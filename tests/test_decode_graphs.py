@@ -42,6 +42,7 @@ def _captured(layer) -> int:
 
 def test_replay_matches_running_the_layer_and_outputs_are_fresh(layer):
     assert not layer.training  # it took the flag of the block it replaced
+    assert _captured(layer) == 0  # the rewrite's verification calls captured nothing
     with torch.no_grad():
         layer(torch.randn(1, 5, 256, device="cuda", dtype=torch.bfloat16))  # a shape seen once
         assert _captured(layer) == 0
@@ -73,7 +74,7 @@ def test_hooks_autograd_and_the_switch_keep_the_layer_eager(layer, monkeypatch):
     x = torch.randn(1, 1, 256, device="cuda", dtype=torch.bfloat16)
     graphs_of = lambda: _LAYER_GRAPHS.get(layer)  # noqa: E731
     seen = []
-    handle = next(layer.children()).register_forward_hook(lambda *args: seen.append(1))
+    handle = layer.gate.register_forward_hook(lambda *args: seen.append(1))  # the router
     with torch.no_grad():
         for _ in range(3):
             layer(x)

@@ -26,13 +26,15 @@ and a shape whose warm-up or capture fails runs eagerly from then on (with one w
 layer). Replays run no Python, so ``transfuse.ops.trace()`` records the calls of a capture,
 not of its replays.
 
-``TRANSFUSE_DECODE_GRAPHS=0`` turns this off.
+``TRANSFUSE_DECODE_GRAPHS=0`` turns this off; ``suspended()`` turns it off inside a block.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -41,7 +43,7 @@ from torch.nn.modules import module as module_globals
 
 from . import dispatch
 
-__all__ = ["SmallBatchGraphs", "enabled"]
+__all__ = ["SmallBatchGraphs", "enabled", "suspended"]
 
 # One memory pool per (device, stream).
 _POOLS: dict[tuple[int, int], Any] = {}
@@ -51,8 +53,23 @@ _MAX_SEEN = 64
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", lambda device: torch.cuda.current_stream(device).cuda_stream)
 
 
+_SUSPENDED = 0
+
+
 def enabled() -> bool:
-    return os.environ.get("TRANSFUSE_DECODE_GRAPHS", "1") != "0"
+    return _SUSPENDED == 0 and os.environ.get("TRANSFUSE_DECODE_GRAPHS", "1") != "0"
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """Calls inside run their code: none is counted as a sighting, captured or replayed. For
+    one-off calls, such as a rewrite running its fusions on the probe input to verify them."""
+    global _SUSPENDED
+    _SUSPENDED += 1
+    try:
+        yield
+    finally:
+        _SUSPENDED -= 1
 
 
 def _pool(device: int, stream: int) -> Any:

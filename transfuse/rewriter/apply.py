@@ -92,7 +92,9 @@ def _set_submodule(model: nn.Module, path: str, new: nn.Module) -> None:
 
 @contextlib.contextmanager
 def _evaluating(module: nn.Module):
-    with eval_mode(module), torch.no_grad():
+    from ..ops.graphs import suspended  # one-off calls: no layer captures a CUDA graph of them
+
+    with eval_mode(module), torch.no_grad(), suspended():
         yield
 
 
