@@ -240,6 +240,23 @@ def test_act_and_mul_matches_native(provider, activation, dtype):
         _check(kernel.impl(*args), native(*args), dtype, exact=True, what=what)
 
 
+@pytest.mark.parametrize("tuning", [{"index_64": True}, {"masked": True}, {"block": 512, "num_warps": 4}],
+                         ids=["64-bit offsets", "predicated", "tiny-row launch"])  # fmt: skip
+def test_act_and_mul_variants_the_default_launch_leaves_to_large_or_odd_inputs(tuning, monkeypatch):
+    """The Triton kernel's compile-time variants that the shapes above may not reach by default: 64-bit
+    offsets (taken past 2**31 elements), predicated loads on exact tiles, and the few-row launch on many rows."""
+    from transfuse.ops.triton import act_and_mul as triton_act
+
+    monkeypatch.setattr(triton_act, "TUNING", tuning)
+    torch.manual_seed(5)
+    for layout, width in [("rows", 256), ("strided-rows", 999), ("3d", 256), ("one-row", 33)]:
+        x = _input(layout, 2 * width, torch.bfloat16)
+        for activation in ("silu", "gelu_tanh"):
+            op, native, args = _act_native_and_args(activation, x)
+            what = f"triton {activation}_and_mul {tuning} {layout} width {width}"
+            _check(_provider(op, "triton").impl(*args), native(*args), torch.bfloat16, exact=True, what=what)
+
+
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_dispatch_runs_the_provider_unless_autograd_needs_a_backward(provider):
     x = _input("rows", 64, torch.float16)

@@ -26,16 +26,25 @@ _GELU_APPROXIMATIONS = {"none": GELU, "tanh": GELU_TANH}
 _BLOCK = 1024
 _LARGE_BLOCK = 4096
 _LATENCY_BOUND_ROWS = 1024
-# Benchmarks override the block and warps here (``benchmarks/sweep_triton_ops.py``).
+# A few rows: blocks of 512 (twice the programs in flight), 4 warps; fastest at one row in three
+# sweeps (1.20-1.23 us against 1.22-1.23 for blocks of 1024; torch.compile 1.18-1.19).
+_TINY_ROWS = 4
+_TINY_BLOCK = 512
+_TINY_WARPS = 4
+# Benchmarks and tests override the launch here: block, num_warps, masked (predicate even exact
+# tiles), index_64 (64-bit offsets at any size); ``benchmarks/sweep_triton_ops.py``.
 TUNING: dict = {}
 
 
 @Kernel
 @triton.jit
 def _act_and_mul_kernel(
-    x_ptr, out_ptr, d, x_row_stride, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr
-):
-    row = tl.program_id(0).to(tl.int64)
+    x_ptr, out_ptr, d, x_row_stride,
+    ACTIVATION: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr, INDEX_64: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    if INDEX_64:  # offsets past 2**31 elements; below that, 32-bit address arithmetic is shorter
+        row = row.to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = None if EVEN else cols < d  # blocks that tile the row exactly need no predicate
     dtype = x_ptr.dtype.element_ty
@@ -60,14 +69,21 @@ def _act_and_mul(x: Tensor, activation: int) -> Tensor:
     n_rows = x2.shape[0]
     if n_rows == 0:
         return out
-    block = _BLOCK if n_rows <= _LATENCY_BOUND_ROWS else _LARGE_BLOCK
+    if n_rows <= _TINY_ROWS:
+        block, num_warps = _TINY_BLOCK, _TINY_WARPS
+    else:
+        block = _BLOCK if n_rows <= _LATENCY_BOUND_ROWS else _LARGE_BLOCK
+        num_warps = max(1, min(16, block * x.element_size() // 16 // 32))
     block = min(TUNING.get("block", block), triton.next_power_of_2(d))
-    num_warps = TUNING.get("num_warps", max(1, min(16, block * x.element_size() // 16 // 32)))
+    num_warps = min(TUNING.get("num_warps", num_warps), max(1, block // 32))
     even = d % block == 0 and not TUNING.get("masked", False)
+    last = (n_rows - 1) * max(x2.stride(0), 2 * d) + 2 * d  # one past the largest offset either side
+    index_64 = TUNING.get("index_64", last >= 2**31)
     with device_of(x):
         _act_and_mul_kernel[(n_rows, triton.cdiv(d, block))](
-            x2, out, d, x2.stride(0), ACTIVATION=activation, BLOCK=block, EVEN=even, num_warps=num_warps
-        )
+            x2, out, d, x2.stride(0),
+            ACTIVATION=activation, BLOCK=block, EVEN=even, INDEX_64=index_64, num_warps=num_warps,
+        )  # fmt: skip
     return out
 
 
