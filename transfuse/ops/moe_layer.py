@@ -11,6 +11,10 @@ Routing is computed here (``F.linear`` with the router's own weight and casts, t
 router (transformers records router logits with forward hooks), the router child is
 called as is and its outputs are used. ``StackedExperts`` holds per-expert GLU weights
 stacked into the packed layout, saved and loaded under the original per-expert keys.
+
+Called eagerly on a GPU, in eval mode, with up to ``DECODE_GRAPH_TOKENS`` tokens, the layer
+replays a CUDA graph of its own forward (``transfuse.ops.graphs``), where the host cost of
+issuing the routing and expert kernels from Python would otherwise exceed their GPU time.
 """
 
 from __future__ import annotations
@@ -124,8 +128,9 @@ def _split(path: str) -> tuple[str, ...]:
     return tuple(path.split("."))
 
 
-# Up to this many tokens an eager call replays a CUDA graph of the layer (``graphs.py``): at one
-# token the Qwen3-MoE block's host work is ~5x its GPU time (benchmarks/results/h200_host_overhead.md).
+# Up to this many tokens an eager call on a GPU replays a CUDA graph of the layer (``graphs.py``): at
+# one token the Qwen3-MoE block's host work is ~3x its GPU time, 163 against 48 us, and a replay's
+# 32 us (benchmarks/results/h200_decode_graphs.txt).
 DECODE_GRAPH_TOKENS = 16
 # Graphs per layer, outside the module so that copying or pickling a model never copies them.
 _LAYER_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
