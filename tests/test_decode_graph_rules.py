@@ -85,8 +85,12 @@ def test_calls_that_must_run_the_code_never_replay(monkeypatch):
     assert not table.graphable(cpu)  # not on a GPU
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)  # a CPU tensor's get_device()
     with torch.no_grad():
         assert table.graphable(cpu)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+        assert not table.graphable(cpu)  # not on the current device
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)
         assert not table.graphable(torch.randn(5, 8))  # more tokens than max_tokens
         handle = layer.proj.register_forward_hook(lambda *args: None)
         assert not table.graphable(cpu)  # a hook on a child would run only at capture

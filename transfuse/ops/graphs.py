@@ -8,8 +8,8 @@ shape (a decode step repeats its shape; a verification probe or an odd prompt le
 not) and afterwards copies the input into the captured buffer, replays, and returns copies
 of the outputs: four host calls instead of dozens.
 
-It is used only where replay cannot differ from running the code (``graphable``): CUDA
-inputs; no autograd to record; not under ``torch.compile`` or inside another capture; no
+It is used only where replay cannot differ from running the code (``graphable``): inputs on
+the current CUDA device; no autograd to record; not under ``torch.compile`` or inside another capture; no
 forward hooks on the layer's children (a hook would run once, at capture; hooks on the
 layer itself run around every call as usual). A captured graph reads the weights by
 address, so the key holds the data pointer of each of the layer's parameters and buffers
@@ -112,6 +112,8 @@ class SmallBatchGraphs:
 
     def graphable(self, x: Tensor) -> bool:
         if not x.is_cuda or not enabled():
+            return False
+        if x.get_device() != torch.cuda.current_device():  # a graph replays on the current device's stream
             return False
         if x.numel() > self.max_tokens * x.shape[-1] or x.numel() == 0:
             return False

@@ -195,7 +195,7 @@ class MoE(nn.Module):
         self.expert_numbers = experts or ExpertNumbers()
 
     def forward(self, hidden_states: Tensor, *unused, **unused_kwargs):
-        if hidden_states.is_cuda and not self.training:
+        if hidden_states.is_cuda and not self.training and not torch.compiler.is_compiling():
             graphs = _LAYER_GRAPHS.get(self)
             if graphs is None:
                 graphs = _LAYER_GRAPHS[self] = SmallBatchGraphs(self, self._forward, DECODE_GRAPH_TOKENS)
