@@ -455,7 +455,8 @@ def verdicts(rows: list[Row]) -> list[str]:
                 ok = p["ratio"] <= 1.0 + PAIRED_TOLERANCE
                 checks.append(
                     f"{'ok' if ok else 'SLOWER'} vs compile (alternating replays: {p['us']:.2f} vs "
-                    f"{p['baseline_us']:.2f} us, ratio {p['ratio']:.3f}, slower in {p['slower_rounds']}/{p['rounds']} rounds)"
+                    f"{p['baseline_us']:.2f} us, ratio {p['ratio']:.3f}, "
+                    f"slower in {p['slower_rounds']}/{p['rounds']} rounds)"
                 )
             elif compiled and compiled.graph_us:
                 ok = default.graph_us <= compiled.graph_us * 1.02

@@ -7,8 +7,8 @@ divides the host time by the count; the GPU work of each call is a few microseco
 host is the bottleneck and this is its cost. Paths: a torch ``add`` (the machine's floor for
 one dispatched op), every provider of rms_norm, fused_add_rms_norm and silu_and_mul (direct,
 and through ``transfuse.ops`` dispatch), and the fused Qwen3-MoE block of ``bench_moe.py`` at
-one token, replaying its decode graph (``transfuse.ops.graphs``) and without it. The dispatched path adds ``transfuse.ops``' provider choice to the direct call of
-the same provider. The Triton paths run twice: through Triton's own launch (``launch.FAST = False``)
+one token, replaying its decode graph (``transfuse.ops.graphs``) and without it. The dispatched
+path adds ``transfuse.ops``' provider choice to the direct call of the same provider. The Triton paths run twice: through Triton's own launch (``launch.FAST = False``)
 and through ``transfuse.ops.triton.launch``'s fast path. ``--profile`` also writes cProfile's
 top functions for the Triton paths. Writes DIR/host_overhead.md and .json.
 """

@@ -9,9 +9,9 @@ not) and afterwards copies the input into the captured buffer, replays, and retu
 of the outputs: four host calls instead of dozens.
 
 It is used only where replay cannot differ from running the code (``graphable``): inputs on
-the current CUDA device; no autograd to record; not under ``torch.compile`` or inside another capture; no
-forward hooks on the layer's children (a hook would run once, at capture; hooks on the
-layer itself run around every call as usual). A captured graph reads the weights by
+the current CUDA device; no autograd to record; not under ``torch.compile`` or inside another
+capture; no forward hooks on the layer's children (a hook would run once, at capture; hooks
+on the layer itself run around every call as usual). A captured graph reads the weights by
 address, so the key holds the data pointer of each of the layer's parameters and buffers
 (by the names they had at the first call): weights changed in place are read as they are,
 weights replaced (``.to()``, loading new tensors, ``p.data = ...``) mean a new capture. The
@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from torch.nn.modules import module as module_globals
 
 from . import dispatch
+from .platform import current_stream_handle as _raw_stream
 
 __all__ = ["SmallBatchGraphs", "enabled", "suspended"]
 
@@ -49,10 +50,7 @@ __all__ = ["SmallBatchGraphs", "enabled", "suspended"]
 _POOLS: dict[tuple[int, int], Any] = {}
 # Keys seen once and not yet captured, per layer, at most this many (older ones are forgotten).
 _MAX_SEEN = 64
-# The raw handle of the current stream, without building a Stream object (where torch has the binding).
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", lambda device: torch.cuda.current_stream(device).cuda_stream)
-
-
+# Nesting depth of ``suspended()``.
 _SUSPENDED = 0
 
 

@@ -14,7 +14,7 @@ from importlib.metadata import entry_points
 
 import torch
 
-__all__ = ["Platform", "current_platform", "PLATFORM_ENTRY_POINT_GROUP"]
+__all__ = ["Platform", "current_platform", "current_stream_handle", "PLATFORM_ENTRY_POINT_GROUP"]
 
 PLATFORM_ENTRY_POINT_GROUP = "transfuse.platforms"
 
@@ -85,3 +85,12 @@ def current_platform() -> Platform:
     if plugins:
         return plugins[0][1]
     return _builtin_platform()
+
+
+def _stream_handle(device: int) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+# The raw handle (``cudaStream_t``) of a CUDA device's current stream, without building a Stream
+# object, where torch has the binding: kernel launchers and graph keys ask for it on every call.
+current_stream_handle = getattr(torch._C, "_cuda_getCurrentRawStream", _stream_handle)

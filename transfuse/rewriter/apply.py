@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from ..ops.graphs import suspended as graphs_suspended
 from .analysis import ClassAnalysis, analyse
 from .capture import Probe, eval_mode, is_meta_model, make_probe, record_calls
 from .fusion import Fused, Fuser, Refusal, SourceFuser
@@ -92,9 +93,8 @@ def _set_submodule(model: nn.Module, path: str, new: nn.Module) -> None:
 
 @contextlib.contextmanager
 def _evaluating(module: nn.Module):
-    from ..ops.graphs import suspended  # one-off calls: no layer captures a CUDA graph of them
-
-    with eval_mode(module), torch.no_grad(), suspended():
+    # Verification calls are one-off: no fused layer captures a CUDA graph of them.
+    with eval_mode(module), torch.no_grad(), graphs_suspended():
         yield
 
 

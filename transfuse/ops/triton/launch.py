@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..platform import current_stream_handle as _raw_stream
 from . import interpreting
 
 __all__ = ["Kernel"]
@@ -37,14 +38,6 @@ __all__ = ["Kernel"]
 FAST = os.environ.get("TRANSFUSE_TRITON_FAST_LAUNCH", "1") != "0"
 # Launch options a call may pass besides constexprs; each is part of the key by value.
 _OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg"})
-
-
-def _current_stream(device: int) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
-
-
-# The raw stream handle without building a Stream object, where torch has the binding.
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _current_stream)
 
 
 def _hook_holder() -> Any:
