@@ -69,13 +69,12 @@ def _act_and_mul(x: Tensor, activation: int) -> Tensor:
     n_rows = x2.shape[0]
     if n_rows == 0:
         return out
-    if n_rows <= _TINY_ROWS:
-        block, num_warps = _TINY_BLOCK, _TINY_WARPS
-    else:
-        block = _BLOCK if n_rows <= _LATENCY_BOUND_ROWS else _LARGE_BLOCK
-        num_warps = max(1, min(16, block * x.element_size() // 16 // 32))
+    tiny = n_rows <= _TINY_ROWS
+    block = _TINY_BLOCK if tiny else _BLOCK if n_rows <= _LATENCY_BOUND_ROWS else _LARGE_BLOCK
     block = min(TUNING.get("block", block), triton.next_power_of_2(d))
-    num_warps = min(TUNING.get("num_warps", num_warps), max(1, block // 32))
+    # One 16-byte vector a thread; a few rows take _TINY_WARPS (no more warps than 32-element slices).
+    num_warps = min(_TINY_WARPS, max(1, block // 32)) if tiny else max(1, min(16, block * x.element_size() // 16 // 32))
+    num_warps = TUNING.get("num_warps", num_warps)
     even = d % block == 0 and not TUNING.get("masked", False)
     last = (n_rows - 1) * max(x2.stride(0), 2 * d) + 2 * d  # one past the largest offset either side
     index_64 = TUNING.get("index_64", last >= 2**31)
