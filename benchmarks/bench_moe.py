@@ -54,6 +54,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transfuse.ops.triton import moe_configs  # noqa: E402  (plain Python: Triton is imported later)
+from transfuse.ops.graphs import suspended as no_decode_graphs  # noqa: E402  (the layer runs its code)
 from transfuse.ops.moe_layer import DECODE_GRAPH_TOKENS  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
@@ -283,20 +284,6 @@ def time_all(block, config, fused, tokens: int, timer: Timer, args) -> dict:
             "us": results["transfuse triton"].get("us", math.inf), "config": default.describe(), "repr": repr(default)
         }  # fmt: skip
     return results
-
-
-@contextmanager
-def no_decode_graphs():
-    """The fused layer runs eagerly at every size (``transfuse.ops.graphs``)."""
-    previous = os.environ.get("TRANSFUSE_DECODE_GRAPHS")
-    os.environ["TRANSFUSE_DECODE_GRAPHS"] = "0"
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ["TRANSFUSE_DECODE_GRAPHS"]
-        else:
-            os.environ["TRANSFUSE_DECODE_GRAPHS"] = previous
 
 
 def attempter(results: dict, timer: Timer, inputs, tokens: int):

@@ -19,7 +19,6 @@ import argparse
 import cProfile
 import io
 import json
-import os
 import pstats
 import statistics
 import sys
@@ -34,6 +33,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from transfuse import ops  # noqa: E402
 from transfuse.ops import RMSNormSpec  # noqa: E402
+from transfuse.ops.graphs import suspended  # noqa: E402
 from transfuse.ops.triton import launch  # noqa: E402
 
 CALLS = 400
@@ -113,11 +113,8 @@ def paths() -> dict[str, tuple]:
 
 
 def _without_graphs(layer, x):
-    os.environ["TRANSFUSE_DECODE_GRAPHS"] = "0"
-    try:
+    with suspended():
         return layer(x)
-    finally:
-        del os.environ["TRANSFUSE_DECODE_GRAPHS"]
 
 
 def main(argv: list[str] | None = None) -> int:
