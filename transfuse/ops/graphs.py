@@ -133,7 +133,9 @@ class SmallBatchGraphs:
         key = self._key(x)
         entry = self._graphs.get(key)
         if entry is None:
-            if key in self._failed_keys or key not in self._seen:
+            if key in self._failed_keys:
+                return self.forward(x)
+            if key not in self._seen:
                 self._remember(key)
                 return self.forward(x)
             entry = self._capture(x, key)
