@@ -124,3 +124,18 @@ def test_changing_providers_recaptures_and_uncapturable_code_runs_eagerly(layer)
         layer(x)
         assert torch.equal(layer(x), triton_out)  # the default providers again, in a new graph
     assert _captured(layer) == 1
+
+
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_torch_compile_of_the_layer_runs_its_code_and_matches_eager(layer, tokens):
+    """Under torch.compile the layer is traced, not replayed: compile's output matches the eager
+    layer, and no decode graph is captured on the way (one-token calls included)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(layer)
+    x = torch.randn(1, tokens, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = [compiled(x) for _ in range(3)]
+        expected = layer._forward(x)
+    assert _captured(layer) == 0
+    for out in got:
+        torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
