@@ -6,7 +6,8 @@ rounding the native definition makes (the squares, mean and rsqrt in the input d
 it does not upcast; the normalised value cast back before the weight; ``1 + w`` in the
 weight's dtype) is reproduced by a round trip through that dtype. The rounding choices are
 ``constexpr``: a model has one or two RMSNorm variants, each compiled once, and at a few rows
-a call is latency-bound, where even a uniform branch shows.
+a call is latency-bound, where even a uniform branch shows. For the same reason the row width
+is a constant, and so are the row strides of contiguous inputs (as in ``act_and_mul.py``).
 
 The weight is loaded before the row (its latency overlaps the row's instead of following
 the sum of squares) and kept in cache (every program reads it), the row evicted first.
@@ -40,10 +41,11 @@ def _rms_norm_kernel(
     out_ptr,
     residual_out_ptr,
     n_rows,
-    n_cols,
     x_row_stride,
     residual_row_stride,
     eps,
+    N: tl.constexpr,
+    CONTIGUOUS: tl.constexpr,
     UPCAST: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
     OFFSET: tl.constexpr,
@@ -55,10 +57,13 @@ def _rms_norm_kernel(
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < N)
     dtype = x_ptr.dtype.element_ty
+    if CONTIGUOUS:  # both inputs' rows N apart: the index arithmetic is constant-folded
+        x_row_stride = N
+        residual_row_stride = N
     if HAS_WEIGHT:
-        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0, eviction_policy="evict_last")
+        w = tl.load(w_ptr + cols, mask=cols < N, other=0.0, eviction_policy="evict_last")
     x = tl.load(
         x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
     )
@@ -70,17 +75,17 @@ def _rms_norm_kernel(
             eviction_policy="evict_first",
         )
         x = (r.to(tl.float32) + x.to(tl.float32)).to(dtype)  # the sum rounds to the inputs' dtype
-        tl.store(residual_out_ptr + rows[:, None] * n_cols + cols[None, :], x, mask=mask)
+        tl.store(residual_out_ptr + rows[:, None] * N + cols[None, :], x, mask=mask)
     h = x.to(tl.float32)
     if UPCAST:
-        rstd = tl.rsqrt(tl.sum(h * h, axis=1) / n_cols + eps)
+        rstd = tl.rsqrt(tl.sum(h * h, axis=1) / N + eps)
         h = h * rstd[:, None]
         if CAST_BEFORE_WEIGHT:
             h = h.to(dtype).to(tl.float32)
     else:
         # In the input dtype every step rounds: the squares, the mean, mean + eps, rsqrt, x * rstd.
         squares = (h * h).to(dtype).to(tl.float32)
-        mean = (tl.sum(squares, axis=1) / n_cols).to(dtype).to(tl.float32)
+        mean = (tl.sum(squares, axis=1) / N).to(dtype).to(tl.float32)
         rstd = tl.rsqrt((mean + eps).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         h = (h * rstd[:, None]).to(dtype).to(tl.float32)
     if HAS_WEIGHT:
@@ -91,7 +96,7 @@ def _rms_norm_kernel(
                 w = w.to(w_ptr.dtype.element_ty).to(tl.float32)  # 1 + w rounds to the weight's dtype
         h = h * w[None, :]
     # The product's own dtype is the output's whenever it is a half type: one rounding, here.
-    tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # Up to this many rows a call is a few waves of programs and bound by latency, not bandwidth.
@@ -135,10 +140,11 @@ def _normalise(x: Tensor, residual: Tensor | None, weight: Tensor | None, eps: f
             out,
             residual_out,
             n_rows,
-            n_cols,
             x2.stride(0),
             residual2.stride(0),
             eps,
+            N=n_cols,
+            CONTIGUOUS=n_rows == 1 or x2.stride(0) == residual2.stride(0) == n_cols,
             UPCAST=upcast,
             CAST_BEFORE_WEIGHT=cast_before_weight,
             OFFSET=offset,
