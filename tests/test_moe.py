@@ -91,6 +91,45 @@ def test_packed_experts_share_parameters_and_keep_state_dict_keys(tmp_path):
     assert (_logits(stock, ids) - _logits(model, ids)).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("model_type", ["mixtral", "granitemoe", "ernie4_5_moe", "deepseek_v3"])
+def test_moe_on_the_meta_device_is_fused_right_or_refused_and_leaves_real_models_unaffected(model_type):
+    """On the meta device the probe stops inside the first MoE block (transformers' grouped_mm has
+    no float32 meta kernel), so the experts' output is unknown there. A block is then fused from
+    what is known (the output's shape read from its final reshape) or refused with a reason, never
+    skipped silently; and a real model analysed afterwards in the same process is traced anew."""
+    from transformers import AutoModelForCausalLM
+
+    from transfuse.rewriter.analysis import clear_cache
+
+    clear_cache()  # the meta model is the first of its classes this process analyses
+    real = tiny_model(model_type)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(real.config)
+    blocks = _blocks(meta)
+    report = transfuse.report(transfuse.rewrite(meta))
+    fused = {f.path for f in report.fusions if f.kind == "moe"}
+    refused = {s.cls for s in report.skipped if s.kind == "moe" and s.reason}  # class-level refusals
+    assert all((p in fused) != (type(meta.get_submodule(p)).__name__ in refused) for p in blocks), report
+    for path in fused:  # these blocks return the input's shape, not [tokens, hidden]
+        assert not meta.get_submodule(path).plan.flat_output
+    ids = torch.randint(0, real.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    before = _logits(real, ids)
+    real_report = transfuse.report(transfuse.rewrite(real))
+    assert sorted(f.path for f in real_report.fusions if f.kind == "moe") == sorted(_blocks(real)), real_report
+    assert (_logits(real, ids) - before).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "deepseek_v3"])
+def test_the_drop_in_loader_fuses_the_moe_blocks_of_a_stock_checkpoint(model_type, tmp_path):
+    stock = tiny_model(model_type).eval()
+    stock.save_pretrained(tmp_path)
+    fused = transfuse.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    report = transfuse.report(fused)
+    assert sorted(f.path for f in report.fusions if f.kind == "moe") == sorted(_blocks(stock)), report
+    ids = torch.randint(0, stock.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    assert (_logits(fused, ids) - _logits(stock, ids)).abs().max().item() <= 1e-5
+
+
 def test_router_hooks_still_see_the_router_outputs():
     """transformers records router logits with forward hooks on the router: it is then called."""
     model = tiny_model("qwen3_moe")

@@ -178,6 +178,8 @@ def _find_experts(analysis: ClassAnalysis) -> tuple[LoopMatch, fx.Node | None]:
             if child is not None and _index_adds(child.trace):
                 candidates.append((node, child))
     if not candidates:
+        # A block whose trace stopped early may call its experts after the stop: say so.
+        _complete(trace, "block's")
         raise _NotMoE()
     if len(candidates) > 1:
         names = ", ".join(n.target for n, _ in candidates)
@@ -371,7 +373,7 @@ def _match_output(inlined, x: fx.Node, routed: Any, roles: dict[int, str]) -> _O
         role = roles.get(id(item))
         if role is None or role == HIDDEN:
             hidden = _peel_output_cast(item, x, found.nodes)
-            found.flat = getattr(value(item), "shape", None) != getattr(value(x), "shape", None)
+            found.flat = _output_shape(item, x) != tuple(value(x).shape)
             _cover(found.nodes, hidden, peel_reshapes(hidden))
             found.shared = _split_terms(peel_reshapes(hidden), routed, x, found.nodes)
             role = HIDDEN
@@ -380,6 +382,41 @@ def _match_output(inlined, x: fx.Node, routed: Any, roles: dict[int, str]) -> _O
         raise NoMatch("moe.output", f"the block returns {roles_out.count(HIDDEN)} copies of its output, not one.", out)
     found.roles = tuple(roles_out)
     return found
+
+
+def _output_shape(item: Any, x: fx.Node) -> tuple[int, ...]:
+    """The shape the block returns its output in, to tell a ``[tokens, hidden]`` output from one
+    shaped like the input. Traced when the probe reached the experts; otherwise (a probe that
+    stopped inside the block leaves the experts' output, and all that follows, unknown) read from
+    a last ``reshape``/``view`` whose sizes Python read from the input's shape."""
+    shape = getattr(value(item), "shape", None)
+    if shape is None:
+        shape = _reshape_sizes(peel_casts(item)[0], x)
+    if shape is None or getattr(value(x), "shape", None) is None:
+        raise NoMatch(
+            "moe.output",
+            "the shape of the block's output is unknown (the probe input did not reach its experts), "
+            "so whether it returns [tokens, hidden] or the input's shape is not known.",
+            item if isinstance(item, fx.Node) else None,
+        )
+    return tuple(shape)
+
+
+def _reshape_sizes(node: Any, x: fx.Node) -> tuple[int, ...] | None:
+    """The sizes a ``reshape``/``view`` (or ``*_as`` the input) node gives, where they are known ints."""
+    if not isinstance(node, fx.Node):
+        return None
+    if is_op(node, "reshape_as", "view_as") and operand(node, 1) is x:
+        return getattr(value(x), "shape", None)
+    if not is_op(node, "reshape", "view"):
+        return None
+    sizes = node.args[1:] if node.op == "call_method" else node.args[1:2]
+    if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)):
+        sizes = sizes[0]
+    sizes = [value(d) for d in sizes]  # an int attribute of self (``self.hidden_dim``) is a node
+    if sizes and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in sizes):
+        return tuple(sizes)
+    return None
 
 
 def _peel_output_cast(item: Any, x: fx.Node, nodes: set) -> Any:

@@ -3,7 +3,9 @@
 The cache key is the class and its children's names and classes, so a decoder layer
 with a dense MLP and one with a mixture of experts are analysed separately, and a trace
 is reused only for calls with the shapes and dtypes it was made with (a model of another
-size is traced again). A trace is
+size is traced again); a trace made from a call that never returned (a probe that stopped
+inside the module, as on the meta device, leaves the rest of its trace unknown) is not used
+for a call that did. A trace is
 specialised on the ``self`` attributes its control flow read (``if self.norm_topk_prob``);
 an instance whose attributes differ there gets its own trace, so a cached graph is only
 ever used for instances it describes. Nothing per-instance is kept in an analysis:
@@ -51,6 +53,9 @@ class ClassAnalysis:
     children: dict[str, type] = field(default_factory=dict)
     # Shapes and dtypes of the recorded call the trace was made with (None without one).
     signature: tuple | None = None
+    # Whether that call returned: a probe that stopped inside the module (on the meta device,
+    # say) recorded none of what followed, and the rest of the trace carries unknown values.
+    returned: bool = False
     # Source rewrites of the class's forward, by the (kind, found) pairs they compose.
     rewrites: dict[tuple, Any] = field(default_factory=dict)
     # fuser kind -> [(analyses of the children the match consulted, verdict)]
@@ -158,13 +163,15 @@ def analyse(module: nn.Module, path: str, probe: Probe) -> ClassAnalysis:
     key = class_key(module)
     call = probe.calls.get(path)
     signature = _call_signature(call)
+    returned = call is not None and call.output is not None
     with _LOCK:
         variants = _CACHE.get(key[0], {}).get(key[1:], [])
         cached = next(
             (
                 a
                 for a in variants
-                if _describes(a, module) and (call is None or (a.had_example and a.signature == signature))
+                if _describes(a, module)
+                and (call is None or (a.had_example and a.signature == signature and a.returned >= returned))
             ),
             None,
         )
@@ -178,6 +185,7 @@ def analyse(module: nn.Module, path: str, probe: Probe) -> ClassAnalysis:
             had_example=example is not None,
             children=dict(key[1]),
             signature=signature,
+            returned=returned,
         )
         with _LOCK:
             variants = _CACHE.setdefault(key[0], {}).setdefault(key[1:], [])
