@@ -14,8 +14,8 @@ from transfuse.ops.moe_layer import _LAYER_GRAPHS
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.fixture
-def layer():
+def _original_block():
+    """The transformers block the fixture fuses, built the same way (same seed) on each call."""
     from transformers import AutoConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
@@ -27,7 +27,12 @@ def layer():
     block = Qwen3MoeSparseMoeBlock(config).to("cuda", torch.bfloat16).eval()
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.05)
-    holder = torch.nn.Sequential(block)
+    return block
+
+
+@pytest.fixture
+def layer():
+    holder = torch.nn.Sequential(_original_block())
     transfuse.rewrite(holder, example_inputs=(torch.randn(1, 8, 256, device="cuda", dtype=torch.bfloat16),),
                       fusions=["moe"])  # fmt: skip
     fused = holder[0]
@@ -136,6 +141,9 @@ def test_torch_compile_of_the_layer_runs_its_code_and_matches_eager(layer, token
     with torch.no_grad():
         got = [compiled(x) for _ in range(3)]
         expected = layer._forward(x)
+        original = _original_block()(x)  # the unmodified transformers block
+        original = original[0] if isinstance(original, tuple) else original
     assert _captured(layer) == 0
     for out in got:
         torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(out, original, rtol=2e-2, atol=2e-2)
