@@ -71,6 +71,11 @@ def _class_activation(analysis: ClassAnalysis) -> str:
         if n.op in ("call_function", "call_method", "call_module") and not is_op(n, "getattr")
     ]
     inputs = trace.placeholders()
+    if trace.shape_guards:
+        raise NoMatch(
+            "gate_up.activation",
+            f"the activation {analysis.cls.__name__} branches on its input's shape ({trace.shape_guards[0].describe()}).",
+        )
     if not trace.partial and len(calls) == 1 and inputs and operand(calls[0], 0) is inputs[0]:
         activation = _activation_of_function(calls[0])
         if activation is not None:

@@ -153,9 +153,23 @@ def _index_adds(trace: Trace) -> int:
 
 
 def _complete(trace: Trace, what: str, node: fx.Node | None = None) -> None:
+    """The trace reached the end and holds for inputs of any shape (the fused layer computes its
+    one path for every number of tokens)."""
     if trace.partial:
         raise NoMatch(
             "moe.partial-trace", f"the {what} forward could not be traced to the end ({trace.describe_stop()}).", node
+        )
+    _shape_independent(trace, what, node)
+
+
+def _shape_independent(trace: Trace, what: str, node: fx.Node | None = None) -> None:
+    if trace.shape_guards:
+        guard = trace.shape_guards[0]
+        raise NoMatch(
+            "moe.control-flow",
+            f"the {what} forward's control flow depends on its input's shape ({guard.describe()}); the fused "
+            "layer computes the traced path for every shape.",
+            node if node is not None else guard.node,
         )
 
 
@@ -329,6 +343,9 @@ def _match_router(analysis, inlined, routers: list[fx.Node], ids, weights, x) ->
         routing = match_routing(inlined[ids], inlined[weights])
     except NoMatch as refusal:
         return _opaque_router(call, ids, weights, refusal), None
+    router_trace = _trace_of(analysis.child(call.target))
+    if router_trace is not None:
+        _shape_independent(router_trace, "router's", call)  # its routing is computed by the fused layer
     if not (routing.tokens is x or _is_tokens(routing.tokens, x)):
         raise NoMatch("moe.router", "the router scores something other than the block's tokens.", routing.tokens)
     returned = inlined[call]

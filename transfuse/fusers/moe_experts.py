@@ -437,6 +437,11 @@ def match_glu_member(trace: Trace, children: Lookup) -> GLUMember:
     """``down(act(gate(x)) * up(x))`` in a ModuleList member's own graph (children by dataflow)."""
     if trace.partial or trace.output is None:
         raise NoMatch("moe.expert-form", f"the expert module's forward could not be traced ({trace.describe_stop()}).")
+    if trace.shape_guards:
+        raise NoMatch(
+            "moe.control-flow",
+            f"the expert module's control flow depends on its input's shape ({trace.shape_guards[0].describe()}).",
+        )
     out = trace.output.args[0]
     x = [p for p in trace.placeholders() if p.users]
     if len(x) != 1 or not (isinstance(out, fx.Node) and out.op == "call_module" and is_op(operand(out, 0), "mul")):

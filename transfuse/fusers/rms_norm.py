@@ -18,6 +18,7 @@ float attribute (eps is read per instance from that attribute).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass
 
 import libcst as cst
@@ -31,7 +32,7 @@ from ..ops import RMSNormSpec, layer
 from ..rewriter.analysis import ClassAnalysis
 from ..rewriter.fusion import Fused, Fuser, Refusal
 from ..rewriter.graph import Cast, NoMatch, calls_fused_op, is_op, op_name, operand, operands, peel_casts, value
-from ..rewriter.source import EditContext, control_flow, method_source, self_method_calls
+from ..rewriter.source import EditContext, control_flow, helper_functions, method_source, self_method_calls
 from ..rewriter.syntax import comment_line
 from ..rewriter.tracer import unwrapped_forward
 
@@ -111,6 +112,14 @@ def _match_graph(analysis: ClassAnalysis) -> RMSNormMatch:
     trace = analysis.trace
     if trace.partial:
         raise NoMatch("rms_norm.partial-trace", f"the forward could not be traced to the end ({trace.describe_stop()}).")
+    if trace.shape_guards:
+        guard = trace.shape_guards[0]
+        raise NoMatch(
+            "rms_norm.control-flow",
+            f"the forward's control flow depends on the input's shape ({guard.describe()}); the fused op "
+            "computes the traced path for every shape.",
+            guard.node,
+        )
     on_input = [g for g in trace.guards if _depends_on_input(g)]
     if on_input:
         guard = on_input[0]
@@ -366,12 +375,13 @@ def _match_builtin(node: fx.Node, x: fx.Node, matched: set[fx.Node], cast_output
 
 
 def _check_source(analysis: ClassAnalysis) -> None:
-    """Prove on the source what one trace cannot: no branch or loop that another input could take."""
+    """Prove on the source what one trace cannot: no branch or loop that another input could take,
+    in the forward or in any helper it calls (a ``self.`` method or a function of the model's code)."""
     forward = unwrapped_forward(analysis.cls)
     source = method_source(forward)
     if source is None:
         raise NoMatch("rms_norm.no-source", f"the source of {analysis.cls.__name__}.forward is not available.")
-    pending, seen = [source], set()
+    pending, seen = [source], {forward}
     while pending:
         current = pending.pop()
         flow = control_flow(current)
@@ -382,9 +392,17 @@ def _check_source(analysis: ClassAnalysis) -> None:
                 f"{current.node.name.value} has {'an' if kind[0] in 'aeiou' else 'a'} {kind} at line {line}; "
                 "the trace shows one path only.",
             )
-        for name in self_method_calls(current) - seen:
-            seen.add(name)
-            helper = getattr(analysis.cls, name, None)
-            helper_source = method_source(helper) if callable(helper) and hasattr(helper, "__code__") else None
-            if helper_source is not None:
-                pending.append(helper_source)
+        helpers = [getattr(analysis.cls, name, None) for name in self_method_calls(current)]
+        helpers += helper_functions(current)
+        for helper in helpers:
+            if not callable(helper) or not hasattr(inspect.unwrap(helper), "__code__") or helper in seen:
+                continue
+            seen.add(helper)
+            helper_source = method_source(helper)
+            if helper_source is None:
+                raise NoMatch(
+                    "rms_norm.no-source",
+                    f"{current.node.name.value} calls {getattr(helper, '__qualname__', helper)}, whose source "
+                    "is not available, so its control flow cannot be checked.",
+                )
+            pending.append(helper_source)

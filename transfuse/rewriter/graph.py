@@ -41,7 +41,7 @@ class NoMatch(Exception):
         super().__init__(reason)
         self.tag = tag
         self.reason = reason
-        self.node = node
+        self.node = node if isinstance(node, fx.Node) else None  # matchers may hand on a constant operand
 
 
 _OPERATOR_NAMES = {
@@ -126,7 +126,7 @@ def value(node: Any) -> Any:
 
 def location(node: fx.Node | None) -> str | None:
     """``file.py:line`` of the source line that created the node."""
-    if node is None:
+    if not isinstance(node, fx.Node):
         return None
     loc = node.meta.get("location")
     return f"{os.path.basename(loc[0])}:{loc[1]}" if loc else None

@@ -2,7 +2,7 @@
 
 Plain ``torch.fx`` stops on nearly every attention and decoder layer of transformers 5:
 shape unpacking, ``*``-splats, wrapped forwards, the attention interface. This tracer
-differs from ``fx.Tracer`` in five ways:
+differs from ``fx.Tracer`` in these ways:
 
 * every child module is a leaf (one ``call_module`` node), so a graph shows only the
   traced class's own code;
@@ -15,6 +15,11 @@ differs from ``fx.Tracer`` in five ways:
   supplied a constant and can read it per instance; control flow that reads one is a
   guard, and ``Trace.specialisation`` names the attributes the graph is specialised on;
 * the attention interface and declared leaf callables become single nodes;
+* sizes read off a traced tensor (``x.shape``, ``x.size(1)``, ``x.dim()``, ``x.numel()``) are
+  ints that remember where they came from: when Python control flow tests one (``if x.dim()
+  == 2``, in the forward or in any helper it calls), the trace records a ``ShapeGuard`` with
+  its source line, so a fuser that replaces the whole module knows its graph holds for
+  inputs of this shape only;
 * when the forward cannot go on (a data-dependent branch, an op that has no meta
   kernel and whose value is then needed), the graph built so far is kept and the trace
   is marked partial, with the reason and the source line;
@@ -37,6 +42,7 @@ import operator
 import os
 import sys
 import threading
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -47,7 +53,7 @@ from torch.fx.proxy import Attribute, Scope, TracerBase
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["UNKNOWN", "Assumption", "Trace", "TraceStop", "leaf_callable", "trace_module"]
+__all__ = ["UNKNOWN", "Assumption", "ShapeGuard", "Trace", "TraceStop", "is_kv_cache", "leaf_callable", "trace_module"]
 
 
 class _Unknown:
@@ -106,6 +112,131 @@ class Assumption:
         return f"{self.kind} on {self.node.name}{where}"
 
 
+@dataclass(frozen=True)
+class ShapeGuard:
+    """Where Python control flow tested a size read off a traced tensor (``if x.dim() == 2``)."""
+
+    node: fx.Node  # the tensor whose size was read
+    read: str  # what was read: "shape", "dim()", ...
+    location: tuple[str, int] | None
+
+    def describe(self) -> str:
+        where = f" at {os.path.basename(self.location[0])}:{self.location[1]}" if self.location else ""
+        return f"a test of {self.node.name}.{self.read}{where}"
+
+
+class _SizeBool:
+    """The truth of a comparison of sizes; testing it records a shape guard."""
+
+    __slots__ = ("value", "origin")
+
+    def __init__(self, value: bool, origin: "_SizeOrigin"):
+        self.value = bool(value)
+        self.origin = origin
+
+    def __bool__(self) -> bool:
+        self.origin.guard()
+        return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+class _SizeOrigin:
+    """Which tensor a size was read from, by which trace."""
+
+    __slots__ = ("tracer", "node", "read")
+
+    def __init__(self, tracer: "_LeafTracer", node: fx.Node, read: str):
+        self.tracer, self.node, self.read = tracer, node, read
+
+    def guard(self) -> None:
+        tracer = self.tracer
+        if _ACTIVE is tracer and not tracer.executing:
+            tracer.shape_guards.append(ShapeGuard(self.node, self.read, _user_location(3)))
+
+
+def _size_op(op: Callable) -> Callable:
+    def method(self, *others):
+        result = op(int(self), *(int(o) if isinstance(o, int) else o for o in others))
+        return _SizeInt(result, self._origin) if type(result) is int and self._origin is not None else result
+
+    return method
+
+
+def _size_compare(op: Callable) -> Callable:
+    def method(self, other):
+        result = op(int(self), int(other) if isinstance(other, int) else other)
+        return _SizeBool(result, self._origin) if self._origin is not None else result
+
+    return method
+
+
+class _SizeInt(int):
+    """A size read off a traced tensor: an int for every use, that records a shape guard when
+    control flow tests it (comparisons give a ``_SizeBool``; arithmetic keeps the origin)."""
+
+    def __new__(cls, value: int, origin: _SizeOrigin | None = None):
+        obj = super().__new__(cls, value)
+        obj._origin = origin
+        return obj
+
+    def __bool__(self) -> bool:
+        if self._origin is not None:
+            self._origin.guard()
+        return int(self) != 0
+
+    __hash__ = int.__hash__
+    __eq__ = _size_compare(operator.eq)
+    __ne__ = _size_compare(operator.ne)
+    __lt__ = _size_compare(operator.lt)
+    __le__ = _size_compare(operator.le)
+    __gt__ = _size_compare(operator.gt)
+    __ge__ = _size_compare(operator.ge)
+    __add__ = _size_op(operator.add)
+    __radd__ = _size_op(lambda a, b: b + a)
+    __sub__ = _size_op(operator.sub)
+    __rsub__ = _size_op(lambda a, b: b - a)
+    __mul__ = _size_op(operator.mul)
+    __rmul__ = _size_op(lambda a, b: b * a)
+    __floordiv__ = _size_op(operator.floordiv)
+    __rfloordiv__ = _size_op(lambda a, b: b // a)
+    __mod__ = _size_op(operator.mod)
+    __rmod__ = _size_op(lambda a, b: b % a)
+    __neg__ = _size_op(operator.neg)
+
+
+class _SizeTuple(tuple):
+    """``x.shape`` / ``x.size()`` of a traced tensor: a tuple of ``_SizeInt`` (with ``numel``)."""
+
+    def numel(self) -> int:
+        total = 1
+        for d in self:
+            total *= int(d)
+        return total
+
+
+def _plain_size(value: Any) -> Any:
+    """A tracked size as the plain int (or tuple) it stands for: what graphs and real ops see."""
+    if isinstance(value, _SizeInt):
+        return int(value)
+    if isinstance(value, _SizeTuple):
+        return tuple(int(d) for d in value)
+    return value
+
+
+# Tensor reads that give sizes, tracked for control flow.
+_SIZE_READS = frozenset({"shape", "ndim", "size", "dim", "numel", "nelement"})
+
+
+def _tracked_size(value: Any, origin: _SizeOrigin) -> Any:
+    if isinstance(value, torch.Size):
+        return _SizeTuple(_SizeInt(d, origin) for d in value)
+    if type(value) is int:
+        return _SizeInt(value, origin)
+    return value
+
+
 @dataclass
 class Trace:
     """The result of tracing one module class: a (possibly partial) graph and what it rests on."""
@@ -121,6 +252,8 @@ class Trace:
     self_attrs: dict[str, fx.Node] = field(default_factory=dict)
     # Places where Python read a stand-in value (see the module docstring).
     assumptions: list[Assumption] = field(default_factory=list)
+    # Places where Python control flow tested a size of a traced tensor.
+    shape_guards: list[ShapeGuard] = field(default_factory=list)
 
     @property
     def float_attrs(self) -> dict[str, fx.Node]:
@@ -214,7 +347,13 @@ class ValueProxy(fx.Proxy):
         if isinstance(value, torch.Tensor) and (name in _CONCRETE_ATTRS or name in _CONCRETE_METHODS):
             if self.stand_in and name in ("shape", "size", "numel", "nelement"):
                 self._assume("size")
-            return getattr(value, name)
+            concrete = getattr(value, name)
+            if name not in _SIZE_READS or self.stand_in:  # a stand-in's sizes are assumptions already
+                return concrete
+            if not callable(concrete):
+                return _tracked_size(concrete, _SizeOrigin(self.tracer, self.node, name))
+            origin = _SizeOrigin(self.tracer, self.node, f"{name}()")
+            return lambda *args, **kwargs: _tracked_size(concrete(*args, **kwargs), origin)
         return _ValueAttribute(self, name)
 
     def __bool__(self) -> bool:
@@ -286,6 +425,8 @@ class _LeafTracer(TracerBase):
         self.executing = False
         self.guards: list[fx.Node] = []
         self.assumptions: list[Assumption] = []
+        self.shape_guards: list[ShapeGuard] = []
+        self.thread = threading.get_ident()
         self.recorded_outputs = recorded_outputs or {}
         self._module_names = {id(m): name for name, m in root.named_modules() if m is not root}
         self._tensor_names: dict[int, str] = {}
@@ -306,6 +447,8 @@ class _LeafTracer(TracerBase):
     def create_arg(self, a: Any) -> Any:
         if isinstance(a, fx.Proxy):
             return a.node
+        if isinstance(a, (_SizeInt, _SizeTuple)):
+            return _plain_size(a)
         if isinstance(a, torch.Tensor):
             return self._tensor_node(a)
         if isinstance(a, nn.Module):
@@ -370,7 +513,7 @@ class _LeafTracer(TracerBase):
                 return x.node.meta.get("val", UNKNOWN)
             if isinstance(x, torch.Tensor):
                 return self._to_meta(x)
-            return x
+            return _plain_size(x)
 
         return tree_map(convert, obj)
 
@@ -430,7 +573,9 @@ class _LeafTracer(TracerBase):
         return proxy
 
     def owns(self, module: nn.Module) -> bool:
-        return not self.executing and id(module) in self._module_names
+        """A child of the traced module, called from the traced forward (on the tracing thread:
+        another thread running the same modules meanwhile runs them as usual)."""
+        return not self.executing and id(module) in self._module_names and threading.get_ident() == self.thread
 
 
 _aten = torch.ops.aten
@@ -529,27 +674,30 @@ def _attention_interface_as_leaf():
         AttentionInterface.__getitem__ = original_getitem
 
 
-@contextlib.contextmanager
-def _fused_ops_as_leaves(fn: Callable):
-    """transfuse's own ops called from a forward (emitted files call them) are single leaf nodes,
-    so their dispatch code is never traced as if it were the model's."""
+def _with_fused_ops_as_leaves(fn: Callable) -> Callable:
+    """``fn``, or a copy of it whose globals make transfuse's own ops (emitted files call them)
+    single leaf nodes, so their dispatch code is never traced as if it were the model's. The copy
+    has globals of its own: the module's are never changed."""
     namespace = fn.__globals__
-    patched = {
-        name: value
+    ops = {
+        name: leaf_callable(value)
         for name, value in namespace.items()
         if callable(value) and (getattr(value, "__module__", None) or "").startswith("transfuse.ops")
     }
-    namespace.update({name: leaf_callable(value) for name, value in patched.items()})
-    try:
-        yield
-    finally:
-        namespace.update(patched)
+    if not ops:
+        return fn
+    copy = types.FunctionType(fn.__code__, {**namespace, **ops}, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
+
+
+def is_kv_cache(value: Any) -> bool:
+    """A transformers KV cache (any ``Cache`` subclass): state that a call changes in place."""
+    return any(c.__name__ == "Cache" and c.__module__.endswith("cache_utils") for c in type(value).__mro__)
 
 
 def _is_cache(name: str, value: Any) -> bool:
-    if name in CACHE_ARG_NAMES:
-        return True
-    return any(c.__name__ == "Cache" and c.__module__.endswith("cache_utils") for c in type(value).__mro__)
+    return name in CACHE_ARG_NAMES or is_kv_cache(value)
 
 
 def _has_tensor(value: Any) -> bool:
@@ -655,7 +803,7 @@ def trace_module(
     """
     global _ACTIVE
     cls = type(module)
-    fn = unwrapped_forward(cls)
+    fn = _with_fused_ops_as_leaves(unwrapped_forward(cls))
     tracer = _LeafTracer(module, recorded_outputs)
     trace = Trace(cls=cls, graph=tracer.graph)
     with _TRACE_LOCK:
@@ -663,7 +811,7 @@ def trace_module(
         try:
             tracer.self_node = tracer.graph.placeholder("self")
             tracer.self_node.meta["val"] = module
-            with _patched_module_call(tracer), _attention_interface_as_leaf(), _fused_ops_as_leaves(fn):
+            with _patched_module_call(tracer), _attention_interface_as_leaf():
                 with _self_state_as_nodes(tracer, module) as attr_nodes:
                     trace.self_attrs = attr_nodes
                     try:
@@ -678,4 +826,5 @@ def trace_module(
             _ACTIVE = previous
     trace.guards = tracer.guards
     trace.assumptions = tracer.assumptions
+    trace.shape_guards = tracer.shape_guards
     return trace
