@@ -4,10 +4,10 @@ A traced graph is evidence of what ran for one input. What it cannot show (a bra
 taken, a name rebound, a second use) is proved here on the syntax tree before an edit
 is made. The edited method is the single source of truth for:
 
-* the runtime rewrite: compiled into the original module's globals, under the original
-  file name and line numbers (tracebacks point at real code), inside a shell of the
-  original class so that decorators, ``__qualname__`` and zero-argument ``super()``
-  behave as in the original;
+* the runtime rewrite: compiled against the original module's globals (read live, never
+  added to: the names an edit needs are closure cells), under the original file name and
+  line numbers (tracebacks point at real code), inside a shell of the original class so
+  that decorators, ``__qualname__`` and zero-argument ``super()`` behave as in the original;
 * the emitted modeling file: the original file with the method replaced, formatting
   and comments kept;
 * the diff between the two texts.
@@ -21,11 +21,14 @@ import difflib
 import functools
 import importlib
 import inspect
+import os
+import types
 from dataclasses import dataclass, field
 from typing import Callable
 
 import libcst as cst
 import libcst.matchers as m
+import torch
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from .graph import NoMatch
@@ -35,6 +38,7 @@ __all__ = [
     "MethodRewrite",
     "MethodSource",
     "control_flow",
+    "helper_functions",
     "method_source",
     "rewrite_method",
     "self_calls",
@@ -126,6 +130,42 @@ def self_method_calls(source: MethodSource) -> set[str]:
     """Names ``n`` of calls written ``self.n(...)`` in a method."""
     calls = m.findall(source.node, m.Call(func=m.Attribute(value=m.Name("self"))))
     return {c.func.attr.value for c in calls}
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def _dotted(node: cst.BaseExpression) -> list[str] | None:
+    """``a.b.c`` as ["a", "b", "c"]; None for any other expression."""
+    if isinstance(node, cst.Name):
+        return [node.value]
+    if isinstance(node, cst.Attribute):
+        base = _dotted(node.value)
+        return base + [node.attr.value] if base is not None else None
+    return None
+
+
+def helper_functions(source: MethodSource) -> list[Callable]:
+    """Python functions a method calls by a global name (``helper(x)``, ``utils.helper(x)``), as its
+    module's globals resolve them now: the model's own code, not torch's, whose control flow
+    counts as the method's."""
+    found = []
+    globals_ = source.function.__globals__
+    for call in m.findall(source.node, m.Call()):
+        path = _dotted(call.func)
+        if path is None or path[0] == "self" or path[0] not in globals_:
+            continue
+        target = globals_[path[0]]
+        for attr in path[1:]:
+            target = getattr(target, attr, None)
+        target = inspect.unwrap(target) if callable(target) else None
+        if not isinstance(target, types.FunctionType):
+            continue
+        filename = target.__code__.co_filename
+        if filename.startswith(_TORCH_DIR) or target in found:
+            continue
+        found.append(target)
+    return found
 
 
 def self_calls(tree: cst.CSTNode, name: str) -> list[cst.Call]:
@@ -285,7 +325,15 @@ def _line_map(original: MethodSource, edited_code: str) -> list[int]:
     return mapping
 
 
+# The function around the class shell whose parameters carry the names an edit needs.
+_FACTORY = "__transfuse_method_factory__"
+
+
 def _compile(rewrite: MethodRewrite) -> Callable:
+    """Compile the edited method in the original module's globals, which it reads live (a later
+    patch of the module by another library is seen), without adding anything to them: the names
+    the edit needs (``EditContext.require``) are parameters of a function around the class shell,
+    so the method reads them from closure cells, which ``torch.compile(fullgraph=True)`` follows."""
     code = _method_code(rewrite.edited)
     tree = ast.parse(code)
     mapping = _line_map(rewrite.original, code)
@@ -298,13 +346,23 @@ def _compile(rewrite: MethodRewrite) -> Callable:
     shell = ast.ClassDef(name=klass.__name__, bases=[], keywords=[], body=tree.body, decorator_list=[])
     shell.lineno = shell.end_lineno = tree.body[0].lineno
     shell.col_offset = shell.end_col_offset = 0
-    module = ast.fix_missing_locations(ast.Module(body=[shell], type_ignores=[]))
-    globals_ = rewrite.original.function.__globals__
-    for alias, (mod, name) in rewrite.imports.items():
-        globals_.setdefault(alias, _resolve(mod, name))
+    aliases = sorted(rewrite.imports)
+    factory = ast.FunctionDef(
+        name=_FACTORY,
+        args=ast.arguments(
+            posonlyargs=[], args=[ast.arg(arg=a) for a in aliases], kwonlyargs=[], kw_defaults=[], defaults=[]
+        ),
+        body=[shell, ast.Return(value=ast.Name(id=klass.__name__, ctx=ast.Load()))],
+        decorator_list=[],
+        returns=None,
+        **({"type_params": []} if "type_params" in ast.FunctionDef._fields else {}),
+    )
+    ast.copy_location(factory, shell)
+    module = ast.fix_missing_locations(ast.Module(body=[factory], type_ignores=[]))
     namespace: dict = {}
-    exec(compile(module, rewrite.original.filename, "exec"), globals_, namespace)
-    function = vars(namespace[klass.__name__])[rewrite.method_name]
+    exec(compile(module, rewrite.original.filename, "exec"), rewrite.original.function.__globals__, namespace)
+    values = [_resolve(*rewrite.imports[alias]) for alias in aliases]
+    function = vars(namespace[_FACTORY](*values))[rewrite.method_name]
     _point_class_cell(function, klass)
     return function
 
