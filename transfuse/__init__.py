@@ -9,13 +9,15 @@
 
 __version__ = "0.1.0"
 
-from .api import diff, report, rewrite
+from .api import ExampleInputsError, RewriteError, diff, report, rewrite
 from .auto import AutoModelForCausalLM, from_pretrained
 from .rewriter.report import FusionRecord, RewriteReport, SkipRecord
 
 __all__ = [
     "AutoModelForCausalLM",
+    "ExampleInputsError",
     "FusionRecord",
+    "RewriteError",
     "RewriteReport",
     "SkipRecord",
     "__version__",

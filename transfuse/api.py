@@ -7,10 +7,10 @@ from typing import Any, TypeVar
 from torch import nn
 
 from .fusers import fusers_for
-from .rewriter.apply import REPORT_ATTR, rewrite_model, rewrites_of
+from .rewriter.apply import REPORT_ATTR, ExampleInputsError, RewriteError, rewrite_model, rewrites_of
 from .rewriter.report import RewriteReport
 
-__all__ = ["diff", "report", "rewrite"]
+__all__ = ["ExampleInputsError", "RewriteError", "diff", "report", "rewrite"]
 
 M = TypeVar("M", bound=nn.Module)
 

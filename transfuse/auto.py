@@ -9,6 +9,7 @@ group (less than one layer's weights).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from .api import rewrite
@@ -32,14 +33,32 @@ class AutoModelForCausalLM:
         from transformers import AutoModelForCausalLM as TransformersAuto
 
         model = TransformersAuto.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
-        return rewrite(model, fusions=fusions, verify=verify)
+        return _rewritten_or_stock(model, fusions, verify)
 
     @classmethod
     def from_config(cls, config, *, fusions: list[str] | None = None, verify: bool = True, **kwargs):
         from transformers import AutoModelForCausalLM as TransformersAuto
 
         model = TransformersAuto.from_config(config, **kwargs)
+        return _rewritten_or_stock(model, fusions, verify)
+
+
+def _rewritten_or_stock(model, fusions, verify):
+    """The rewritten model; where the rewrite cannot be made (no probe runs, an error part-way,
+    after which the model is as it was), a warning and the stock model: loading never fails
+    because of transfuse. Bad arguments (an unknown fusion kind) are still errors."""
+    from .fusers import fusers_for
+
+    fusers_for(fusions)  # raises for unknown kinds before any work
+    try:
         return rewrite(model, fusions=fusions, verify=verify)
+    except Exception as exc:
+        warnings.warn(
+            f"transfuse: {type(model).__name__} was loaded unchanged, because the rewrite failed: "
+            f"{type(exc).__name__}: {exc}",
+            stacklevel=3,
+        )
+        return model
 
 
 def from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs):

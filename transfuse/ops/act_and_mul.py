@@ -90,11 +90,13 @@ def act_and_mul(x: Tensor, activation: str) -> Tensor:
 
 @functools.cache
 def _probe(dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """A gate probe in ``dtype`` (a sweep plus random values) and each fused activation's output on it."""
-    sweep = torch.linspace(-8.0, 8.0, 257)
-    noise = torch.randn(256, generator=torch.Generator().manual_seed(0)) * 3
+    """A gate probe in ``dtype`` (a sweep plus random values) and each fused activation's output on it.
+    On the CPU whatever the default device is (a ``with torch.device("meta")`` block has no data,
+    and the cache outlives the block)."""
+    sweep = torch.linspace(-8.0, 8.0, 257, device="cpu")
+    noise = torch.randn(256, generator=torch.Generator().manual_seed(0), device="cpu") * 3
     gate = torch.cat([sweep, noise]).to(dtype)
-    gate_up = torch.cat([gate, torch.ones_like(gate)])
+    gate_up = torch.cat([gate, torch.ones_like(gate, device="cpu")])
     native = {
         "silu": silu_and_mul_native(gate_up),
         "gelu": gelu_and_mul_native(gate_up, "none"),

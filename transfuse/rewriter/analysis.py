@@ -18,6 +18,7 @@ it consulted have the same analyses.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import weakref
@@ -35,6 +36,8 @@ from .graph import location
 from .tracer import Trace, trace_module, unwrapped_forward
 
 __all__ = ["ClassAnalysis", "analyse", "class_key", "clear_cache"]
+
+logger = logging.getLogger("transfuse")
 
 
 def class_key(module: nn.Module) -> tuple:
@@ -72,9 +75,16 @@ class ClassAnalysis:
         self._consulted = {}
         try:
             found = fuser.match(self)
-            entries.append((self._consulted, found))
-        finally:
-            self._consulted = None
+        except Exception as exc:  # a matcher's own failure refuses the class, loudly, instead of the rewrite
+            logger.warning("transfuse: the %s matcher failed on %s", fuser.kind, self.cls.__name__, exc_info=True)
+            found = Refusal(
+                f"{fuser.kind}.internal-error",
+                f"transfuse's {fuser.kind} matcher failed on this class ({type(exc).__name__}: {exc}); "
+                "this is a bug in transfuse, please report it.",
+                self.where(),
+            )
+        entries.append((self._consulted, found))
+        self._consulted = None
         return found
 
     def child(self, name: str) -> ClassAnalysis | None:

@@ -2,39 +2,43 @@
 
 The steps, in order:
 
-1. probe: one short forward of the original model records each module's first call;
+1. probe: one short forward of the original model records each module's first call; a probe
+   that cannot run means nothing is fused (unless the caller passed ``verify=False``);
 2. plan: each module class is traced (in eval mode, like the probe) and matched once;
    each instance is validated;
    source fusers' edits to a class's forward are composed and compiled once per class;
-3. fuse: per instance, a replacing fuser swaps the module, source fusers rebuild the
+3. prepare (``checking``): each planned instance's inputs and output are recorded, and its
+   original module is run again in higher precision, before any weight is merged;
+4. fuse: per instance, a replacing fuser swaps the module, source fusers rebuild the
    instance's children, and the edited forward is bound to the instance (the object
    stays an instance of its class and keeps every other attribute);
-4. verify: each fused instance is run on its recorded inputs and compared with its
-   recorded outputs, then the whole model with its original output; an instance that
-   does not match has all its fusions undone and reported. No copy of the model is made:
-   only the probe's inputs and outputs of the fused modules are kept.
+5. verify: each fused instance is run on its recorded inputs and judged against its
+   reference next to the original's own error (``verify``), then the whole model against its
+   own output; an instance that fails has all its fusions undone and reported. No copy of the
+   model is made: only the probe's inputs and outputs of the fused modules are kept. An error
+   part-way undoes every fusion before it is raised.
 """
 
 from __future__ import annotations
 
-import contextlib
+import inspect
 import logging
 import time
 import types
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 
-from ..ops.graphs import suspended as graphs_suspended
 from .analysis import ClassAnalysis, analyse
-from .capture import Probe, eval_mode, is_meta_model, make_probe, record_calls
+from .capture import Probe, ProbeUnavailable, eval_mode, is_meta_model, make_probe, record_calls
+from .checking import check_instances, check_model, prepare
 from .fusion import Fused, Fuser, Refusal, SourceFuser
 from .report import FusionRecord, RewriteReport, SkipRecord
 from .source import MethodRewrite, rewrite_method
 from .tracer import unwrapped_forward
-from .verify import LOCAL_TOLERANCE, MODEL_TOLERANCE, relative_error, tolerance
 
 __all__ = ["REPLACED_ATTR", "REPORT_ATTR", "REWRITTEN_ATTR", "is_fused", "rewrite_model", "rewrites_of"]
 
@@ -79,6 +83,8 @@ class _Instance:
     plans: list[_Planned] = field(default_factory=list)
     rewrite: MethodRewrite | None = None
     previous_forward: Any = None  # what the rewritten forward displaced in the instance's __dict__
+    bound: bool = False  # the rewritten forward is bound to the instance
+    check: str = ""  # how the fused instance was verified
 
     @property
     def replacing(self) -> _Planned | None:
@@ -89,13 +95,6 @@ def _set_submodule(model: nn.Module, path: str, new: nn.Module) -> None:
     parent_path, _, name = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     setattr(parent, name, new)
-
-
-@contextlib.contextmanager
-def _evaluating(module: nn.Module):
-    # Verification calls are one-off: no fused layer captures a CUDA graph of them.
-    with eval_mode(module), torch.no_grad(), graphs_suspended():
-        yield
 
 
 _OFFLOADED = (
@@ -197,9 +196,11 @@ def _apply(model: nn.Module, instance: _Instance) -> None:
     if instance.rewrite is not None:
         module = instance.module
         slot = _forward_slot(module)
+        forward = types.MethodType(instance.rewrite.compile(), module)
         instance.previous_forward = module.__dict__.get(slot)
-        module.__dict__[slot] = types.MethodType(instance.rewrite.compile(), module)
+        module.__dict__[slot] = forward
         module.__dict__[REWRITTEN_ATTR] = instance.rewrite
+        instance.bound = True
 
 
 def _adopt_training(root: nn.Module, training: bool, existing: set[int]) -> None:
@@ -211,76 +212,51 @@ def _adopt_training(root: nn.Module, training: bool, existing: set[int]) -> None
 
 
 def _undo(model: nn.Module, instance: _Instance) -> None:
+    """Put the instance back as it was; what was never done (a failure part-way) is skipped, and a
+    second undo does nothing."""
     module = instance.module
-    if instance.rewrite is not None:
+    if instance.bound:
         slot = _forward_slot(module)
         if instance.previous_forward is None:
             module.__dict__.pop(slot, None)
         else:
             module.__dict__[slot] = instance.previous_forward
         module.__dict__.pop(REWRITTEN_ATTR, None)
+        instance.bound = False
     for plan in reversed(instance.plans):
-        if plan.fused is None:
+        fused, plan.fused = plan.fused, None
+        if fused is None:
             continue
-        if plan.fused.replacement is not None:
+        if fused.replacement is not None:
             _set_submodule(model, instance.path, module)
-        elif plan.fused.undo is not None:
-            plan.fused.undo()
+        elif fused.undo is not None:
+            fused.undo()
 
 
-def _verify_locally(model: nn.Module, applied: list[_Instance], io: Probe, report: RewriteReport) -> list[_Instance]:
-    """Run each fused instance on its recorded inputs; undo those whose outputs differ."""
-    kept = []
-    unverified = 0
-    for instance in applied:
-        call = io.real_calls.get(instance.path)
-        if call is None or call.output is None:
-            unverified += 1
-            kept.append(instance)
-            continue
-        module = model.get_submodule(instance.path)
-        with _evaluating(module):
-            try:
-                error = relative_error(module(*call.args, **call.kwargs), call.output)
-            except Exception as exc:  # a fused module that fails to run is undone, not fatal
-                error = float("inf")
-                logger.warning("transfuse: fused %s failed on its probe input: %s", instance.path, exc)
-        tol = tolerance(call.output, LOCAL_TOLERANCE)
-        if error <= tol:
-            kept.append(instance)
-            continue
+class RewriteError(RuntimeError):
+    """A rewrite failed part-way (a fused model that raised, say); every fusion was undone."""
+
+
+class ExampleInputsError(ValueError):
+    """The model's forward rejected the caller's ``example_inputs``."""
+
+
+def _signature_hint(model: nn.Module) -> str:
+    try:
+        names = [p for p in inspect.signature(model.forward).parameters if p not in ("args", "kwargs")]
+    except (TypeError, ValueError):
+        return ""
+    return f" ({type(model).__name__}.forward takes: {', '.join(names[:8])}{', ...' if len(names) > 8 else ''})"
+
+
+def _refuse(report: RewriteReport, instance: _Instance, tag: str, reason: str) -> None:
+    for plan in instance.plans:
+        report.add_skip(SkipRecord(type(instance.module).__name__, plan.fuser.kind, reason, tag, path=instance.path))
+
+
+def _undo_all(model: nn.Module, instances: Sequence[_Instance]) -> None:
+    for instance in reversed(instances):
         _undo(model, instance)
-        for plan in instance.plans:
-            report.add_skip(
-                SkipRecord(
-                    type(instance.module).__name__,
-                    plan.fuser.kind,
-                    f"the fused module's output differs from the original's by {error:.3g} of its scale "
-                    f"(tolerance {tol:.1g}); undone.",
-                    "verify.mismatch",
-                    path=instance.path,
-                )
-            )
-    if unverified:
-        report.notes.append(f"{unverified} fused modules were not called by the probe input and were not checked alone")
-    return kept
-
-
-def _verify_model(model: nn.Module, applied: list[_Instance], probe: Probe, report: RewriteReport) -> list[_Instance]:
-    with _evaluating(model):
-        output = model(*probe.args, **probe.kwargs)
-    error = relative_error(output, probe.output)
-    tol = tolerance(probe.output, MODEL_TOLERANCE)
-    if error <= tol:
-        report.notes.append(f"verified: the model's output on the probe input differs by {error:.3g} of its scale")
-        return applied
-    for instance in reversed(applied):
-        _undo(model, instance)
-    report.notes.append(
-        f"the rewritten model's output differed from the original's by {error:.3g} of its scale "
-        f"(tolerance {tol:.1g}), though each fused module matched alone; all fusions were undone"
-    )
-    return []
 
 
 def rewrite_model(
@@ -290,28 +266,79 @@ def rewrite_model(
     verify: bool = True,
     example_inputs: Any = None,
 ) -> RewriteReport:
-    """Apply ``fusers`` to ``model`` in place and return the report (also kept on the model)."""
+    """Apply ``fusers`` to ``model`` in place and return the report (also kept on the model).
+
+    Fails closed: without a probe that runs, nothing is fused unless ``verify`` is False (or the
+    model is on the meta device, which nothing can verify); a fusion whose check fails is undone;
+    an error part-way undoes every fusion and raises ``RewriteError``.
+    """
     start = time.perf_counter()
     previous: RewriteReport | None = getattr(model, REPORT_ATTR, None)
     report = RewriteReport(fusions=list(previous.fusions) if previous else [])
-    probe = record_calls(model, make_probe(model, example_inputs))
-    if probe.error is not None:
-        report.notes.append(f"the probe forward stopped early ({probe.error}); classes it did not reach were traced without inputs")
+    meta = is_meta_model(model)
+    try:
+        probe = record_calls(model, make_probe(model, example_inputs))
+        failure = probe.error
+    except ProbeUnavailable as exc:
+        probe, failure = Probe((), {}), str(exc)
+    if failure is not None:
+        if example_inputs is not None:
+            raise ExampleInputsError(
+                f"{type(model).__name__} rejected example_inputs: {failure}. Pass the arguments its forward "
+                f"takes{_signature_hint(model)}, as a tuple of positional arguments or a dict of keyword "
+                "arguments, or leave example_inputs out to let transfuse make random token ids."
+            )
+        if verify and not meta:
+            report.not_rewritten = (
+                f"the probe forward could not run ({failure}), so no fusion could be verified; pass "
+                "example_inputs that the model accepts, or verify=False to fuse without verification"
+            )
+            warnings.warn(f"transfuse: {type(model).__name__} was not rewritten: {report.not_rewritten}.", stacklevel=3)
+            object.__setattr__(model, REPORT_ATTR, report)
+            return report
+        report.notes.append(f"the probe forward stopped early ({failure}); classes it did not reach were traced without inputs")
     with eval_mode(model):  # traced as the probe ran: fusions reproduce inference (see each fuser for training)
         planned = _plan(model, fusers, probe, report)
-    meta = is_meta_model(model)
-    checking = verify and not meta and probe.error is None and bool(planned)
-    io = None
+    checking = verify and not meta and bool(planned)
     if checking:
-        io = record_calls(model, Probe(probe.args, probe.kwargs), real_paths={i.path for i in planned})
-    for instance in planned:
-        _apply(model, instance)
-    applied = planned
-    if checking:
-        applied = _verify_locally(model, applied, io, report)
-        applied = _verify_model(model, applied, probe, report) if applied else applied
-    elif verify and meta:
-        report.notes.append("not verified: the model's parameters are on the meta device")
+        checks = prepare(model, planned, probe, lambda instance, tag, reason: _refuse(report, instance, tag, reason))
+        planned = [i for i in planned if i.path in checks]
+    elif planned and not verify:
+        report.verification = "unverified: the caller passed verify=False"
+        report.notes.append(report.verification)
+    elif planned and meta:
+        report.verification = "unverified: the model's parameters are on the meta device (no data to compare)"
+        report.notes.append(report.verification)
+    applied: list[_Instance] = []
+    try:
+        for instance in planned:
+            applied.append(instance)
+            _apply(model, instance)
+        if checking:
+            def failed(instance: _Instance, reason: str) -> None:
+                _undo(model, instance)
+                _refuse(report, instance, "verify.mismatch", f"the fused module is less accurate than the original: {reason}; undone.")
+
+            applied = check_instances(model, applied, checks, failed)
+            if applied:
+                verdict = check_model(model, probe)
+                if verdict.passed:
+                    report.notes.append(f"verified: the whole model's output on the probe input differs by {verdict.describe() or 'nothing'}")
+                else:
+                    _undo_all(model, applied)
+                    applied = []
+                    report.notes.append(
+                        f"the rewritten model's output differed from the original's ({verdict.reason}), though each "
+                        "fused module passed alone; all fusions were undone"
+                    )
+    except BaseException as exc:
+        _undo_all(model, applied)
+        if not isinstance(exc, Exception):
+            raise
+        raise RewriteError(
+            f"transfuse could not finish rewriting {type(model).__name__} ({type(exc).__name__}: {exc}); "
+            "every fusion was undone and the model is as it was."
+        ) from exc
     replaced = model.__dict__.setdefault(REPLACED_ATTR, {})
     for instance in applied:
         for plan in instance.plans:
@@ -319,7 +346,12 @@ def rewrite_model(
                 replaced[type(instance.module)] = (plan.fuser, plan.found)
             report.fusions.append(
                 FusionRecord(
-                    instance.path, type(instance.module).__name__, plan.fuser.kind, plan.fused.replaced, plan.fused.into
+                    instance.path,
+                    type(instance.module).__name__,
+                    plan.fuser.kind,
+                    plan.fused.replaced,
+                    plan.fused.into,
+                    instance.check or report.verification,
                 )
             )
     logger.info("transfuse: %d fusions in %.2f s", sum(len(i.plans) for i in applied), time.perf_counter() - start)

@@ -13,6 +13,7 @@ Those runs only give shapes, which is all tracing needs.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-__all__ = ["Call", "Probe", "eval_mode", "is_meta_model", "make_probe", "record_calls"]
+from .tracer import is_kv_cache
+
+__all__ = ["Call", "Probe", "ProbeUnavailable", "eval_mode", "is_meta_model", "make_probe", "record_calls"]
 
 _aten = torch.ops.aten
 
@@ -34,6 +37,11 @@ class Call:
     args: tuple
     kwargs: dict
     output: Any = None
+
+    def fresh(self) -> tuple[tuple, dict]:
+        """The arguments, copied for one more call: a module may write its inputs in place, and a
+        cache it is handed grows with every call (the recorded one holds the state before it)."""
+        return _snapshot(self.args), _snapshot(self.kwargs)
 
 
 @dataclass
@@ -63,19 +71,30 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def make_probe(model: nn.Module, example_inputs: Any = None, seq_len: int = 8, seed: int = 0) -> Probe:
+class ProbeUnavailable(Exception):
+    """No probe input can be made for the model; the message says why and what to pass instead."""
+
+
+def make_probe(model: nn.Module, example_inputs: Any = None, seq_len: int = 32, seed: int = 0) -> Probe:
     """The probe input: the caller's example, or random token ids for a model with a vocabulary."""
     if example_inputs is not None:
         if isinstance(example_inputs, dict):
+            if not all(isinstance(k, str) for k in example_inputs):
+                raise TypeError("example_inputs as a dict must map the forward's parameter names to values.")
             return Probe(args=(), kwargs=dict(example_inputs))
         if isinstance(example_inputs, torch.Tensor):
             return Probe(args=(example_inputs,), kwargs={})
-        return Probe(args=tuple(example_inputs), kwargs={})
+        if isinstance(example_inputs, (tuple, list)):
+            return Probe(args=tuple(example_inputs), kwargs={})
+        raise TypeError(
+            f"example_inputs must be a tensor, a tuple of positional arguments or a dict of keyword arguments "
+            f"of {type(model).__name__}.forward, not {type(example_inputs).__name__}."
+        )
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if not isinstance(vocab, int):
-        raise TypeError(
-            f"{type(model).__name__} has no config.vocab_size, so transfuse cannot make a probe input for it. "
-            "Pass example_inputs=(tensor, ...) or example_inputs={'name': tensor} to rewrite()."
+        raise ProbeUnavailable(
+            f"{type(model).__name__} has no config.vocab_size, so transfuse cannot make a probe input for it; "
+            "pass example_inputs=(tensor, ...) or example_inputs={'name': tensor} to rewrite()"
         )
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, vocab, (1, seq_len), generator=generator).to(_model_device(model))
@@ -103,8 +122,18 @@ def _as_meta(obj: Any) -> Any:
     return tree_map(lambda x: torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x, obj)
 
 
-def _detached(obj: Any) -> Any:
-    return tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, obj)
+def _snapshot(obj: Any) -> Any:
+    """Tensors detached and cloned, caches deep-copied: a record that later calls cannot change."""
+
+    def copy_leaf(x):
+        if isinstance(x, torch.Tensor):
+            return x.detach().clone()
+        if is_kv_cache(x):
+            return copy.deepcopy(x)
+        return x
+
+    return tree_map(copy_leaf, obj)
+
 
 
 @contextlib.contextmanager
@@ -128,7 +157,7 @@ def record_calls(model: nn.Module, probe: Probe, real_paths: set[str] = frozense
             if path not in probe.calls:
                 probe.calls[path] = Call(_as_meta(args), _as_meta(kwargs))
             if path in real_paths and path not in probe.real_calls:
-                probe.real_calls[path] = Call(_detached(args), _detached(kwargs))
+                probe.real_calls[path] = Call(_snapshot(args), _snapshot(kwargs))
 
         def post(module, args, kwargs, output):
             call = probe.calls.get(path)
@@ -136,7 +165,7 @@ def record_calls(model: nn.Module, probe: Probe, real_paths: set[str] = frozense
                 call.output = _as_meta(output)
             real = probe.real_calls.get(path)
             if real is not None and real.output is None:
-                real.output = _detached(output)
+                real.output = _snapshot(output)
 
         return pre, post
 

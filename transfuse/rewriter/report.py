@@ -20,6 +20,7 @@ class FusionRecord:
     kind: str
     replaced: tuple[str, ...]
     into: str
+    check: str = ""  # how it was verified, or why it was not
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,10 @@ class RewriteReport:
     fusions: list[FusionRecord] = field(default_factory=list)
     skipped: list[SkipRecord] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # Why nothing was rewritten (the probe could not run), else None.
+    not_rewritten: str | None = None
+    # "verified", or "unverified: <why>" (only when the caller asked, or on the meta device).
+    verification: str = "verified"
 
     def counts(self) -> dict[str, int]:
         """Number of fusions per kind."""
@@ -55,6 +60,10 @@ class RewriteReport:
     def __str__(self) -> str:
         counts = ", ".join(f"{kind} {n}" for kind, n in sorted(self.counts().items())) or "none"
         lines = [f"transfuse: {len(self.fusions)} fusions ({counts}), {len(self.skipped)} refused"]
+        if self.not_rewritten is not None:
+            lines.append(f"not rewritten: {self.not_rewritten}")
+        elif self.fusions and self.verification != "verified":
+            lines.append(self.verification)
         if self.fusions:
             lines += ["", "fused:"]
             groups: dict[tuple[str, str, str], list[str]] = defaultdict(list)
