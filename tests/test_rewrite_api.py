@@ -44,8 +44,12 @@ def test_report_of_a_model_never_rewritten_is_an_error():
 
 
 def test_model_without_vocabulary_needs_example_inputs():
-    with pytest.raises(TypeError, match="example_inputs"):
-        transfuse.rewrite(toys.TinyNormModel(toys.LlamaStyleNorm(32)))
+    model = toys.TinyNormModel(toys.LlamaStyleNorm(32))
+    with pytest.warns(UserWarning, match="example_inputs"):
+        transfuse.rewrite(model)
+    assert transfuse.report(model).fusions == []
+    transfuse.rewrite(model, example_inputs=(torch.randn(2, 3, 32),))
+    assert transfuse.report(model).counts() == {"rms_norm": 1}
 
 
 def test_report_table_lists_fusions_and_refusals():
@@ -81,6 +85,7 @@ def test_verification_undoes_a_fusion_whose_numbers_differ():
     report = rewrite_model(model, [_OffByOnePercent()])
     assert report.fusions == []
     assert len(report.skipped) == 5 and {s.tag for s in report.skipped} == {"verify.mismatch"}
+    assert all("less accurate than the original" in s.reason for s in report.skipped)
     assert all(s.path for s in report.skipped)
     assert not any(isinstance(m, (_Scaled, RMSNorm)) for m in model.modules())
     with torch.no_grad():

@@ -708,3 +708,97 @@ class TinyMoEModel(nn.Module):
     def forward(self, x):
         h = self.block(self.inp(x))
         return self.out(h[0] if isinstance(h, tuple) else h)
+
+
+# ---- fail-closed verification: holes a rewrite must not fall through --------------------
+
+
+def _doubled_if_flat(x):
+    """A module-level helper whose branch depends on the input's shape."""
+    if x.dim() == 2:
+        return x * 2
+    return x
+
+
+class HelperShapeBranchNorm(LlamaStyleNorm):
+    """RMSNorm whose forward calls a module-level helper that doubles 2-D inputs: traced on 3-D
+    inputs it looks like a plain norm → refused (rms_norm.control-flow)."""
+
+    def forward(self, hidden_states):
+        hidden_states = _doubled_if_flat(hidden_states)
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class InlineShapeBranchNorm(LlamaStyleNorm):
+    """A size read straight into a conditional expression (``x * 2 if s == 1 else x``), no
+    statement-level branch in sight of a line-based check → refused (rms_norm.control-flow)."""
+
+    def forward(self, hidden_states):
+        seq = hidden_states.shape[1]
+        scale = 2.0 if seq == 1 else 1.0
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype) * scale
+
+
+class ShapeBranchMoE(ModuleListMoE):
+    """A block that routes a single token differently (skips the renormalisation): the probe's
+    tokens take the other path → refused (moe.control-flow)."""
+
+    def forward(self, hidden_states):
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        hidden_states = hidden_states.view(-1, hidden_dim)
+        router_logits = self.gate(hidden_states)
+        routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+        routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
+        if batch_size * sequence_length > 1:
+            routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
+        routing_weights = routing_weights.to(hidden_states.dtype)
+        final_hidden_states = torch.zeros(
+            (batch_size * sequence_length, hidden_dim), dtype=hidden_states.dtype, device=hidden_states.device
+        )
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in expert_hit:
+            expert_layer = self.experts[expert_idx]
+            idx, top_x = torch.where(expert_mask[expert_idx].squeeze(0))
+            current_state = hidden_states[None, top_x].reshape(-1, hidden_dim)
+            current_hidden_states = expert_layer(current_state) * routing_weights[top_x, idx, None]
+            final_hidden_states.index_add_(0, top_x, current_hidden_states.to(hidden_states.dtype))
+        final_hidden_states = final_hidden_states.reshape(batch_size, sequence_length, hidden_dim)
+        return final_hidden_states, router_logits
+
+
+class SpareNormModel(nn.Module):
+    """Two norms of one class, of which the forward calls only the first, and a norm of another
+    class it never calls: the spare of the called class borrows its sibling's inputs (→ fuses,
+    verified), the other cannot be checked (→ refused, verify.not-reached)."""
+
+    def __init__(self, hidden: int = 32):
+        super().__init__()
+        self.inp = nn.Linear(hidden, hidden)
+        self.norm = LlamaStyleNorm(hidden)
+        self.spare = LlamaStyleNorm(hidden)
+        self.unused = GemmaStyleNorm(hidden)
+        self.out = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        return self.out(self.norm(self.inp(x)))
+
+
+class ReadsChildWeightModel(nn.Module):
+    """A model whose forward reads a projection's weight from outside its attention: the attention
+    fuses and checks out alone, and the model then fails (``q_proj`` is merged away)."""
+
+    def __init__(self, hidden: int = 32):
+        super().__init__()
+        self.attn = WqWkWvAttention(hidden)
+
+    def forward(self, x):
+        return self.attn(x) * self.attn.wq.weight.norm()
