@@ -5,7 +5,8 @@
 1. builds the CUDA extension verbosely (``python -m transfuse.ops.cuda``) into DIR/cuda_build.log;
 2. runs the ops tests (``tests/test_kernels.py``: every Triton and CUDA provider against native;
    ``test_triton_launch.py``; ``test_moe_ops.py``; ``test_decode_graphs.py``;
-   ``test_ops_dispatch.py``; ``test_ops_compile.py``) with pytest, its output in DIR/pytest.log
+   ``test_ops_dispatch.py``; ``test_ops_compile.py``; ``test_fail_closed.py``: verification of wrong and
+   honest kernels in three dtypes) with pytest, its output in DIR/pytest.log
    and a JUnit report in DIR/pytest.xml;
 3. prints a short table last: per test file, passed / failed / skipped, then the failures.
 
@@ -31,6 +32,7 @@ TEST_FILES = [
     "tests/test_ops_compile.py",
     "tests/test_moe_ops.py",
     "tests/test_decode_graphs.py",
+    "tests/test_fail_closed.py",
 ]
 
 

@@ -96,21 +96,30 @@ class GLUFuser(SourceFuser):
 
     def match(self, analysis: ClassAnalysis) -> GLUMatch | Refusal | None:
         linears = linear_children(analysis)
+        refusal = None
         for node in analysis.trace.graph.nodes:
             if not is_op(node, "mul"):
                 continue
             for act_side, up_side in (operands(node)[:2], operands(node)[1::-1]):
                 found = self._match_product(analysis, linears, act_side, up_side)
-                if found is not None:
+                if isinstance(found, GLUMatch):
                     return found
-        return None
+                refusal = refusal or found
+        return refusal
 
     def _match_product(self, analysis, linears, act_side, up_side) -> GLUMatch | Refusal | None:
         if not (_is_linear_call(up_side, linears) and isinstance(act_side, fx.Node)):
             return None
         gate = operand(act_side, 0)
-        if not _is_linear_call(gate, linears) or gate.args[0] is not up_side.args[0] or gate.target == up_side.target:
+        if not _is_linear_call(gate, linears) or gate.target == up_side.target:
             return None
+        if gate.args[0] is not up_side.args[0]:
+            return Refusal(
+                "gate_up.inputs-differ",
+                f"{gate.target} and {up_side.target} read different values ({gate.args[0]} and {up_side.args[0]}); "
+                "only projections of one value merge.",
+                analysis.where(up_side),
+            )
         into = free_child_name(analysis, "gate_up_proj")
         try:
             if act_side.op == "call_module" and act_side.target not in linears:

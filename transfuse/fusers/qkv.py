@@ -25,7 +25,7 @@ from torch import nn
 
 from ..rewriter.analysis import ClassAnalysis
 from ..rewriter.fusion import Fused, Refusal, SourceFuser
-from ..rewriter.graph import NoMatch, value
+from ..rewriter.graph import NoMatch, ancestors, value
 from ..rewriter.source import EditContext
 from ..rewriter.syntax import (
     ParentMap,
@@ -95,9 +95,10 @@ class QKVFuser(SourceFuser):
         return sum(isinstance(c, nn.Linear) for c in module.children()) >= 3
 
     def match(self, analysis: ClassAnalysis) -> QKVMatch | Refusal | None:
-        groups = [calls for calls in linear_calls_by_input(analysis).values() if len(calls) >= 3]
+        by_input = linear_calls_by_input(analysis)
+        groups = [calls for calls in by_input.values() if len(calls) >= 3]
         if not groups:
-            return None
+            return _split_inputs(analysis, by_input)
         calls = groups[0]
         try:
             names = [c.target for c in calls]
@@ -150,6 +151,26 @@ class QKVFuser(SourceFuser):
     def fuse(self, module: nn.Module, found: QKVMatch) -> Fused:
         merged = found.merge.apply(module)
         return Fused(replaced=found.parts, into=type(merged).__name__, undo=lambda: found.merge.undo(module))
+
+
+def _split_inputs(analysis: ClassAnalysis, by_input: dict[fx.Node, list[fx.Node]]) -> Refusal | None:
+    """Three projections none of which feeds another, two reading one value and the third another:
+    q, k and v of cross-attention, or of a value rebound between the calls. Only projections of one
+    value merge, so this is refused (with the reason) rather than passed over in silence."""
+    calls = [c for group in by_input.values() for c in group]
+    independent = {c for c in calls if not any(other in ancestors(c) for other in calls if other is not c)}
+    for source, group in by_input.items():
+        pair = [c for c in group if c in independent]
+        odd = [c for c in independent if c not in group]
+        if len(pair) == 2 and odd:
+            read = getattr(source, "name", source)
+            return Refusal(
+                "qkv.inputs-differ",
+                f"{pair[0].target} and {pair[1].target} read {read}, but {odd[0].target} reads "
+                f"{getattr(odd[0].args[0], 'name', odd[0].args[0])}: only projections of one value merge.",
+                analysis.where(odd[0]),
+            )
+    return None
 
 
 def _single_call(tree: cst.FunctionDef, name: str, context: EditContext) -> cst.Call:

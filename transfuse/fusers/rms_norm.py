@@ -31,7 +31,9 @@ from torch import nn
 from ..ops import RMSNormSpec, layer
 from ..rewriter.analysis import ClassAnalysis
 from ..rewriter.fusion import Fused, Fuser, Refusal
-from ..rewriter.graph import Cast, NoMatch, calls_fused_op, is_op, op_name, operand, operands, peel_casts, value
+from ..rewriter.graph import (
+    Cast, NoMatch, ancestors, calls_fused_op, is_op, op_name, operand, operands, peel_casts, value,
+)  # fmt: skip
 from ..rewriter.source import EditContext, control_flow, helper_functions, method_source, self_method_calls
 from ..rewriter.syntax import comment_line
 from ..rewriter.tracer import unwrapped_forward
@@ -99,11 +101,14 @@ class RMSNormFuser(Fuser):
 
 
 def _looks_like_a_norm(analysis: ClassAnalysis) -> bool:
-    """Refusals are reported for classes named like a norm or that compute an inverse root."""
+    """Refusals are reported for classes named like a norm, that compute an inverse root, or the
+    square root of a mean (``x / sqrt(mean(x²) + eps)``)."""
     if analysis.cls.__name__.endswith("RMSNorm"):
         return True
     for node in analysis.trace.graph.nodes:
         if is_op(node, "rsqrt", "rms_norm") or (is_op(node, "pow") and operand(node, 1) == -0.5):
+            return True
+        if is_op(node, "sqrt") and any(is_op(a, "mean") for a in ancestors(node)):
             return True
     return False
 

@@ -21,6 +21,7 @@ from .tracer import UNKNOWN
 
 __all__ = [
     "Cast",
+    "ancestors",
     "calls_fused_op",
     "NoMatch",
     "cast_of",
@@ -115,6 +116,18 @@ def operand(node: fx.Node, index: int, name: str | None = None, default: Any = N
     if name is not None and name in node.kwargs:
         return node.kwargs[name]
     return default
+
+
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    """Every node ``node`` was computed from (not itself)."""
+    seen: set[fx.Node] = set()
+    pending = list(node.all_input_nodes)
+    while pending:
+        current = pending.pop()
+        if current not in seen:
+            seen.add(current)
+            pending.extend(current.all_input_nodes)
+    return seen
 
 
 def value(node: Any) -> Any:
