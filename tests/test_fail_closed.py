@@ -248,7 +248,16 @@ def test_a_matcher_that_fails_refuses_its_class_instead_of_the_rewrite():
     assert "KeyError" in report.skipped[0].reason
 
 
+def _needs_model_type(model_type: str) -> None:
+    """Some families are newer than the oldest transformers we support (the GPU machine has 5.17)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {model_type}")
+
+
 def test_longcat_flash_is_refused_with_a_reason_not_a_crash():
+    _needs_model_type("longcat_flash")
     model = tiny_model("longcat_flash")
     transfuse.rewrite(model)
     report = transfuse.report(model)
@@ -260,6 +269,7 @@ def test_longcat_flash_is_refused_with_a_reason_not_a_crash():
 def test_granitemoe_swa_attention_checks_on_a_fresh_copy_of_its_cache():
     """Its attention is handed a cache even without use_cache; re-running it on the recorded
     (and since grown) cache raised a size mismatch, and the exact qkv fusion was undone."""
+    _needs_model_type("granitemoe_swa")
     model = tiny_model("granitemoe_swa")
     ids = _ids(model)
     with torch.no_grad():
