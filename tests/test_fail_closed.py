@@ -20,6 +20,7 @@ from transfuse.rewriter import checking
 from transfuse.rewriter.capture import ProbeUnavailable
 from transfuse.rewriter.fusion import Fuser
 from transfuse.rewriter.tracer import trace_module
+from transfuse.rewriter.verify import judge_model
 from transfuse.tiny import tiny_config, tiny_model
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -71,7 +72,11 @@ def test_a_slightly_wrong_kernel_is_caught(wrong_provider, op, kind, model_type,
     caught = [s for s in report.skipped if s.kind == kind and s.tag == "verify.mismatch"]
     assert caught and all("less accurate than the original" in s.reason for s in caught)
     with torch.no_grad():
-        assert torch.equal(model(ids).logits, before)
+        after = model(ids).logits
+    if device == "cpu":
+        assert torch.equal(after, before)  # on the CPU every other fusion is bit-identical
+    else:
+        assert judge_model(after, before).passed  # on a GPU the other fusions' kernels round their own way
 
 
 @pytest.mark.parametrize("device", DEVICES)
