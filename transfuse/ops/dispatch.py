@@ -6,7 +6,8 @@ under a name ("torch", "triton", "cuda", or a plugin's) with two checks: ``suppo
 (static, evaluated once: does this platform and installation have it) and
 ``supports_args`` (per call, cheap: dtype, shape, contiguity). The first provider in the
 priority list that passes both runs; native is always the last resort. A provider with
-no backward is skipped whenever autograd needs one.
+no backward is skipped whenever autograd needs one; a provider may bring its kernels' own
+backward (``Provider.autograd``), which is called only then.
 
 Priority, from strongest to weakest: ``set_priority`` from Python, the environment
 (``TRANSFUSE_FORCE_NATIVE=1``; ``TRANSFUSE_OP_PRIORITY="rms_norm=triton,native;silu_and_mul=cuda"``),
@@ -61,7 +62,10 @@ class Provider:
     supported: whether it can run here at all (evaluated once). supports_args: whether it can run
     these arguments (per call, cheap). defers: whether, though it can, a later provider in the
     order should take these arguments (a measured preference, per call, cheap); when no later
-    provider can, it runs after all.
+    provider can, it runs after all. differentiable: ``impl`` itself records a backward (it is
+    made of differentiable torch ops). autograd: the same kernels wrapped with a backward of
+    their own (a ``torch.autograd.Function``), called instead of ``impl`` when autograd needs
+    one; a provider with neither is skipped then.
     """
 
     name: str
@@ -70,6 +74,15 @@ class Provider:
     supports_args: Callable[..., bool] = _always
     differentiable: bool = False
     defers: Callable[..., bool] = _never
+    autograd: Callable[..., Any] | None = None
+
+    @property
+    def has_backward(self) -> bool:
+        return self.differentiable or self.autograd is not None
+
+    def implementation(self, grad: bool) -> Callable[..., Any]:
+        """What to call: the kernels with their backward when autograd needs one and they have it."""
+        return self.autograd if grad and self.autograd is not None else self.impl
 
 
 @dataclass(frozen=True)
@@ -81,6 +94,7 @@ class Dispatch:
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[torch.dtype, ...]
     device: str
+    grad: bool = False  # autograd needed a backward of this call
 
 
 _OPS: dict[str, "Op"] = {}
@@ -160,10 +174,12 @@ class Op:
         return self._order
 
     def select(self, *args: Any, **kwargs: Any) -> Provider:
-        grad = _needs_grad(args, kwargs)
+        return self._select(_needs_grad(args, kwargs), args, kwargs)
+
+    def _select(self, grad: bool, args: tuple, kwargs: dict) -> Provider:
         deferred = None
         for provider in self.order():
-            if grad and not provider.differentiable:
+            if grad and not provider.has_backward:
                 continue
             if provider is self.native:
                 break
@@ -175,16 +191,17 @@ class Op:
         return deferred or self.native
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        provider = self.select(*args, **kwargs)
+        grad = _needs_grad(args, kwargs)
+        provider = self._select(grad, args, kwargs)
         if _TRACES:
-            _record(self.name, provider.name, args, kwargs)
-        return provider.impl(*args, **kwargs)
+            _record(self.name, provider.name, args, kwargs, grad)
+        return provider.implementation(grad)(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"Op({self.name!r}, providers={list(self.providers)})"
 
 
-def _record(op: str, provider: str, args: tuple, kwargs: dict) -> None:
+def _record(op: str, provider: str, args: tuple, kwargs: dict, grad: bool = False) -> None:
     leaves, _ = tree_flatten((args, kwargs))
     tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
     entry = Dispatch(
@@ -193,6 +210,7 @@ def _record(op: str, provider: str, args: tuple, kwargs: dict) -> None:
         shapes=tuple(tuple(t.shape) for t in tensors),
         dtypes=tuple(t.dtype for t in tensors),
         device=str(tensors[0].device) if tensors else "none",
+        grad=grad,
     )
     for log in _TRACES:
         log.append(entry)
@@ -298,9 +316,13 @@ def register_provider(
     supported: Callable[[], bool] = _always,
     supports_args: Callable[..., bool] = _always,
     differentiable: bool = False,
+    autograd: Callable[..., Any] | None = None,
 ) -> Provider:
-    """Add a provider to an existing op: the entry point for out-of-tree kernels."""
-    return get_op(op).register(Provider(name, impl, supported, supports_args, differentiable))
+    """Add a provider to an existing op: the entry point for out-of-tree kernels. ``autograd``:
+    the same kernels with a backward, called when autograd needs one (see ``Provider``)."""
+    return get_op(op).register(
+        Provider(name, impl, supported, supports_args, differentiable, autograd=autograd)
+    )
 
 
 _COMPILE_MODE: dict[str, str] = {}

@@ -4,7 +4,8 @@ Providers backed by these kernels are registered eagerly (below) with a ``suppor
 that only looks for the package; the kernel module is imported on first call. Under
 ``TRITON_INTERPRET=1`` (set before Triton is imported) the kernels run on CPU tensors,
 which is how CI tests their logic without a GPU. Kernels live in one module per op family:
-``rms_norm.py`` (rms_norm, fused_add_rms_norm) and ``act_and_mul.py``.
+``rms_norm.py`` (rms_norm, fused_add_rms_norm) and ``act_and_mul.py``, each with its backward
+kernels and the ``torch.autograd.Function`` that pairs them (the provider's ``autograd``).
 """
 
 from __future__ import annotations
@@ -90,9 +91,17 @@ def _act_and_mul_args(x, approximate: str = "none") -> bool:
     return on_device(x) and rows_fit(x, _MAX_ACT_WIDTH) and x.shape[-1] % 2 == 0 and approximate in ("none", "tanh")
 
 
-RMS_NORM.register(Provider("triton", _lazy("rms_norm", "rms_norm"), available, _rms_norm_args))
-FUSED_ADD_RMS_NORM.register(
-    Provider("triton", _lazy("rms_norm", "fused_add_rms_norm"), available, _fused_add_rms_norm_args)
-)
-SILU_AND_MUL.register(Provider("triton", _lazy("act_and_mul", "silu_and_mul"), available, _act_and_mul_args))
-GELU_AND_MUL.register(Provider("triton", _lazy("act_and_mul", "gelu_and_mul"), available, _act_and_mul_args))
+def _provider(op, module: str, name: str, supports_args) -> None:
+    """Register ``name`` of ``module`` as the op's triton provider, with ``name_autograd`` (the same
+    kernels with their backward) for calls that need a backward."""
+    op.register(
+        Provider(
+            "triton", _lazy(module, name), available, supports_args, autograd=_lazy(module, f"{name}_autograd")
+        )
+    )
+
+
+_provider(RMS_NORM, "rms_norm", "rms_norm", _rms_norm_args)
+_provider(FUSED_ADD_RMS_NORM, "rms_norm", "fused_add_rms_norm", _fused_add_rms_norm_args)
+_provider(SILU_AND_MUL, "act_and_mul", "silu_and_mul", _act_and_mul_args)
+_provider(GELU_AND_MUL, "act_and_mul", "gelu_and_mul", _act_and_mul_args)

@@ -14,6 +14,7 @@ one or two widths, each compiled once.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -21,7 +22,7 @@ from torch import Tensor
 from . import device_of
 from .launch import Kernel
 
-__all__ = ["gelu_and_mul", "silu_and_mul"]
+__all__ = ["act_and_mul_backward", "gelu_and_mul", "gelu_and_mul_autograd", "silu_and_mul", "silu_and_mul_autograd"]
 
 SILU, GELU, GELU_TANH = 0, 1, 2
 _GELU_APPROXIMATIONS = {"none": GELU, "tanh": GELU_TANH}
@@ -115,3 +116,85 @@ def silu_and_mul(x: Tensor) -> Tensor:
 def gelu_and_mul(x: Tensor, approximate: str = "none") -> Tensor:
     """The triton provider of ``gelu_and_mul`` (``approximate`` as ``F.gelu``'s)."""
     return _act_and_mul(x, _GELU_APPROXIMATIONS[approximate])
+
+
+# ---- backward ------------------------------------------------------------------------------
+#
+# ``y = a(g) · u`` on ``x = [g | u]``: ``du = dy · a(g)`` (the activation rounded to the input dtype,
+# as the forward multiplied it) and ``dg = dy · u · a'(g)``, in float32, written as ``[dg | du]`` in
+# the input dtype. Only ``x`` is kept for the backward; the activation is recomputed.
+
+
+@Kernel
+@triton.jit
+def _act_and_mul_backward_kernel(
+    x_ptr, dy_ptr, dx_ptr, D: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr, INDEX_64: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    if INDEX_64:
+        row = row.to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < D
+    dtype = x_ptr.dtype.element_ty
+    start = row * (2 * D)
+    gate = tl.load(x_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + start + D + cols, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    if ACTIVATION == 0:
+        s = 1.0 / (1.0 + tl.exp(-gate))
+        act = gate * s
+        slope = s * (1.0 + gate * (1.0 - s))
+    elif ACTIVATION == 1:
+        cdf = 0.5 * (1.0 + tl.erf(gate * 0.7071067811865476))
+        act = gate * cdf
+        slope = cdf + gate * 0.3989422804014327 * tl.exp(-0.5 * gate * gate)
+    else:
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        s = 1.0 / (1.0 + tl.exp(-2.0 * inner))  # (1 + tanh(inner)) / 2
+        act = gate * s
+        slope = s + gate * 2.0 * s * (1.0 - s) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * gate * gate)
+    act = act.to(dtype).to(tl.float32)
+    tl.store(dx_ptr + start + cols, (dy * up * slope).to(dtype), mask=mask)
+    tl.store(dx_ptr + start + D + cols, (dy * act).to(dtype), mask=mask)
+
+
+def act_and_mul_backward(dy: Tensor, x: Tensor, activation: int) -> Tensor:
+    """The gradient ``[dgate | dup]`` of ``act_and_mul`` at ``x``, given the output's gradient ``dy``."""
+    d = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * d).contiguous()
+    dy2 = dy.reshape(-1, d).contiguous()
+    dx = torch.empty_like(x2)
+    n_rows = x2.shape[0]
+    if n_rows:
+        block = min(_BLOCK, triton.next_power_of_2(d))
+        with device_of(x):
+            _act_and_mul_backward_kernel[(n_rows, triton.cdiv(d, block))](
+                x2, dy2, dx, D=d, ACTIVATION=activation, BLOCK=block, INDEX_64=x2.numel() >= 2**31,
+                num_warps=max(1, min(8, block // 128)),
+            )  # fmt: skip
+    return dx.view(x.shape)
+
+
+class _ActAndMulFunction(torch.autograd.Function):
+    """``act_and_mul`` with these kernels' backward: only the input is kept."""
+
+    @staticmethod
+    def forward(ctx, x, activation):
+        ctx.save_for_backward(x)
+        ctx.activation = activation
+        return _act_and_mul(x, activation)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        return act_and_mul_backward(dy, x, ctx.activation), None
+
+
+def silu_and_mul_autograd(x: Tensor) -> Tensor:
+    """The triton provider of ``silu_and_mul`` for calls that need a backward."""
+    return _ActAndMulFunction.apply(x, SILU)
+
+
+def gelu_and_mul_autograd(x: Tensor, approximate: str = "none") -> Tensor:
+    """The triton provider of ``gelu_and_mul`` for calls that need a backward."""
+    return _ActAndMulFunction.apply(x, _GELU_APPROXIMATIONS[approximate])

@@ -20,6 +20,7 @@ against 1.66 us).
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -28,7 +29,7 @@ from ..rms_norm import rms_norm_out_dtype
 from . import device_of
 from .launch import Kernel
 
-__all__ = ["fused_add_rms_norm", "rms_norm"]
+__all__ = ["fused_add_rms_norm", "fused_add_rms_norm_autograd", "rms_norm", "rms_norm_autograd", "rms_norm_backward"]
 
 
 # The row count only bounds the last program: specialising on it would only multiply compilations.
@@ -170,3 +171,165 @@ def fused_add_rms_norm(
     """The triton provider of ``fused_add_rms_norm`` (arguments as ``fused_add_rms_norm_native``)."""
     flags = (upcast, cast_before_weight, offset, weight_fp32, cast_output)
     return _normalise(x, residual, weight, eps, flags)
+
+
+# ---- backward ------------------------------------------------------------------------------
+#
+# ``y = w' ⊙ n`` with ``n = h · r``, ``r = rsqrt(mean(h²) + eps)``, ``h`` the (upcast) input and
+# ``w'`` the weight as the forward uses it (float32, ``1 + w``): then ``dn = dy ⊙ w'``, the weight's
+# gradient is ``Σ_rows dy ⊙ n`` (``n`` as the forward multiplied it, rounded where it cast back),
+# and ``dh = r · (dn - n · mean(dn ⊙ n))``. Every step is float32, whatever the dtypes, and the casts
+# of the forward pass their gradient through (as autograd's do). Each program takes rows
+# ``pid, pid + G, ...`` and keeps its share of the weight's gradient in registers: one pass over
+# the inputs, then a [G, N] sum.
+
+
+@Kernel
+@triton.jit(do_not_specialize=["n_rows"])
+def _rms_norm_backward_kernel(
+    dy_ptr,
+    x_ptr,
+    w_ptr,
+    dresidual_ptr,
+    dx_ptr,
+    dw_partial_ptr,
+    n_rows,
+    eps,
+    N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr,
+    OFFSET: tl.constexpr,
+    WEIGHT_FP32: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    ADD_DRESIDUAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    in_row = cols < N
+    dtype = x_ptr.dtype.element_ty
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+        if OFFSET:
+            w = 1.0 + w
+            if not WEIGHT_FP32:
+                w = w.to(w_ptr.dtype.element_ty).to(tl.float32)
+        dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for row in range(pid, n_rows, programs):
+        offsets = tl.cast(row, tl.int64) * N + cols
+        h = tl.load(x_ptr + offsets, mask=in_row, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offsets, mask=in_row, other=0.0).to(tl.float32)
+        if UPCAST:
+            rstd = tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
+        else:
+            squares = (h * h).to(dtype).to(tl.float32)
+            mean = (tl.sum(squares, axis=0) / N).to(dtype).to(tl.float32)
+            rstd = tl.rsqrt((mean + eps).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        n = h * rstd
+        if HAS_WEIGHT:
+            if CAST_BEFORE_WEIGHT or not UPCAST:
+                dw += dy * n.to(dtype).to(tl.float32)
+            else:
+                dw += dy * n
+            dn = dy * w
+        else:
+            dn = dy
+        dh = rstd * (dn - n * (tl.sum(dn * n, axis=0) / N))
+        if ADD_DRESIDUAL:
+            dh += tl.load(dresidual_ptr + offsets, mask=in_row, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + offsets, dh.to(dx_ptr.dtype.element_ty), mask=in_row)
+    if HAS_WEIGHT:
+        tl.store(dw_partial_ptr + pid * N + cols, dw, mask=in_row)
+
+
+def _backward_programs(n_rows: int, device) -> int:
+    """Enough programs to fill the GPU a few times over, each summing many rows of the weight's
+    gradient (fewer partial sums to add at the end)."""
+    if device.type != "cuda":
+        return max(1, min(n_rows, 4))
+    return max(1, min(n_rows, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
+
+
+def rms_norm_backward(
+    dy: Tensor, x: Tensor, weight: Tensor | None, eps: float, flags: tuple, dresidual: Tensor | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """(dx, dweight) of ``rms_norm`` at ``x``, given the output's gradient ``dy`` (and, for
+    ``fused_add_rms_norm``, the gradient of the sum it also returns, ``dresidual``, added to dx)."""
+    upcast, cast_before_weight, offset, weight_fp32, cast_output = flags
+    n_cols = x.shape[-1]
+    x2 = x.reshape(-1, n_cols).contiguous()
+    dy2 = dy.reshape(-1, n_cols).contiguous()
+    dres2 = dresidual.reshape(-1, n_cols).contiguous() if dresidual is not None else None
+    n_rows = x2.shape[0]
+    dx = torch.empty_like(x2)
+    programs = _backward_programs(n_rows, x.device)
+    dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=x.device) if weight is not None else None
+    if n_rows:
+        with device_of(x):
+            _rms_norm_backward_kernel[(programs,)](
+                dy2, x2, x2 if weight is None else weight, x2 if dres2 is None else dres2, dx,
+                x2 if dw_partial is None else dw_partial, n_rows, eps,
+                N=n_cols, UPCAST=upcast, CAST_BEFORE_WEIGHT=cast_before_weight, OFFSET=offset,
+                WEIGHT_FP32=weight_fp32, HAS_WEIGHT=weight is not None, ADD_DRESIDUAL=dres2 is not None,
+                BLOCK_N=triton.next_power_of_2(n_cols), num_warps=_backward_warps(n_cols),
+            )  # fmt: skip
+    dw = None
+    if weight is not None:
+        dw = (dw_partial.sum(0) if n_rows else torch.zeros(n_cols, device=x.device)).to(weight.dtype)
+    return dx.view(x.shape), dw
+
+
+def _backward_warps(n_cols: int) -> int:
+    block = triton.next_power_of_2(n_cols)
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """``rms_norm`` with these kernels' backward: only the input and the weight are kept."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, *flags):
+        ctx.save_for_backward(x, weight)
+        ctx.eps, ctx.flags = eps, flags
+        return _normalise(x, None, weight, eps, flags)[0]
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx, dw = rms_norm_backward(dy, x, weight, ctx.eps, ctx.flags)
+        return (dx, dw if ctx.needs_input_grad[1] else None, None, *([None] * len(ctx.flags)))
+
+
+class _FusedAddRMSNormFunction(torch.autograd.Function):
+    """``fused_add_rms_norm`` with these kernels' backward: only the sum and the weight are kept
+    (the sum is an output, which the next residual add holds anyway)."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, *flags):
+        out, total = _normalise(x, residual, weight, eps, flags)
+        ctx.save_for_backward(total, weight)
+        ctx.eps, ctx.flags = eps, flags
+        return out, total
+
+    @staticmethod
+    def backward(ctx, dy, dtotal):
+        total, weight = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros_like(total)
+        d, dw = rms_norm_backward(dy, total, weight, ctx.eps, ctx.flags, dtotal)
+        return (d, d, dw if ctx.needs_input_grad[2] else None, None, *([None] * len(ctx.flags)))
+
+
+def rms_norm_autograd(x, weight, eps, upcast, cast_before_weight, offset, weight_fp32, cast_output) -> Tensor:
+    """The triton provider of ``rms_norm`` for calls that need a backward (this file's kernels)."""
+    return _RMSNormFunction.apply(x, weight, eps, upcast, cast_before_weight, offset, weight_fp32, cast_output)
+
+
+def fused_add_rms_norm_autograd(
+    x, residual, weight, eps, upcast, cast_before_weight, offset, weight_fp32, cast_output
+) -> tuple[Tensor, Tensor]:
+    """The triton provider of ``fused_add_rms_norm`` for calls that need a backward."""
+    return _FusedAddRMSNormFunction.apply(
+        x, residual, weight, eps, upcast, cast_before_weight, offset, weight_fp32, cast_output
+    )

@@ -1,0 +1,157 @@
+"""The kernels' backward (the providers' ``autograd``) against native autograd, on odd shapes in
+float32, float16 and bfloat16, every rounding of rms_norm, with and without a weight.
+
+Each gradient is judged against a float64 run of the native op: its relative error (``|g - ref|
+/ |ref|``) must be at most ``FACTOR`` times native autograd's own in that dtype, plus a floor.
+The kernels compute in float32 throughout, so on a GPU they are at least as accurate as native
+(``FACTOR`` 1.5). Under Triton's CPU interpreter a float32 to bfloat16 cast truncates where GPUs
+round to nearest (see ``test_kernels.py``), which doubles the rounding error of every bfloat16
+store (and of the activation the up gradient reads): there the factor is 4. New tensors start as NaN (``poisoned_allocations``), so a gradient
+element that is never written cannot pass.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from transfuse import ops
+from transfuse.ops import fused_add_rms_norm_native, gelu_and_mul_native, rms_norm_native, silu_and_mul_native
+
+from .test_kernels import DEVICE, DTYPES, INTERPRETED, poisoned_allocations  # noqa: F401 (the fixture)
+
+SHAPES = [(1, 33), (7, 40), (2, 3, 257)] + ([(4096, 4096)] if DEVICE == "cuda" else [])
+ALL_FLAGS = list(itertools.product([True, False], repeat=5))
+
+
+def _factor(dtype: torch.dtype) -> float:
+    return 4.0 if INTERPRETED and dtype == torch.bfloat16 else 1.5
+
+
+def _floor(dtype: torch.dtype) -> float:
+    return 1e-6 if dtype == torch.float32 else 1e-4
+
+
+def _error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not got.isnan().any(), "gradient elements were never written"
+    return ((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def _grads(fn, inputs, grads_out, dtype):
+    """Gradients of ``fn`` at ``inputs`` cast to ``dtype``, for output gradients ``grads_out``."""
+    leaves = [t.detach().to(dtype).requires_grad_() if t is not None else None for t in inputs]
+    outs = fn(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    torch.autograd.backward(outs, [g.to(o.dtype) for o, g in zip(outs, grads_out)])
+    return [t.grad for t in leaves if t is not None]
+
+
+def _compare(kernel, native, reference, inputs, grads_out, dtype, what):
+    with ops.trace() as calls:
+        got = _grads(kernel, inputs, grads_out, dtype)
+    assert calls and all(c.provider == "triton" and c.grad for c in calls), calls
+    want = _grads(native, inputs, grads_out, dtype)
+    exact = _grads(reference, inputs, grads_out, torch.float64)
+    for i, (g, w, r) in enumerate(zip(got, want, exact)):
+        assert g.dtype == w.dtype and g.shape == w.shape, what
+        limit = _factor(dtype) * _error(w, r) + _floor(dtype)
+        assert _error(g, r) <= limit, f"{what}, input {i}: {_error(g, r):.3g} against native's {_error(w, r):.3g}"
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    torch.manual_seed(0)  # the errors compared are statistics of random inputs: the same ones every run
+
+
+@pytest.fixture
+def triton_first():
+    ops.set_priority(["triton"])
+    yield
+    ops.set_priority(None)
+
+
+def _rms_norm(flags):
+    return lambda x, w: ops.get_op("rms_norm")(x, w, 1e-6, *flags)
+
+
+def _rms_norm_native(flags):
+    return lambda x, w: rms_norm_native(x, w, 1e-6, *flags)
+
+
+def _exact_rms_norm(flags):
+    offset = flags[2]
+    return lambda x, w: rms_norm_native(x, w, 1e-6, False, False, offset, False, False)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("flags", ALL_FLAGS, ids=lambda f: "".join(str(int(b)) for b in f))
+def test_rms_norm_backward(triton_first, flags, dtype, shape):
+    x = torch.randn(shape, device=DEVICE) * 2
+    w = torch.randn(shape[-1], device=DEVICE) * 0.5 + (0 if flags[2] else 1)
+    dy = torch.randn(shape, device=DEVICE)
+    what = f"rms_norm {flags} {dtype} {shape}"
+    _compare(_rms_norm(flags), _rms_norm_native(flags), _exact_rms_norm(flags), [x, w], [dy], dtype, what)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_backward_without_weight(triton_first, dtype):
+    flags = (True, True, False, False, False)
+    x, dy = torch.randn(5, 96, device=DEVICE), torch.randn(5, 96, device=DEVICE)
+    kernel = lambda x: ops.get_op("rms_norm")(x, None, 1e-6, *flags)  # noqa: E731
+    native = lambda x: rms_norm_native(x, None, 1e-6, *flags)  # noqa: E731
+    exact = lambda x: rms_norm_native(x, None, 1e-6, *([False] * 5))  # noqa: E731
+    _compare(kernel, native, exact, [x], [dy], dtype, f"rms_norm without weight {dtype}")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("spec", [(True, True, False, False, False), (True, False, True, True, True)], ids=["llama", "gemma"])
+def test_fused_add_rms_norm_backward(triton_first, spec, dtype, shape):
+    x, residual = torch.randn(shape, device=DEVICE), torch.randn(shape, device=DEVICE) * 2
+    w = torch.randn(shape[-1], device=DEVICE) * 0.5
+    grads_out = [torch.randn(shape, device=DEVICE), torch.randn(shape, device=DEVICE)]
+    op = ops.get_op("fused_add_rms_norm")
+    kernel = lambda x, r, w: op(x, r, w, 1e-6, *spec)  # noqa: E731
+    native = lambda x, r, w: fused_add_rms_norm_native(x, r, w, 1e-6, *spec)  # noqa: E731
+    exact = lambda x, r, w: fused_add_rms_norm_native(x, r, w, 1e-6, False, False, spec[2], False, False)  # noqa: E731
+    _compare(kernel, native, exact, [x, residual, w], grads_out, dtype, f"fused_add_rms_norm {spec} {dtype} {shape}")
+
+
+ACTIVATIONS = {
+    "silu": (lambda x: ops.get_op("silu_and_mul")(x), silu_and_mul_native),
+    "gelu": (lambda x: ops.get_op("gelu_and_mul")(x, "none"), lambda x: gelu_and_mul_native(x, "none")),
+    "gelu_tanh": (lambda x: ops.get_op("gelu_and_mul")(x, "tanh"), lambda x: gelu_and_mul_native(x, "tanh")),
+}
+
+
+@pytest.mark.parametrize("shape", [(1, 2 * 33), (7, 2 * 40), (2, 3, 2 * 1000)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+def test_act_and_mul_backward(triton_first, activation, dtype, shape):
+    kernel, native = ACTIVATIONS[activation]
+    x = torch.randn(shape, device=DEVICE) * 3
+    dy = torch.randn((*shape[:-1], shape[-1] // 2), device=DEVICE)
+    _compare(kernel, native, native, [x], [dy], dtype, f"{activation}_and_mul {dtype} {shape}")
+
+
+def test_calls_without_grad_take_the_plain_kernels(triton_first):
+    x = torch.randn(4, 64, device=DEVICE)
+    with ops.trace() as calls, torch.no_grad():
+        ops.get_op("silu_and_mul")(x.requires_grad_())
+    assert [(c.provider, c.grad) for c in calls] == [("triton", False)]
+
+
+def test_a_provider_without_backward_is_skipped_when_autograd_needs_one():
+    op = ops.get_op("silu_and_mul")
+    ops.register_provider("silu_and_mul", "forward_only", lambda x: silu_and_mul_native(x.detach()))
+    ops.set_priority(["forward_only"], op="silu_and_mul")
+    try:
+        x = torch.randn(3, 8, device=DEVICE, requires_grad=True)
+        assert op.select(x).name == "native"
+        assert op.select(x.detach()).name == "forward_only"
+    finally:
+        ops.set_priority(None, op="silu_and_mul")
+        op._providers.pop("forward_only")
