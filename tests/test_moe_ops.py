@@ -76,27 +76,69 @@ def test_native_experts_equal_a_plain_loop_in_every_layout(spec, bias):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_native_experts_gradients_equal_the_loop():
-    spec = ExpertsSpec("silu", interleaved=True)
-    tensors = [t.requires_grad_() if t.is_floating_point() else t for t in _experts_case(spec, bias=True)[:7]]
+@pytest.mark.parametrize("spec, bias", SPECS, ids=lambda v: v.describe() if isinstance(v, ExpertsSpec) else str(v))
+def test_native_experts_gradients_equal_the_loop(spec, bias):
+    """Every input's gradient, the routing weights' included (the router trains through them)."""
+    tensors = [t.requires_grad_() if t is not None and t.is_floating_point() else t
+               for t in _experts_case(spec, bias=bias)[:7]]  # fmt: skip
     x, weights, ids, w13, w2, b13, b2 = tensors
-    grads = torch.autograd.grad(moe_experts(x, weights, ids, w13, w2, spec, b13=b13, b2=b2).square().sum(),
-                                [x, weights, w13, w2, b13, b2])  # fmt: skip
-    want = torch.autograd.grad(_reference_experts(x, weights, ids, w13, w2, b13, b2, spec).square().sum(),
-                               [x, weights, w13, w2, b13, b2])  # fmt: skip
+    inputs = [t for t in (x, weights, w13, w2, b13, b2) if t is not None]
+    out = moe_experts(x, weights, ids, w13, w2, spec, b13=b13, b2=b2, alpha=1.702, limit=0.8)
+    grads = torch.autograd.grad(out.square().sum(), inputs)
+    reference = _reference_experts(x, weights, ids, w13, w2, b13, b2, spec, alpha=1.702, limit=0.8)
+    want = torch.autograd.grad(reference.square().sum(), inputs)
     for got, expected in zip(grads, want):
         torch.testing.assert_close(got.double(), expected.double(), rtol=1e-4, atol=1e-5)
 
 
-def test_experts_skip_unused_experts_and_take_one_matmul_per_active_expert(monkeypatch):
+def test_native_experts_are_two_grouped_matmuls_whatever_the_experts_hit(monkeypatch):
     spec = ExpertsSpec("silu")
     x, weights, _, w13, w2, _, _ = _experts_case(spec, tokens=4, experts=64, top_k=2)
     ids = torch.tensor([[3, 9], [9, 3], [3, 40], [40, 9]])
     calls = []
-    linear = F.linear
-    monkeypatch.setattr(F, "linear", lambda *a, **k: calls.append(a[0].shape[0]) or linear(*a, **k))
-    moe_experts_native(x, weights, ids, w13, w2, None, None, *spec.flags(), 1.0, math.inf)
-    assert sorted(calls) == [2, 2, 3, 3, 3, 3]  # experts 3, 9, 40: gate/up then down each
+    grouped = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(tuple(a[1].shape)) or grouped(*a, **k))
+    got = moe_experts_native(x, weights, ids, w13, w2, None, None, *spec.flags(), 1.0, math.inf)
+    assert calls == [(64, 40, 48), (64, 24, 40)]  # gate/up, then down: all 64 experts, no loop
+    torch.testing.assert_close(got.double(), _reference_experts(x, weights, ids, w13, w2, None, None, spec),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def test_native_experts_loop_where_grouped_matmul_has_no_kernel(monkeypatch):
+    """float64 (no grouped_mm kernel) runs one matmul per hit expert, with the same result."""
+    from transfuse.ops import moe as moe_module
+
+    spec = ExpertsSpec("gelu", w2_transposed=True)
+    x, weights, ids, w13, w2, b13, b2 = (t.double() if t is not None and t.is_floating_point() else t
+                                         for t in _experts_case(spec, bias=True))  # fmt: skip
+    calls = []
+    looped = moe_module._looped_matmul
+    monkeypatch.setattr(moe_module, "_looped_matmul", lambda *a: calls.append(1) or looped(*a))
+    got = moe_experts_native(x, weights, ids, w13, w2, b13, b2, *spec.flags(), 1.0, math.inf)
+    assert len(calls) == 2
+    torch.testing.assert_close(got, _reference_experts(x, weights, ids, w13, w2, b13, b2, spec))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_native_experts_export_with_no_data_dependent_guard(dtype):
+    """No host sync, no shape read off the data: ``torch.export`` traces the op with dynamic tokens
+    (bf16 through ``torch._grouped_mm``, float32 through the opaque ``transfuse::grouped_matmul``)."""
+    spec = ExpertsSpec("silu")
+    x, weights, ids, w13, w2, _, _ = _experts_case(spec, tokens=6, dtype=dtype)
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w13, self.w2 = torch.nn.Parameter(w13), torch.nn.Parameter(w2)
+
+        def forward(self, x, weights, ids):
+            return moe_experts_native(x, weights, ids, self.w13, self.w2, None, None, *spec.flags(), 1.0, math.inf)
+
+    tokens = torch.export.Dim("tokens", min=2, max=1024)
+    model = Experts()
+    exported = torch.export.export(model, (x, weights, ids), dynamic_shapes=({0: tokens}, {0: tokens}, {0: tokens}))
+    other = _experts_case(spec, tokens=9, seed=1, dtype=dtype)
+    torch.testing.assert_close(exported.module()(*other[:3]), model(*other[:3]))
 
 
 def _reference_route(logits, bias, k, spec, n_group=1, topk_group=1, eps=None, minimum=None, scale=None):

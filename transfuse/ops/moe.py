@@ -14,9 +14,12 @@ Two ops, each a native definition plus providers:
   layouts models use (``ExpertsSpec``) are read through strides, never copied: ``w13`` as
   ``[E, 2I, H]`` (``F.linear``) or ``[E, H, 2I]`` (``x @ w``), gate and up as halves or
   interleaved columns, optional biases, and a plain activation or gpt-oss's clamped
-  SwiGLU. The native definition groups the (token, slot) pairs by expert and runs one
-  matmul per *active* expert; each pair's output is multiplied by its weight and rounded
-  to the token dtype, then the k contributions of a token are summed.
+  SwiGLU. The native definition sorts the (token, slot) pairs by expert and runs each
+  projection as one grouped matmul over all experts, with no host sync and no loop over
+  experts, so the same code serves inference on the CPU, training (it differentiates, the
+  routing weights included), ``torch.export`` and ``torch.compile``; each pair's output is
+  multiplied by its weight, then the k contributions of a token are summed and rounded to
+  the token dtype. The Triton provider is forward-only (inference on a GPU).
 
 Both are ``torch.library`` ops with fake implementations, so ``torch.compile`` sees them.
 """
@@ -232,25 +235,170 @@ def moe_experts_native(
     alpha: float,
     limit: float,
 ) -> Tensor:
-    """Σ over each token's k (weight, expert) pairs of ``weight · expert(token)``; see ``ExpertsSpec``."""
+    """Σ over each token's k (weight, expert) pairs of ``weight · expert(token)``; see ``ExpertsSpec``.
+
+    The (token, slot) pairs are sorted by expert and each projection is one grouped matmul over
+    all experts (``torch._grouped_mm``), so nothing here waits for the GPU or loops over experts in
+    Python: the op traces under ``torch.export`` and ``torch.compile`` and differentiates with
+    autograd (the router's weights included). Moving rows between token and expert order is done
+    with permutations whose backward is the inverse permutation, never a scatter-add."""
     tokens, top_k = ids.shape
+    experts = w13.shape[0]
     flat_ids = ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0])
-    active = counts.nonzero().squeeze(1)
-    experts, sizes = torch.stack([active, counts[active]]).tolist()  # the one host sync
-    outputs = []
-    for expert, rows in zip(experts, x[order // top_k].split(sizes)):
-        h = _apply(rows, w13[expert], b13[expert] if b13 is not None else None, w13_transposed)
+    sorted_ids, order = torch.sort(flat_ids, stable=True)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    offsets = _group_ends(sorted_ids, experts)
+    rows = _GatherSorted.apply(x, order, inverse, top_k)
+    h = _grouped_linear(rows, w13, offsets, sorted_ids, b13, w13_transposed)
+    if activation in _FUSED_ACTIVATIONS and not interleaved and gate_first:
+        from .act_and_mul import act_and_mul  # [gate | up] halves: the fused op, and its kernels' backward
+
+        h = act_and_mul(h, activation)
+    else:
         h = gated_activation(h, activation, interleaved, gate_first, alpha, limit)
-        outputs.append(_apply(h, w2[expert], b2[expert] if b2 is not None else None, w2_transposed))
-    sorted_out = torch.cat(outputs) if outputs else x.new_zeros((0, x.shape[-1]))
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
+    out = _grouped_linear(h, w2, offsets, sorted_ids, b2, w2_transposed)
     # As transformers' grouped and batched experts do: each output times its weight (in the
     # weights' dtype if wider), the k of a token summed, then rounded to the token dtype.
-    contributions = sorted_out[inverse] * weights.reshape(-1, 1)
+    contributions = _Permute.apply(out, inverse, order) * weights.reshape(-1, 1)
     return contributions.view(tokens, top_k, -1).sum(dim=1).to(x.dtype)
+
+
+_FUSED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+
+
+def _group_ends(sorted_ids: Tensor, experts: int) -> Tensor:
+    """The end of each expert's rows in expert order, as ``torch._grouped_mm`` takes them (int32);
+    a fixed number of bins, so the shape never depends on the data."""
+    source = sorted_ids.float() if sorted_ids.device.type in ("cpu", "mps") else sorted_ids.int()
+    counts = torch.histc(source, bins=experts, min=0, max=experts - 1)
+    return torch.cumsum(counts, dim=0, dtype=torch.int32)
+
+
+class _GatherSorted(torch.autograd.Function):
+    """``x[order // k]``: each token's row once per slot, in expert order. The backward puts the
+    gradient rows back in token order (``inverse``) and sums each token's k of them: deterministic,
+    where the scatter-add that indexing differentiates to is not."""
+
+    @staticmethod
+    def forward(ctx, x, order, inverse, top_k):
+        ctx.save_for_backward(inverse)
+        ctx.top_k = top_k
+        return x[torch.div(order, top_k, rounding_mode="floor")]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad[inverse].view(-1, ctx.top_k, grad.shape[-1]).sum(dim=1), None, None, None
+
+
+class _Permute(torch.autograd.Function):
+    """``t[perm]`` for a permutation ``perm`` whose inverse is ``inverse``: the backward gathers too."""
+
+    @staticmethod
+    def forward(ctx, t, perm, inverse):
+        ctx.save_for_backward(inverse)
+        return t[perm]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad[inverse], None, None
+
+
+def _grouped_linear(
+    rows: Tensor, weight: Tensor, offsets: Tensor, sorted_ids: Tensor, bias: Tensor | None, transposed: bool
+) -> Tensor:
+    """Each expert's rows times its weight (``[E, in, out]`` applied as ``x @ w`` when ``transposed``,
+    else ``[E, out, in]`` as ``F.linear``), plus its bias: as models write each."""
+    matrix = weight if transposed else weight.transpose(-2, -1)
+    out = _grouped_matmul(rows, matrix, offsets)
+    return out + bias[sorted_ids] if bias is not None else out
+
+
+# (device type, dtype) pairs on which torch._grouped_mm was found not to run.
+_GROUPED_MM_FAILS: set = set()
+
+
+def _grouped_matmul(rows: Tensor, matrix: Tensor, offsets: Tensor) -> Tensor:
+    """``torch._grouped_mm`` where it has a kernel for these tensors; else the same one expert at a
+    time, inside an opaque op (``transfuse::grouped_matmul``) when compiling or exporting, since
+    its group sizes are data (compile and export trace ``_grouped_mm`` for bf16 only)."""
+    if _grouped_mm_takes(rows, matrix):
+        if not torch.compiler.is_compiling():
+            try:
+                return torch._grouped_mm(rows, matrix, offs=offsets)
+            except RuntimeError:  # no kernel for this device and dtype after all: remember it
+                _GROUPED_MM_FAILS.add((rows.device.type, rows.dtype))
+        elif rows.dtype == torch.bfloat16:
+            return torch._grouped_mm(rows, matrix, offs=offsets)
+    if torch.compiler.is_compiling():
+        return torch.ops.transfuse.grouped_matmul(rows, matrix, offsets)
+    return _looped_matmul(rows, matrix, offsets)
+
+
+def _grouped_mm_takes(rows: Tensor, matrix: Tensor) -> bool:
+    """``torch._grouped_mm`` may run these: it exists, both are one dtype it has kernels for, and
+    rows and columns are 16-byte multiples (its kernels' alignment)."""
+    if not hasattr(torch, "_grouped_mm") or rows.dtype != matrix.dtype:
+        return False
+    if rows.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    if (rows.device.type, rows.dtype) in _GROUPED_MM_FAILS:
+        return False
+    size = rows.element_size()
+    return rows.shape[-1] * size % 16 == 0 and matrix.shape[-1] * size % 16 == 0 and matrix.shape[-2] * size % 16 == 0
+
+
+def _looped_matmul(rows: Tensor, matrix: Tensor, offsets: Tensor) -> Tensor:
+    """The same as ``torch._grouped_mm``, one matmul per expert with rows (one host sync for the
+    group sizes)."""
+    pieces, start = [], 0
+    for expert, end in enumerate(offsets.tolist()):
+        if end > start:
+            pieces.append(rows[start:end] @ matrix[expert])
+        start = end
+    return torch.cat(pieces) if pieces else rows.new_zeros((0, matrix.shape[-1]))
+
+
+@torch.library.custom_op("transfuse::grouped_matmul", mutates_args=())
+def _grouped_matmul_op(rows: Tensor, matrix: Tensor, offsets: Tensor) -> Tensor:
+    return _looped_matmul(rows, matrix, offsets)
+
+
+@_grouped_matmul_op.register_fake
+def _(rows, matrix, offsets):
+    return rows.new_empty((rows.shape[0], matrix.shape[-1]))
+
+
+@torch.library.custom_op("transfuse::grouped_matmul_backward", mutates_args=())
+def _grouped_matmul_backward_op(grad: Tensor, rows: Tensor, matrix: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor]:
+    grad_rows = _looped_matmul(grad, matrix.transpose(-2, -1), offsets)
+    grad_matrix = torch.zeros_like(matrix)
+    start = 0
+    for expert, end in enumerate(offsets.tolist()):
+        if end > start:
+            grad_matrix[expert] = rows[start:end].transpose(0, 1) @ grad[start:end]
+        start = end
+    return grad_rows, grad_matrix
+
+
+@_grouped_matmul_backward_op.register_fake
+def _(grad, rows, matrix, offsets):
+    return torch.empty_like(rows), torch.empty_like(matrix)
+
+
+def _grouped_matmul_setup(ctx, inputs, output):
+    rows, matrix, offsets = inputs
+    ctx.save_for_backward(rows, matrix, offsets)
+
+
+def _grouped_matmul_backward(ctx, grad):
+    rows, matrix, offsets = ctx.saved_tensors
+    grad_rows, grad_matrix = torch.ops.transfuse.grouped_matmul_backward(grad.contiguous(), rows, matrix, offsets)
+    return grad_rows, grad_matrix, None
+
+
+_grouped_matmul_op.register_autograd(_grouped_matmul_backward, setup_context=_grouped_matmul_setup)
 
 
 # ---- dispatch --------------------------------------------------------------------------
