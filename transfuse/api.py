@@ -6,7 +6,7 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from .fusers import fusers_for
+from .fusers import FUSERS, fusers_for
 from .rewriter.apply import REPORT_ATTR, ExampleInputsError, RewriteError, rewrite_model, rewrites_of
 from .rewriter.report import RewriteReport
 
@@ -24,7 +24,8 @@ def rewrite(
 ) -> M:
     """Rewrite ``model`` in place to call fused kernels, and return the same object.
 
-    fusions: kinds to apply (``transfuse.fusers.kinds()``); all by default.
+    fusions: kinds to apply (``transfuse.fusers.kinds()``); by default all but the opt-in ones
+        (``linear_cross_entropy``, which the report then says where it would apply).
     verify: compare each fused module, and the whole model, with the original on a short
         random probe input, and undo any fusion whose output differs (see ``report``).
     example_inputs: the probe input, as a tuple of positional arguments or a dict of
@@ -32,7 +33,9 @@ def rewrite(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"rewrite() takes a torch.nn.Module, not {type(model).__name__}.")
-    rewrite_model(model, fusers_for(fusions), verify=verify, example_inputs=example_inputs)
+    chosen = fusers_for(fusions)
+    suggest = [f for f in FUSERS if f.opt_in and f not in chosen]
+    rewrite_model(model, chosen, verify=verify, example_inputs=example_inputs, suggest=suggest)
     return model
 
 

@@ -4,24 +4,41 @@ from __future__ import annotations
 
 from ..rewriter.fusion import Fuser
 from .glu import GLUFuser
+from .linear_cross_entropy import LinearCrossEntropyFuser
 from .moe import MoEFuser
 from .qkv import QKVFuser
 from .rms_norm import RMSNormFuser
 
-__all__ = ["FUSERS", "GLUFuser", "MoEFuser", "QKVFuser", "RMSNormFuser", "fusers_for", "kinds"]
+__all__ = [
+    "FUSERS",
+    "GLUFuser",
+    "LinearCrossEntropyFuser",
+    "MoEFuser",
+    "QKVFuser",
+    "RMSNormFuser",
+    "default_kinds",
+    "fusers_for",
+    "kinds",
+]
 
 # Applied in this order.
-FUSERS: tuple[Fuser, ...] = (RMSNormFuser(), QKVFuser(), GLUFuser(), MoEFuser())
+FUSERS: tuple[Fuser, ...] = (RMSNormFuser(), QKVFuser(), GLUFuser(), MoEFuser(), LinearCrossEntropyFuser())
 
 
 def kinds() -> list[str]:
+    """Every fusion kind, the opt-in ones included."""
     return [f.kind for f in FUSERS]
 
 
+def default_kinds() -> list[str]:
+    """The kinds a rewrite applies when none are named (all but the opt-in ones)."""
+    return [f.kind for f in FUSERS if not f.opt_in]
+
+
 def fusers_for(names: list[str] | tuple[str, ...] | None) -> list[Fuser]:
-    """The fusers of the given kinds (all when ``names`` is None); unknown kinds are an error."""
+    """The fusers of the given kinds (the default kinds when ``names`` is None); unknown kinds are an error."""
     if names is None:
-        return list(FUSERS)
+        return [f for f in FUSERS if not f.opt_in]
     if isinstance(names, str):
         raise TypeError(f"fusions must be a list of kind names, such as [{names!r}], not a string.")
     unknown = sorted(set(names) - set(kinds()))

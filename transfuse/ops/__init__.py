@@ -21,6 +21,7 @@ from .dispatch import (
 )
 from .fused_add_rms_norm import fused_add_rms_norm, fused_add_rms_norm_native
 from .layers import MergedLinear, MoE, RMSNorm, layer, register_layer
+from .linear_cross_entropy import causal_lm_loss, linear_cross_entropy
 from .moe import ExpertsSpec, RoutingSpec, moe_experts, moe_experts_native, moe_route, moe_route_native
 from .moe_layer import StackedExperts
 from .platform import Platform, current_platform
@@ -40,6 +41,7 @@ __all__ = [
     "RoutingSpec",
     "StackedExperts",
     "act_and_mul",
+    "causal_lm_loss",
     "current_platform",
     "fused_add_rms_norm",
     "fused_add_rms_norm_native",
@@ -47,6 +49,7 @@ __all__ = [
     "identify_activation",
     "get_op",
     "layer",
+    "linear_cross_entropy",
     "moe_experts",
     "moe_experts_native",
     "moe_route",

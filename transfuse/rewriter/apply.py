@@ -34,7 +34,7 @@ from torch import nn
 
 from .analysis import ClassAnalysis, analyse
 from .capture import Probe, ProbeUnavailable, eval_mode, is_meta_model, make_probe, record_calls
-from .checking import check_instances, check_model, prepare
+from .checking import check_instances, check_model, judge_losses, loss_in_training, prepare
 from .fusion import Fused, Fuser, Refusal, SourceFuser
 from .report import FusionRecord, RewriteReport, SkipRecord
 from .source import MethodRewrite, rewrite_method
@@ -103,7 +103,9 @@ _OFFLOADED = (
 )
 
 
-def _plan(model: nn.Module, fusers: Sequence[Fuser], probe: Probe, report: RewriteReport) -> list[_Instance]:
+def _plan(
+    model: nn.Module, fusers: Sequence[Fuser], probe: Probe, report: RewriteReport, suggest: Sequence[Fuser] = ()
+) -> list[_Instance]:
     instances: list[_Instance] = []
     claimed: list[str] = []  # paths whose whole subtree a planned fusion consumes
     classes = set()
@@ -112,7 +114,8 @@ def _plan(model: nn.Module, fusers: Sequence[Fuser], probe: Probe, report: Rewri
         if is_fused(module) or any(path.startswith(p + ".") or path == p for p in claimed):
             continue
         wanting = [f for f in fusers if f.wants(module)]
-        if not wanting:
+        suggesting = [f for f in suggest if f.wants(module)]
+        if not wanting and not suggesting:
             continue
         if not meta_model and any(p.is_meta for p in module.parameters()):
             for fuser in wanting:
@@ -120,6 +123,8 @@ def _plan(model: nn.Module, fusers: Sequence[Fuser], probe: Probe, report: Rewri
             continue
         analysis = analyse(module, path, probe)
         classes.add(analysis.cls)
+        for fuser in suggesting:
+            _suggest(fuser, module, analysis, report)
         instance = _Instance(path, module, analysis)
         for fuser in wanting:
             verdict = analysis.verdict(fuser)
@@ -153,6 +158,16 @@ def _plan(model: nn.Module, fusers: Sequence[Fuser], probe: Probe, report: Rewri
     return instances
 
 
+def _suggest(fuser: Fuser, module: nn.Module, analysis: ClassAnalysis, report: RewriteReport) -> None:
+    """An opt-in fusion that was not asked for: a note where it would apply."""
+    verdict = analysis.verdict(fuser)
+    if verdict is None or isinstance(verdict, Refusal) or fuser.validate(module, verdict) is not None:
+        return
+    note = fuser.suggestion(module, verdict)
+    if note and note not in report.notes:
+        report.notes.append(note)
+
+
 def _compose_source_edits(instance: _Instance, report: RewriteReport) -> None:
     """The class's forward with every planned source edit that proves out (once per class)."""
     source_plans = [p for p in instance.plans if isinstance(p.fuser, SourceFuser)]
@@ -170,7 +185,8 @@ def _compose_source_edits(instance: _Instance, report: RewriteReport) -> None:
     instance.plans = [p for p in instance.plans if p.fuser.kind not in refusals]
     instance.rewrite = rewrite
     if rewrite is not None:
-        rewrite.declarations = tuple(p.fuser.declaration(p.found) for p in instance.plans if isinstance(p.fuser, SourceFuser))
+        declared = (p.fuser.declaration(p.found) for p in instance.plans if isinstance(p.fuser, SourceFuser))
+        rewrite.declarations = tuple(d for d in declared if d is not None)
 
 
 def _edit_for(plan: _Planned):
@@ -254,6 +270,24 @@ def _refuse(report: RewriteReport, instance: _Instance, tag: str, reason: str) -
         report.add_skip(SkipRecord(type(instance.module).__name__, plan.fuser.kind, reason, tag, path=instance.path))
 
 
+def _check_training(
+    model: nn.Module, applied: list[_Instance], probe: Probe, before: Any, report: RewriteReport
+) -> list[_Instance]:
+    """Fusions that change training mode only: the model's loss in training mode on the probe, with
+    the same random state, against the loss before the rewrite; the whole lot undone if it differs."""
+    verdict = judge_losses(loss_in_training(model, probe), before)
+    if verdict.passed:
+        return applied
+    kept = []
+    for instance in applied:
+        if any(p.fuser.changes_training for p in instance.plans):
+            _undo(model, instance)
+            _refuse(report, instance, "verify.mismatch", f"the model's loss in training mode differs: {verdict.reason}; undone.")
+        else:
+            kept.append(instance)
+    return kept
+
+
 def _undo_all(model: nn.Module, instances: Sequence[_Instance]) -> None:
     for instance in reversed(instances):
         _undo(model, instance)
@@ -265,8 +299,10 @@ def rewrite_model(
     *,
     verify: bool = True,
     example_inputs: Any = None,
+    suggest: Sequence[Fuser] = (),
 ) -> RewriteReport:
-    """Apply ``fusers`` to ``model`` in place and return the report (also kept on the model).
+    """Apply ``fusers`` to ``model`` in place and return the report (also kept on the model);
+    ``suggest``: opt-in fusers whose report note says where they would apply.
 
     Fails closed: without a probe that runs, nothing is fused unless ``verify`` is False (or the
     model is on the meta device, which nothing can verify); a fusion whose check fails is undone;
@@ -298,11 +334,13 @@ def rewrite_model(
             return report
         report.notes.append(f"the probe forward stopped early ({failure}); classes it did not reach were traced without inputs")
     with eval_mode(model):  # traced as the probe ran: fusions reproduce inference (see each fuser for training)
-        planned = _plan(model, fusers, probe, report)
+        planned = _plan(model, fusers, probe, report, suggest)
     checking = verify and not meta and bool(planned)
     if checking:
         checks = prepare(model, planned, probe, lambda instance, tag, reason: _refuse(report, instance, tag, reason))
         planned = [i for i in planned if i.path in checks]
+        training = [i for i in planned if any(p.fuser.changes_training for p in i.plans)]
+        training_loss = loss_in_training(model, probe) if training else None
     elif planned and not verify:
         report.verification = "unverified: the caller passed verify=False"
         report.notes.append(report.verification)
@@ -320,6 +358,8 @@ def rewrite_model(
                 _refuse(report, instance, "verify.mismatch", f"the fused module is less accurate than the original: {reason}; undone.")
 
             applied = check_instances(model, applied, checks, failed)
+            if training and applied:
+                applied = _check_training(model, applied, probe, training_loss, report)
             if applied:
                 verdict = check_model(model, probe)
                 if verdict.passed:

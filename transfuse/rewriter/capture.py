@@ -99,8 +99,11 @@ def make_probe(model: nn.Module, example_inputs: Any = None, seq_len: int = 32, 
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, vocab, (1, seq_len), generator=generator).to(_model_device(model))
     kwargs: dict[str, Any] = {"input_ids": input_ids}
-    if "use_cache" in inspect.signature(model.forward).parameters:
+    parameters = inspect.signature(model.forward).parameters
+    if "use_cache" in parameters:
         kwargs["use_cache"] = False
+    if "labels" in parameters:
+        kwargs["labels"] = input_ids  # the loss's path is traced too, and checked where a fusion changes it
     return Probe(args=(), kwargs=kwargs)
 
 

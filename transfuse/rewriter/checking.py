@@ -31,7 +31,17 @@ from .analysis import class_key
 from .capture import Call, Probe, eval_mode, record_calls
 from .verify import Judgement, judge, judge_model
 
-__all__ = ["REFERENCE_BYTES", "Check", "check_instances", "check_model", "evaluating", "prepare", "reference_output"]
+__all__ = [
+    "REFERENCE_BYTES",
+    "Check",
+    "check_instances",
+    "check_model",
+    "evaluating",
+    "judge_losses",
+    "loss_in_training",
+    "prepare",
+    "reference_output",
+]
 
 logger = logging.getLogger("transfuse")
 
@@ -193,6 +203,39 @@ def check_instances(
         else:
             failed(instance, f"{verdict.reason}, {check.describe()}")
     return kept
+
+
+def loss_in_training(model: nn.Module, probe: Probe) -> Any:
+    """The model's loss on the probe (which carries labels) in training mode, without autograd and
+    from a fixed random state (dropout draws the same masks each time); None without a loss."""
+    flags = {m: m.training for m in model.modules()}
+    devices = [p.device for p in model.parameters() if p.is_cuda][:1]
+    try:
+        model.train()
+        with torch.no_grad(), graphs_suspended(), torch.random.fork_rng(devices=devices):
+            torch.manual_seed(0)
+            output = model(*probe.args, **probe.kwargs)
+    finally:
+        for module, flag in flags.items():
+            module.training = flag
+    return getattr(output, "loss", None)
+
+
+# A loss is one number, summed over the probe: it differs by a few roundings of the sum.
+LOSS_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10}
+
+
+def judge_losses(loss: Any, before: Any) -> Judgement:
+    """Whether a loss equals the one before the rewrite (relative ``LOSS_TOLERANCE``, 2e-3 in 16 bits)."""
+    if not isinstance(before, torch.Tensor):
+        return Judgement(True, "")
+    if not isinstance(loss, torch.Tensor):
+        return Judgement(False, "the rewritten model returns no loss")
+    error = abs(loss.double().item() - before.double().item()) / max(abs(before.double().item()), 1e-30)
+    limit = LOSS_TOLERANCE.get(before.dtype, 2e-3)
+    if error <= limit or (loss.isnan().item() and before.isnan().item()):
+        return Judgement(True, "")
+    return Judgement(False, f"loss {loss.item():.6g} against {before.item():.6g} (relative {error:.3g} > {limit:.1g})")
 
 
 def check_model(model: nn.Module, probe: Probe) -> Judgement:

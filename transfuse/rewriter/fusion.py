@@ -57,6 +57,12 @@ class Fuser(ABC):
     kind: ClassVar[str]
     # True when ``fuse`` returns a replacement for the whole instance (its children go with it).
     replaces_module: ClassVar[bool] = False
+    # Applied only when asked for by kind (it changes what the model returns); a rewrite without it
+    # says in its report where it would apply (``suggestion``).
+    opt_in: ClassVar[bool] = False
+    # The fusion changes what runs in training mode only: the rewrite checks the model's loss in
+    # training mode too.
+    changes_training: ClassVar[bool] = False
 
     def wants(self, module: nn.Module) -> bool:
         """Cheap class-level filter: is it worth tracing this module's class for this pattern?"""
@@ -75,6 +81,10 @@ class Fuser(ABC):
     def validate(self, module: nn.Module, found: Any) -> Refusal | None:
         """Whether this instance fits what was found in its class."""
         return None
+
+    def suggestion(self, module: nn.Module, found: Any) -> str:
+        """For an opt-in fuser that was not asked for: what the report says it would do here."""
+        return ""
 
     def emitted_forward(self, found: Any, context: EditContext) -> cst.FunctionDef | None:
         """For a fuser that replaces modules: the forward an emitted modeling file gives the
