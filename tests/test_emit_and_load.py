@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import transfuse
-from transfuse.ops import MergedLinear, RMSNorm
+from transfuse.ops import MergedProjection, RMSNorm
 from transfuse.rewriter.emit import EmitError, emit
 from transfuse.tiny import tiny_model
 
@@ -33,8 +33,8 @@ def test_emitted_directory_loads_in_stock_transformers_with_the_runtime_numbers(
     result = emit(model, tmp_path / "out")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True).eval()
     assert type(loaded).__module__.startswith("transformers_modules.")
-    assert sum(isinstance(m, MergedLinear) for m in loaded.modules()) == sum(
-        isinstance(m, MergedLinear) for m in model.modules()
+    assert sum(isinstance(m, MergedProjection) for m in loaded.modules()) == sum(
+        isinstance(m, MergedProjection) for m in model.modules()
     )
     assert torch.equal(_logits(loaded, ids), runtime)
     assert loaded.state_dict().keys() == tiny_model(model_type).state_dict().keys()

@@ -10,7 +10,7 @@ from torch import nn
 
 import transfuse
 from tests import toys
-from transfuse.ops import MergedLinear
+from transfuse.ops import LinearPart, MergedProjection
 from transfuse.rewriter.apply import rewrite_model
 from transfuse.tiny import tiny_model
 
@@ -47,7 +47,7 @@ def test_every_attention_and_dense_glu_is_fused_and_outputs_match(model_type):
     report = transfuse.report(model)
     assert sorted(f.path for f in report.fusions if f.kind == "qkv") == sorted(attention)
     assert sorted(f.path for f in report.fusions if f.kind == "gate_up") == sorted(glu)
-    assert all(isinstance(model.get_submodule(p).qkv_proj, MergedLinear) for p in attention)
+    assert all(isinstance(model.get_submodule(p).qkv_proj, MergedProjection) for p in attention)
     with torch.no_grad():
         after = model(input_ids=ids).logits
     assert (after - before).abs().max().item() <= 1e-5
@@ -74,8 +74,10 @@ def test_rewritten_instance_keeps_its_class_and_attributes():
     cls, head_dim = type(attention), attention.head_dim
     transfuse.rewrite(model)
     assert type(attention) is cls and attention.head_dim == head_dim
-    assert not hasattr(attention, "q_proj") and isinstance(attention.qkv_proj, MergedLinear)
-    assert attention.qkv_proj.split_sizes == (64, 32, 32)
+    assert isinstance(attention.qkv_proj, MergedProjection) and attention.qkv_proj.split_sizes == (64, 32, 32)
+    # The originals stay under their names as views of the merged rows: no parameters of their own.
+    assert isinstance(attention.q_proj, LinearPart) and list(attention.q_proj.parameters()) == []
+    assert attention.k_proj.weight.data_ptr() == attention.qkv_proj.weight[64:].data_ptr()
     # The new forward runs under the original file name, from the original line on.
     code = inspect.unwrap(attention.forward).__code__
     assert code.co_filename == inspect.getsourcefile(cls)
@@ -188,7 +190,7 @@ def test_save_pretrained_round_trip_loads_in_stock_transformers(tmp_path):
     transfuse.rewrite(model)
     model.save_pretrained(tmp_path)
     stock = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert not any(isinstance(m, MergedLinear) for m in stock.modules())
+    assert not any(isinstance(m, MergedProjection) for m in stock.modules())
     with torch.no_grad():
         assert torch.equal(stock(input_ids=ids).logits, expected)
 

@@ -793,12 +793,13 @@ class SpareNormModel(nn.Module):
 
 
 class ReadsChildWeightModel(nn.Module):
-    """A model whose forward reads a projection's weight from outside its attention: the attention
-    fuses and checks out alone, and the model then fails (``q_proj`` is merged away)."""
+    """A model whose forward reads a projection's registered parameter from outside its attention:
+    the attention fuses and checks out alone, and the model then fails (the merged projection's
+    part under that name is a view, with no parameter of its own)."""
 
     def __init__(self, hidden: int = 32):
         super().__init__()
         self.attn = WqWkWvAttention(hidden)
 
     def forward(self, x):
-        return self.attn(x) * self.attn.wq.weight.norm()
+        return self.attn(x) * self.attn.wq._parameters["weight"].norm()

@@ -9,6 +9,7 @@
 
 __version__ = "0.1.0"
 
+from . import integrations  # registers the integrations' hooks; imports none of their libraries
 from .api import ExampleInputsError, RewriteError, diff, report, rewrite
 from .auto import AutoModelForCausalLM, from_pretrained
 from .rewriter.report import FusionRecord, RewriteReport, SkipRecord

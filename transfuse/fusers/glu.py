@@ -31,7 +31,7 @@ from ..rewriter.graph import NoMatch, is_op, op_name, operand, operands
 from ..rewriter.source import EditContext
 from ..rewriter.syntax import expression_code, replace_nodes
 from ..rewriter.weights import ActivationError, Merge, MergeError
-from .projections import free_child_name, linear_children, single_call
+from .projections import adapter_refusal, free_child_name, linear_children, single_call, wrapped_children
 
 __all__ = ["GLUFuser", "GLUMatch"]
 
@@ -92,10 +92,10 @@ class GLUFuser(SourceFuser):
     kind = "gate_up"
 
     def wants(self, module: nn.Module) -> bool:
-        return sum(isinstance(c, nn.Linear) for c in module.children()) >= 2
+        return sum(isinstance(c, nn.Linear) or hasattr(c, "get_base_layer") for c in module.children()) >= 2
 
     def match(self, analysis: ClassAnalysis) -> GLUMatch | Refusal | None:
-        linears = linear_children(analysis)
+        linears = linear_children(analysis) | wrapped_children(analysis)
         refusal = None
         for node in analysis.trace.graph.nodes:
             if not is_op(node, "mul"):
@@ -113,6 +113,9 @@ class GLUFuser(SourceFuser):
         gate = operand(act_side, 0)
         if not _is_linear_call(gate, linears) or gate.target == up_side.target:
             return None
+        adapters = adapter_refusal(analysis, self.kind, [gate.target, up_side.target])
+        if adapters is not None:
+            return adapters
         if gate.args[0] is not up_side.args[0]:
             return Refusal(
                 "gate_up.inputs-differ",

@@ -7,15 +7,36 @@ import libcst as cst
 from torch import nn
 
 from ..rewriter.analysis import ClassAnalysis
+from ..rewriter.fusion import Refusal
 from ..rewriter.graph import NoMatch
 from ..rewriter.source import EditContext, self_calls, self_references
 
-__all__ = ["free_child_name", "linear_children", "single_call"]
+__all__ = ["adapter_refusal", "free_child_name", "linear_children", "single_call", "wrapped_children"]
 
 
 def linear_children(analysis: ClassAnalysis) -> set[str]:
     """Names of the class's children that are ``nn.Linear`` (or a subclass)."""
     return {name for name, cls in analysis.children.items() if issubclass(cls, nn.Linear)}
+
+
+def wrapped_children(analysis: ClassAnalysis) -> set[str]:
+    """Children that wrap a layer with an adapter (PEFT's tuner layers, which have ``get_base_layer``)."""
+    return {name for name, cls in analysis.children.items() if hasattr(cls, "get_base_layer")}
+
+
+def adapter_refusal(analysis: ClassAnalysis, kind: str, projections: list[str]) -> Refusal | None:
+    """Projections to merge of which some already carry adapters: the merge would drop them, so it
+    is refused, with the way round."""
+    wrapped = sorted(set(projections) & wrapped_children(analysis))
+    if not wrapped:
+        return None
+    return Refusal(
+        f"{kind}.adapter",
+        f"{', '.join(wrapped)} already carr{'ies' if len(wrapped) == 1 else 'y'} adapters "
+        f"({analysis.children[wrapped[0]].__name__}); merging would drop them. Rewrite the model first and add "
+        "the adapters after: merged projections carry them.",
+        analysis.where(),
+    )
 
 
 def free_child_name(analysis: ClassAnalysis, base: str) -> str:

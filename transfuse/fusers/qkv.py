@@ -38,7 +38,7 @@ from ..rewriter.syntax import (
     statement_block,
 )
 from ..rewriter.weights import Merge, MergeError
-from .projections import free_child_name, linear_children, single_call
+from .projections import adapter_refusal, free_child_name, linear_children, single_call, wrapped_children
 
 __all__ = ["QKVFuser", "QKVMatch", "linear_calls_by_input"]
 
@@ -56,9 +56,10 @@ class QKVMatch:
         return Merge(self.into, self.parts)
 
 
-def linear_calls_by_input(analysis: ClassAnalysis) -> dict[fx.Node, list[fx.Node]]:
-    """Calls of linear children with one positional input, grouped by that input."""
-    linears = linear_children(analysis)
+def linear_calls_by_input(analysis: ClassAnalysis, with_adapters: bool = False) -> dict[fx.Node, list[fx.Node]]:
+    """Calls of linear children (and of adapter-wrapped ones, if asked) with one positional input,
+    grouped by that input."""
+    linears = linear_children(analysis) | (wrapped_children(analysis) if with_adapters else set())
     groups: dict[fx.Node, list[fx.Node]] = defaultdict(list)
     for node in analysis.trace.graph.nodes:
         if node.op == "call_module" and node.target in linears and len(node.args) == 1 and not node.kwargs:
@@ -92,9 +93,14 @@ class QKVFuser(SourceFuser):
     kind = "qkv"
 
     def wants(self, module: nn.Module) -> bool:
-        return sum(isinstance(c, nn.Linear) for c in module.children()) >= 3
+        return sum(isinstance(c, nn.Linear) or hasattr(c, "get_base_layer") for c in module.children()) >= 3
 
     def match(self, analysis: ClassAnalysis) -> QKVMatch | Refusal | None:
+        for calls in linear_calls_by_input(analysis, with_adapters=True).values():
+            if len(calls) >= 3:
+                refusal = adapter_refusal(analysis, self.kind, [c.target for c in calls])
+                if refusal is not None:
+                    return refusal
         by_input = linear_calls_by_input(analysis)
         groups = [calls for calls in by_input.values() if len(calls) >= 3]
         if not groups:

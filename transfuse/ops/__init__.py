@@ -20,7 +20,7 @@ from .dispatch import (
     trace,
 )
 from .fused_add_rms_norm import fused_add_rms_norm, fused_add_rms_norm_native
-from .layers import MergedLinear, MoE, RMSNorm, layer, register_layer
+from .layers import LinearPart, MergedProjection, MoE, RMSNorm, layer, register_layer
 from .linear_cross_entropy import causal_lm_loss, linear_cross_entropy
 from .moe import ExpertsSpec, RoutingSpec, moe_experts, moe_experts_native, moe_route, moe_route_native
 from .moe_layer import StackedExperts
@@ -31,7 +31,8 @@ __all__ = [
     "ACTIVATIONS",
     "Dispatch",
     "ExpertsSpec",
-    "MergedLinear",
+    "LinearPart",
+    "MergedProjection",
     "MoE",
     "Op",
     "Platform",

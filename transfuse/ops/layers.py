@@ -7,24 +7,36 @@ replace a layer class with ``register_layer``; fusers look classes up with ``lay
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .moe_layer import MoE
 from .rms_norm import RMSNormSpec, rms_norm
 
-__all__ = ["MergedLinear", "MoE", "RMSNorm", "layer", "register_layer"]
+__all__ = ["LinearPart", "MergedProjection", "MoE", "RMSNorm", "layer", "register_layer"]
 
 
-class MergedLinear(nn.Linear):
+class MergedProjection(nn.Module):
     """Several linear projections of one input as one: weights concatenated along the output.
 
     ``split_sizes`` are the output widths of the original projections, in order, so
-    ``out.split(self.split_sizes, dim=-1)`` gives back their outputs. ``parts`` names
-    them; ``activation`` is set when the parts are a GLU's gate and up halves.
+    ``out.split(self.split_sizes, dim=-1)`` gives back their outputs. ``parts`` names them;
+    ``activation`` is set when the parts are a GLU's gate and up halves.
+
+    It computes ``F.linear`` like ``nn.Linear`` but is not one (nor named like one): tools that
+    find linear layers by class (PEFT's ``all-linear``) find the original projections instead,
+    which stay under their names as ``LinearPart`` views of this weight. When such a tool wraps a
+    part (a LoRA adapter), ``part_hook`` is asked for the wrapper's contribution, which is added
+    to that part's columns of the output: the merged matmul runs once, adapters or not.
     """
 
     __transfuse_layer__ = True
+    # (wrapper, x) -> the wrapper's addition to its part's output, or None when it adds nothing.
+    # Set by an integration (``transfuse.integrations.peft``); None: a wrapped part is an error.
+    part_hook = None
 
     def __init__(
         self,
@@ -36,15 +48,128 @@ class MergedLinear(nn.Linear):
         device=None,
         dtype=None,
     ):
-        super().__init__(in_features, sum(split_sizes), bias=bias, device=device, dtype=dtype)
+        super().__init__()
+        self.in_features = in_features
         self.split_sizes = tuple(int(s) for s in split_sizes)
+        self.out_features = sum(self.split_sizes)
         self.parts = tuple(parts)
         self.activation = activation
+        self.weight = nn.Parameter(torch.empty(self.out_features, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(self.out_features, device=device, dtype=dtype)) if bias else None
+        self._owner = None  # the module holding the parts under their names (a weak reference)
+        self._part_modules: tuple = ()
+
+    def attach(self, owner: nn.Module, part_modules: tuple[nn.Module, ...]) -> None:
+        """Where the parts live (``owner.<part>``), and the ``LinearPart`` each slot holds unwrapped."""
+        self._owner = weakref.ref(owner)
+        self._part_modules = tuple(part_modules)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for part in self._part_modules:
+            part.sync()
+        out = F.linear(x, self.weight, self.bias)
+        owner = self._owner() if self._owner is not None else None
+        if owner is None:
+            return out
+        start = 0
+        for name, size, part in zip(self.parts, self.split_sizes, self._part_modules):
+            slot = owner._modules.get(name)
+            if slot is not part and slot is not None:
+                out = self._add_wrapped(out, slot, name, start, size, x)
+            start += size
+        return out
+
+    def _add_wrapped(self, out, slot, name, start, size, x):
+        hook = type(self).part_hook
+        delta = hook(slot, x) if hook is not None else NotImplemented
+        if delta is NotImplemented:
+            raise TypeError(
+                f"{name} is now a {type(slot).__name__}, which wraps a projection that transfuse merged into "
+                f"{type(self).__name__}; only PEFT's LoRA adapters on merged projections are supported."
+            )
+        if delta is None:
+            return out
+        return torch.cat([out[..., :start], out[..., start : start + size] + delta, out[..., start + size :]], dim=-1)
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        owner = state["_owner"]() if state["_owner"] is not None else None
+        state["_owner"] = owner  # a strong reference while pickled or copied
+        return state
+
+    def __setstate__(self, state):
+        owner = state["_owner"]
+        state["_owner"] = weakref.ref(owner) if owner is not None else None
+        self.__dict__.update(state)
 
     def extra_repr(self) -> str:
         merged = " + ".join(f"{name}:{size}" for name, size in zip(self.parts, self.split_sizes))
         act = f", activation={self.activation}" if self.activation else ""
-        return f"{super().extra_repr()}, parts=[{merged}]{act}"
+        return f"in_features={self.in_features}, bias={self.bias is not None}, parts=[{merged}]{act}"
+
+
+class LinearPart(nn.Linear):
+    """One projection that a ``MergedProjection`` computes, kept under its original name: an
+    ``nn.Linear`` whose weight and bias are views of its rows of the merged tensors (no copy, no
+    parameter of its own, so nothing is trained or saved twice). The model's rewritten forward does
+    not call it; called, it computes what the original did. Tools find it by name and class
+    (PEFT wraps it with an adapter, whose contribution the merged projection adds); an in-place
+    change of its weight (a merged adapter) changes the merged weight.
+    """
+
+    __transfuse_layer__ = True
+
+    def __init__(self, merged: MergedProjection, index: int):
+        nn.Module.__init__(self)
+        self.in_features = merged.in_features
+        self.out_features = merged.split_sizes[index]
+        object.__setattr__(self, "_merged", merged)  # not a child: the owner holds the merged module
+        self._rows = (sum(merged.split_sizes[:index]), sum(merged.split_sizes[: index + 1]))
+        self._views: dict = {}
+
+    def _view(self, name: str):
+        merged = getattr(self._merged, name)
+        if merged is None:
+            return None
+        cached = self._views.get(name)
+        if cached is not None and cached[0] is merged:
+            _, view, ptr = cached
+            if view.data_ptr() == ptr:
+                return view
+            # Someone replaced the view's data (PEFT's safe merge assigns ``weight.data``): write it back.
+            with torch.no_grad():
+                merged[self._rows[0] : self._rows[1]].copy_(view)
+        view = merged[self._rows[0] : self._rows[1]]
+        self._views[name] = (merged, view, view.data_ptr())
+        return view
+
+    def sync(self) -> None:
+        """Write back into the merged tensors a view whose data was replaced since it was handed out
+        (a no-op unless someone asked for the part's weight)."""
+        for name, (merged, view, ptr) in list(self._views.items()):
+            if view.data_ptr() != ptr or getattr(self._merged, name) is not merged:
+                self._view(name)
+
+    @property
+    def weight(self):
+        return self._view("weight")
+
+    @property
+    def bias(self):
+        return self._view("bias")
+
+    def __setattr__(self, name, value):
+        if name in ("weight", "bias"):
+            raise AttributeError(
+                f"LinearPart.{name} is a view of the merged projection's rows; change the merged module's "
+                f"{name} instead (or rewrite the model without merging)."
+            )
+        super().__setattr__(name, value)
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_views"] = {}
+        return state
 
 
 class RMSNorm(nn.Module):
@@ -74,7 +199,7 @@ class RMSNorm(nn.Module):
         return f"{shape}, eps={self.eps}, {self.spec.describe()}"
 
 
-_LAYERS: dict[str, type[nn.Module]] = {"RMSNorm": RMSNorm, "MergedLinear": MergedLinear, "MoE": MoE}
+_LAYERS: dict[str, type[nn.Module]] = {"RMSNorm": RMSNorm, "MergedProjection": MergedProjection, "MoE": MoE}
 
 
 def register_layer(name: str, cls: type[nn.Module]) -> None:

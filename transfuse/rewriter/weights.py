@@ -1,8 +1,10 @@
 """Merged projections that keep their original ``state_dict`` keys.
 
-``merge_linears(parent, "qkv_proj", ["q_proj", "k_proj", "v_proj"])`` replaces the
-parent's linear children by one ``MergedLinear`` whose weight (and bias) is their
-concatenation along the output dimension, and removes the originals. The layout change
+``merge_linears(parent, "qkv_proj", ["q_proj", "k_proj", "v_proj"])`` adds one
+``MergedProjection`` child whose weight (and bias) is the concatenation of the parent's linear
+children along the output dimension, and leaves in their places ``LinearPart`` views of its rows
+(the originals' tensors are freed): the names still resolve, for tools that find modules by name
+(PEFT's ``target_modules``), without a second copy or a second parameter. The layout change
 lives at the load/save boundary, never in ``forward``:
 
 * ``parent.state_dict()`` shows the originals' keys and shapes, as slices of the merged
@@ -22,7 +24,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ..ops import identify_activation, layer
+from ..ops import LinearPart, identify_activation, layer
 
 __all__ = ["ActivationError", "Merge", "MergeError", "merge_declared", "merge_linears", "merges_of", "unmerge_linears"]
 
@@ -87,7 +89,7 @@ def merge_linears(
     linears = _check_mergeable(parent, into, parts)
     first = linears[0]
     with torch.device("meta"):
-        merged = layer("MergedLinear")(
+        merged = layer("MergedProjection")(
             first.in_features,
             tuple(lin.out_features for lin in linears),
             bias=first.bias is not None,
@@ -101,12 +103,14 @@ def merge_linears(
             if pieces[0] is not None:
                 joined = nn.Parameter(torch.cat([p.detach() for p in pieces]), requires_grad=pieces[0].requires_grad)
                 setattr(merged, tensor, joined)
-    for name, lin in zip(parts, linears):
-        delattr(parent, name)
+    views = tuple(LinearPart(merged, i) for i in range(len(parts)))
+    for name, lin, view in zip(parts, linears, views):
+        setattr(parent, name, view)
         for tensor in _TENSORS:
             if getattr(lin, tensor) is not None:
                 setattr(lin, tensor, None)  # the merged module holds the only copy
     setattr(parent, into, merged)
+    merged.attach(parent, views)
     parent.__dict__.setdefault(_MERGES, {})[into] = _Merge(tuple(parts), merged.split_sizes, tuple(linears))
     _ensure_hooks(parent)
     return merged

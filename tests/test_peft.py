@@ -1,0 +1,125 @@
+"""LoRA (PEFT) on rewritten models, in both orders: adapters on merged projections train, save in
+PEFT's own keys, load onto the stock model, and merge; adapters added before a rewrite are kept
+and their projections refused with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import transfuse
+from transfuse.ops import LinearPart
+from transfuse.tiny import tiny_model
+
+peft = pytest.importorskip("peft")
+from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _adapter_targets(model) -> set[str]:
+    return {name.split(".lora_A")[0].rsplit(".", 1)[-1] for name, _ in model.named_parameters() if ".lora_A" in name}
+
+
+def _randomise_adapters(model, seed=0):
+    """LoRA's B starts at zero: give every adapter weight random values, the same for a twin."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def _pair(model_type, config):
+    stock = get_peft_model(tiny_model(model_type), config)
+    fused = tiny_model(model_type)
+    transfuse.rewrite(fused)
+    fused = get_peft_model(fused, config)
+    _randomise_adapters(stock)
+    _randomise_adapters(fused)
+    return stock, fused
+
+
+def _ids(seq=12, seed=1):
+    return torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma2"])
+def test_adapters_on_merged_projections_train_like_the_stock_models(model_type):
+    stock, fused = _pair(model_type, LoraConfig(r=4, target_modules=TARGETS, lora_dropout=0.0))
+    assert _adapter_targets(fused) == _adapter_targets(stock) == set(TARGETS)
+    ids = _ids()
+    for model in (stock, fused):
+        model.train()
+        model(input_ids=ids, labels=ids).loss.backward()
+    stock_grads = {n: p.grad for n, p in stock.named_parameters() if p.requires_grad}
+    fused_grads = {n: p.grad for n, p in fused.named_parameters() if p.requires_grad}
+    assert stock_grads.keys() == fused_grads.keys() and all("lora_" in n for n in fused_grads)
+    for name, want in stock_grads.items():
+        assert ((fused_grads[name] - want).norm() / want.norm()).item() <= 1e-5, name
+    merged = [m for m in fused.modules() if type(m).__name__ == "MergedProjection"]
+    assert merged and not any(p.requires_grad for m in merged for p in m.parameters())  # the base stays frozen
+
+
+def test_all_linear_and_the_default_targets_resolve_to_the_original_names():
+    for config in (LoraConfig(r=4, target_modules="all-linear"), LoraConfig(r=4)):
+        stock = get_peft_model(tiny_model("llama"), config)
+        fused = tiny_model("llama")
+        transfuse.rewrite(fused)
+        fused = get_peft_model(fused, config)
+        assert _adapter_targets(fused) == _adapter_targets(stock)
+        assert not {"qkv_proj", "gate_up_proj"} & _adapter_targets(fused)
+
+
+def test_an_adapter_round_trip_into_stock_peft_and_merge_and_unload(tmp_path):
+    _, fused = _pair("llama", LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]))
+    fused.eval()
+    ids = _ids()
+    with torch.no_grad():
+        want = fused(input_ids=ids).logits
+    fused.save_pretrained(tmp_path)
+    from safetensors.torch import load_file
+
+    keys = set(load_file(tmp_path / "adapter_model.safetensors"))
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in keys
+    assert not any("qkv_proj" in k or "gate_up_proj" in k for k in keys)
+    stock = PeftModel.from_pretrained(tiny_model("llama"), tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(stock(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+    for safe in (False, True):
+        base = tiny_model("llama")
+        transfuse.rewrite(base)
+        merged = PeftModel.from_pretrained(base, tmp_path).eval().merge_and_unload(safe_merge=safe)
+        assert isinstance(merged.model.layers[0].self_attn.q_proj, LinearPart)
+        with torch.no_grad():
+            torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_disabled_adapters_give_the_base_model():
+    _, fused = _pair("llama", LoraConfig(r=4, target_modules=["q_proj", "gate_proj"]))
+    base = tiny_model("llama")
+    ids = _ids()
+    with torch.no_grad(), fused.disable_adapter():
+        torch.testing.assert_close(fused(input_ids=ids).logits, base(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_before_the_rewrite_is_kept_and_the_merges_refused_with_the_reason():
+    model = get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj"]))
+    _randomise_adapters(model)
+    ids = _ids()
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    transfuse.rewrite(model.base_model.model)
+    report = transfuse.report(model.base_model.model)
+    assert {(s.cls, s.tag) for s in report.skipped} == {("LlamaAttention", "qkv.adapter"), ("LlamaMLP", "gate_up.adapter")}
+    assert report.counts() == {"rms_norm": 5}
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, want)
+
+
+def test_a_lora_variant_is_a_clear_error():
+    fused = tiny_model("llama")
+    transfuse.rewrite(fused)
+    model = get_peft_model(fused, LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    with pytest.raises(NotImplementedError, match="DoRA"):
+        model(input_ids=_ids())

@@ -1,0 +1,98 @@
+"""Training rewritten models: the loss and the gradient of every parameter, under its original
+state_dict name (merged parameters split by part, stacked experts by expert), against the stock
+model's, in float32 on the CPU; gradient checkpointing; the kernels' backward inside a model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import transfuse
+from transfuse import ops
+from transfuse.tiny import tiny_model
+
+FAMILIES = ["llama", "qwen3", "gemma2", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"]
+
+
+def grad_state(model) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient under the state_dict name of the tensor it is (the same hooks that
+    save merged and stacked parameters under their original keys split the gradients)."""
+    params = list(model.parameters())
+    saved = [p.data for p in params]
+    try:
+        for p in params:
+            p.data = p.grad if p.grad is not None else torch.zeros_like(p)
+        return {k: v.clone() for k, v in model.state_dict().items()}
+    finally:
+        for p, data in zip(params, saved):
+            p.data = data
+
+
+def _step(model, ids, labels):
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    return loss.detach()
+
+
+def _batch(seed=3):
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(seed))
+    labels = ids.clone()
+    labels[1, :5] = -100
+    return ids, labels
+
+
+def _compare(stock, fused, ids, labels):
+    want, got = _step(stock, ids, labels), _step(fused, ids, labels)
+    assert abs(got.item() - want.item()) <= 1e-6 * abs(want.item()), (got.item(), want.item())
+    stock_grads, fused_grads = grad_state(stock), grad_state(fused)
+    assert stock_grads.keys() == fused_grads.keys()
+    worst = {}
+    for name, w in stock_grads.items():
+        if w.is_floating_point() and w.norm() > 0:
+            worst[name] = ((fused_grads[name] - w).norm() / w.norm()).item()
+    assert worst and max(worst.values()) <= 1e-5, max(worst.items(), key=lambda kv: kv[1])
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_loss_and_every_gradient_equal_the_stock_models(model_type):
+    stock, fused = tiny_model(model_type).train(), tiny_model(model_type).train()
+    transfuse.rewrite(fused)
+    assert transfuse.report(fused).fusions
+    _compare(stock, fused, *_batch())
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_gradient_checkpointing(model_type):
+    stock, fused = tiny_model(model_type).train(), tiny_model(model_type).train()
+    transfuse.rewrite(fused)
+    for model in (stock, fused):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert fused.is_gradient_checkpointing
+    _compare(stock, fused, *_batch())
+
+
+def test_the_kernels_backward_inside_a_model():
+    """The Triton kernels (interpreted on the CPU) with their own backward, in a training step."""
+    stock, fused = tiny_model("llama").train(), tiny_model("llama").train()
+    transfuse.rewrite(fused)
+    ops.set_priority(["triton"])
+    try:
+        with ops.trace() as calls:
+            _compare(stock, fused, *_batch())
+    finally:
+        ops.set_priority(None)
+    used = {(c.op, c.provider) for c in calls if c.grad}
+    assert {("rms_norm", "triton"), ("silu_and_mul", "triton")} <= used, used
+
+
+def test_moe_training_runs_grouped_matmuls_not_a_loop_over_experts(monkeypatch):
+    from transfuse.ops import moe as moe_module
+
+    looped = []
+    monkeypatch.setattr(moe_module, "_looped_matmul", lambda *a: looped.append(1))
+    fused = tiny_model("qwen3_moe").train()
+    transfuse.rewrite(fused)
+    with ops.trace() as calls:
+        _step(fused, *_batch())
+    assert [c.provider for c in calls if c.op == "moe_experts"] == ["native", "native"]
+    assert looped == []
