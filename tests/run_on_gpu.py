@@ -33,6 +33,7 @@ TEST_FILES = [
     "tests/test_moe_ops.py",
     "tests/test_decode_graphs.py",
     "tests/test_fail_closed.py",
+    "tests/test_kernels_backward.py",
 ]
 
 

@@ -141,12 +141,20 @@ def _tensor(layer: nn.Module, path: str) -> Tensor:
     through the module dicts directly: ``get_submodule`` costs microseconds a call in a decode step."""
     *owners, name = _split(path)
     module = layer
-    for part in owners:
-        module = module._modules[part]
-    found = module._parameters.get(name)
-    if found is None:
-        found = module._buffers.get(name)
-    return found if found is not None else getattr(module, name)
+    try:
+        for part in owners:
+            module = module._modules[part]
+        found = module._parameters.get(name)
+        if found is None:
+            found = module._buffers.get(name)
+        return found if found is not None else getattr(module, name)
+    except (KeyError, AttributeError):
+        raise TypeError(
+            f"The fused mixture-of-experts layer reads {path}, but {'.'.join(owners) or 'the layer'} is now a "
+            f"{type(module).__name__}: something replaced its modules after the rewrite (PEFT's adapters on packed "
+            "experts, say), which the fused layer does not compute. Rewrite the model without the 'moe' fusion "
+            "to use them."
+        ) from None
 
 
 def _observed(module: nn.Module) -> bool:

@@ -1,0 +1,264 @@
+"""Training step time and peak memory: transformers, transfuse and Liger-Kernel side by side.
+
+    python benchmarks/bench_train.py --out DIR                        # Llama-3-8B shapes and Qwen3-MoE shapes
+    python benchmarks/bench_train.py --out DIR --models llama --variants transformers transfuse-lce
+    python benchmarks/bench_train.py --out DIR --smoke                # toy sizes on the CPU: tests the script
+
+Each variant builds the model from a config on the GPU in bf16 with random weights (the same seed
+for all), then times forward + backward of one batch (``labels = input_ids``) over ``--steps``
+steps after two warm-up steps, and, in the optimizer table, forward + backward + an AdamW step.
+Peak memory is ``torch.cuda.max_memory_allocated`` over the timed steps (weights and gradients
+included). Variants:
+
+- ``transformers``: stock eager; ``transformers-compiled``: ``torch.compile(model)``;
+- ``transfuse``: ``transfuse.rewrite`` with the default fusions; ``transfuse-lce``: plus the
+  opt-in ``linear_cross_entropy``; ``transfuse-compiled``: ``-lce`` under ``torch.compile``;
+- ``liger``: ``apply_liger_kernel_to_<family>`` (its fused linear cross-entropy included), run in a
+  process of its own, since it patches transformers' classes for the whole process;
+- ``*+peft``: the same with LoRA r=16 on q/k/v/o/gate/up/down (only the adapters train); on the
+  dense model only (PEFT wraps packed experts too, which the fused MoE layer does not compute).
+
+The FLOP floor counts the matmuls of a step (6 x parameters touched per token x tokens, the
+attention's scores and values causally) over the bf16 matmul rate measured in the same run.
+Writes ``DIR/bench_train.md`` and ``DIR/bench_train.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+MODELS = {
+    "llama": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=4, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, tie_word_embeddings=False,
+        batch=4, seq=2048, liger="apply_liger_kernel_to_llama",
+    ),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144,
+        vocab_size=32000, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=4096,
+        tie_word_embeddings=False, batch=4, seq=1024, liger="apply_liger_kernel_to_qwen3_moe",
+    ),
+}  # fmt: skip
+SMOKE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             vocab_size=512, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, batch=2, seq=32)  # fmt: skip
+VARIANTS = ["transformers", "transfuse", "transfuse-lce", "liger", "transformers-compiled", "transfuse-compiled",
+            "transformers+peft", "transfuse+peft", "liger+peft"]  # fmt: skip
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ALL_KINDS = ["rms_norm", "qkv", "gate_up", "moe", "linear_cross_entropy"]
+
+
+def _config(name: str, smoke: bool):
+    from transformers import AutoConfig
+
+    spec = dict(MODELS[name])
+    if smoke:
+        spec.update({k: v for k, v in SMOKE.items() if k in spec or k in ("batch", "seq")})
+    model_type, batch, seq = spec.pop("model_type"), spec.pop("batch"), spec.pop("seq")
+    liger = spec.pop("liger")
+    return AutoConfig.for_model(model_type, **spec), batch, seq, liger
+
+
+def _flops(model, config, batch: int, seq: int) -> float:
+    """Matmul FLOPs of one forward + backward: 6 per weight touched per token, plus causal attention."""
+    tokens = batch * seq
+    per_token = 0
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or "embed" in name:
+            continue
+        if p.dim() == 3:  # packed experts: a token touches k of them
+            per_token += p[0].numel() * config.num_experts_per_tok
+        elif "gate.weight" in name and p.shape[0] == getattr(config, "num_experts", -1):
+            per_token += p.numel()
+        else:
+            per_token += p.numel()
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    attention = config.num_hidden_layers * 2 * 2 * batch * seq * seq * heads * head_dim / 2  # causal: half
+    return 3 * (2 * per_token * tokens + attention)
+
+
+def _matmul_rate(device) -> float:
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    return 10 * 2 * 8192**3 / (start.elapsed_time(end) / 1000)
+
+
+def _build(variant: str, name: str, smoke: bool, device: str):
+    from transformers import AutoModelForCausalLM
+
+    import transfuse
+
+    config, batch, seq, liger = _config(name, smoke)
+    if variant.startswith("liger"):
+        import liger_kernel.transformers as liger_kernel
+
+        getattr(liger_kernel, liger)()
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    started = time.perf_counter()
+    if variant.startswith("transfuse"):
+        kinds = ALL_KINDS if ("lce" in variant or "compiled" in variant or "peft" in variant) else None
+        transfuse.rewrite(model, fusions=kinds)
+    rewrite_s = time.perf_counter() - started
+    if variant.endswith("+peft"):
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS, lora_dropout=0.0))
+    model.train()
+    if "compiled" in variant:
+        model = torch.compile(model)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), device=device, generator=torch.Generator(device).manual_seed(1))
+    return model, config, ids, rewrite_s
+
+
+def _time_steps(model, ids, steps: int, optimizer, device: str) -> tuple[list[float], float, float]:
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+        model.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(2):
+        loss = step()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        loss = step()
+        sync()
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+    return times, peak, float(loss.item())
+
+
+def run_variant(variant: str, name: str, steps: int, smoke: bool, device: str) -> dict:
+    result = {"variant": variant, "model": name}
+    try:
+        model, config, ids, rewrite_s = _build(variant, name, smoke, device)
+        result["rewrite_s"] = rewrite_s
+        if variant.startswith("transfuse"):
+            import transfuse
+
+            base = model.base_model.model if variant.endswith("+peft") else model
+            base = getattr(base, "_orig_mod", base)
+            result["fusions"] = transfuse.report(base).counts()
+        result["flops"] = _flops(getattr(model, "_orig_mod", model), config, *ids.shape)
+        started = time.perf_counter()
+        times, peak, loss = _time_steps(model, ids, steps, None, device)
+        result.update(step_ms=1000 * statistics.median(times), step_min_ms=1000 * min(times), peak_gib=peak, loss=loss)
+        result["first_steps_s"] = time.perf_counter() - started - sum(times)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, foreach=True)
+        times, peak, _ = _time_steps(model, ids, steps, optimizer, device)
+        result.update(adamw_step_ms=1000 * statistics.median(times), adamw_peak_gib=peak)
+        result["tokens_per_s"] = ids.numel() / (result["step_ms"] / 1000)
+        del model, optimizer
+    except Exception as exc:  # a variant that fails is reported, the others still run
+        result["error"] = f"{type(exc).__name__}: {exc}"[:500]
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def _in_own_process(variant: str, name: str, args) -> dict:
+    command = [sys.executable, __file__, "--only", variant, "--models", name, "--steps", str(args.steps)]
+    if args.smoke:
+        command.append("--smoke")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        return {"variant": variant, "model": name, "error": (done.stderr or done.stdout)[-500:]}
+    return json.loads(lines[-1])
+
+
+def _table(results: list[dict], rate: float) -> list[str]:
+    lines = [
+        "| model | variant | step ms | tokens/s | vs transformers | FLOP floor ms | peak GiB | + AdamW ms | AdamW peak GiB | loss | fusions |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    base = {(r["model"], r["variant"].endswith("+peft")): r for r in results if r["variant"].startswith("transformers") and "compiled" not in r["variant"] and "error" not in r}
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['variant']} | failed: {r['error'][:200]} |")
+            continue
+        ref = base.get((r["model"], r["variant"].endswith("+peft")))
+        speedup = f"{ref['step_ms'] / r['step_ms']:.2f}x" if ref else ""
+        floor = f"{1000 * r['flops'] / rate:.1f}" if rate else ""
+        lines.append(
+            f"| {r['model']} | {r['variant']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {speedup} | {floor} | "
+            f"{r['peak_gib']:.2f} | {r['adamw_step_ms']:.1f} | {r['adamw_peak_gib']:.2f} | {r['loss']:.4f} | "
+            f"{r.get('fusions', '')} |"
+        )
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out")
+    parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument("--variants", nargs="*", default=VARIANTS)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="toy sizes on the CPU (the liger variants are skipped)")
+    parser.add_argument("--only", help=argparse.SUPPRESS)  # one variant, in this process (Liger's own process)
+    args = parser.parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    if args.only:
+        print(json.dumps(run_variant(args.only, args.models[0], args.steps, args.smoke, device)))
+        return 0
+    rate = 0.0 if args.smoke else _matmul_rate(device)
+    results = []
+    for name in args.models:
+        for variant in args.variants:
+            if (variant.startswith("liger") and args.smoke) or (variant.endswith("+peft") and name != "llama"):
+                continue
+            if variant.startswith("liger"):
+                result = _in_own_process(variant, name, args)
+            else:
+                result = run_variant(variant, name, args.steps, args.smoke, device)
+            results.append(result)
+            print(json.dumps(result), flush=True)
+    lines = [
+        "`python " + " ".join(sys.argv) + "`",
+        "",
+        f"torch {torch.__version__}" + (f", {torch.cuda.get_device_name()}, bf16 matmul {rate / 1e12:.0f} TFLOP/s "
+                                          "(8192^3, this run)" if rate else ", CPU smoke run"),
+        "",
+        *_table(results, rate),
+    ]
+    print("\n".join(lines))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_train.md"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        with open(os.path.join(args.out, "bench_train.json"), "w") as f:
+            json.dump({"command": " ".join(sys.argv), "matmul_flops": rate, "results": results}, f, indent=1)
+    return 1 if any("error" in r for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
