@@ -20,6 +20,7 @@ import functools
 import hashlib
 import os
 import subprocess
+import time
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -70,6 +71,24 @@ def _sources_digest(directory: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+# torch's build lock (a file in the build directory) outlives a process killed while building, and
+# every later build then waits on it for ever; a build takes well under this long.
+_STALE_LOCK_S = 300
+
+
+def _clear_stale_lock(verbose: bool) -> None:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(EXTENSION_NAME, verbose)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > _STALE_LOCK_S:
+        warnings.warn(f"transfuse: removing a build lock left {age:.0f} s ago by a build that did not finish ({lock}).")
+        lock.unlink(missing_ok=True)
+
+
 def build(verbose: bool = False) -> ModuleType:
     """Compile the extension, or load the cached build; raises what torch's tooling raises on failure."""
     from torch.utils.cpp_extension import load
@@ -78,6 +97,7 @@ def build(verbose: bool = False) -> ModuleType:
     if reason is not None:
         raise RuntimeError(f"transfuse's CUDA kernels cannot be built here: {reason}.")
     source_dir = csrc_dir()
+    _clear_stale_lock(verbose)
     version = f"-DTRANSFUSE_CSRC_DIGEST={_sources_digest(source_dir)}"
     return load(
         name=EXTENSION_NAME,
