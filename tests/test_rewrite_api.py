@@ -132,3 +132,16 @@ def test_modules_a_fusion_creates_take_the_training_flag_of_what_they_fuse_into(
     assert model.training
     for layer in model.model.layers:
         assert [m for m in layer.modules() if m.training != training] == []
+
+
+def test_a_rewritten_model_is_freed_when_dropped():
+    """Analyses are cached per class; they must not keep the instance they traced (and its weights) alive."""
+    import gc
+    import weakref
+
+    model = tiny_model("qwen3_moe")
+    transfuse.rewrite(model)
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None

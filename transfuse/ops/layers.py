@@ -89,7 +89,9 @@ class MergedProjection(nn.Module):
             )
         if delta is None:
             return out
-        return torch.cat([out[..., :start], out[..., start : start + size] + delta, out[..., start + size :]], dim=-1)
+        # Added in the wider of the two dtypes (PEFT keeps adapters in float32), then rounded, as PEFT adds.
+        part = (out[..., start : start + size] + delta).to(out.dtype)
+        return torch.cat([out[..., :start], part, out[..., start + size :]], dim=-1)
 
     def __getstate__(self):
         state = self.__dict__.copy()

@@ -43,6 +43,7 @@ import os
 import sys
 import threading
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -827,4 +828,15 @@ def trace_module(
     trace.guards = tracer.guards
     trace.assumptions = tracer.assumptions
     trace.shape_guards = tracer.shape_guards
+    _weaken_module_values(trace.graph)
     return trace
+
+
+def _weaken_module_values(graph: fx.Graph) -> None:
+    """Nodes that stand for modules (``self``, children) keep weak references to them: traces are
+    cached per class, and a strong one would keep the traced instance, and its model's weights,
+    alive for as long as the class is."""
+    for node in graph.nodes:
+        found = node.meta.get("val")
+        if isinstance(found, nn.Module) and not isinstance(found, weakref.ProxyType):
+            node.meta["val"] = weakref.proxy(found)
