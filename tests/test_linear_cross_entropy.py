@@ -235,3 +235,16 @@ def test_peak_memory_is_far_below_the_stock_models_for_a_large_vocabulary():
         assert result.returncode == 0, result.stderr[-2000:]
         growth[variant] = json.loads(result.stdout.strip().splitlines()[-1])["peak_growth_mib"]
     assert growth["stock"] > 2048 and growth["fused"] < growth["stock"] / 4, growth
+
+
+def test_a_wrong_fused_loss_is_caught_by_the_training_check(monkeypatch):
+    """The fusion changes training mode only: the rewrite compares the loss in training mode with and
+    without it (every other fusion in place), and undoes it when they differ."""
+    right = lce_module.linear_cross_entropy
+    monkeypatch.setattr(lce_module, "linear_cross_entropy", lambda *a, **k: right(*a, **k) * 1.01)
+    model = tiny_model("llama")
+    transfuse.rewrite(model, fusions=ALL_KINDS)
+    report = transfuse.report(model)
+    assert "linear_cross_entropy" not in report.counts() and report.counts().get("qkv") == 2
+    refused = [s for s in report.skipped if s.kind == "linear_cross_entropy"]
+    assert [s.tag for s in refused] == ["verify.mismatch"] and "training mode" in refused[0].reason

@@ -21,6 +21,7 @@ The steps, in order:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import time
@@ -271,21 +272,39 @@ def _refuse(report: RewriteReport, instance: _Instance, tag: str, reason: str) -
 
 
 def _check_training(
-    model: nn.Module, applied: list[_Instance], probe: Probe, before: Any, report: RewriteReport
+    model: nn.Module, applied: list[_Instance], training: list[_Instance], probe: Probe, report: RewriteReport
 ) -> list[_Instance]:
-    """Fusions that change training mode only: the model's loss in training mode on the probe, with
-    the same random state, against the loss before the rewrite; the whole lot undone if it differs."""
+    """Fusions that change training mode only: the model's loss in training mode on the probe (from
+    the same random state) with them, against the loss without them, every other fusion in place in
+    both runs; undone if it differs."""
+    with _bypassed(training):
+        before = loss_in_training(model, probe)
     verdict = judge_losses(loss_in_training(model, probe), before)
     if verdict.passed:
         return applied
-    kept = []
-    for instance in applied:
-        if any(p.fuser.changes_training for p in instance.plans):
-            _undo(model, instance)
-            _refuse(report, instance, "verify.mismatch", f"the model's loss in training mode differs: {verdict.reason}; undone.")
-        else:
-            kept.append(instance)
-    return kept
+    for instance in training:
+        _undo(model, instance)
+        _refuse(report, instance, "verify.mismatch", f"the model's loss in training mode differs: {verdict.reason}; undone.")
+    return [i for i in applied if i not in training]
+
+
+@contextlib.contextmanager
+def _bypassed(instances: Sequence[_Instance]):
+    """The instances' rewritten forwards set aside for the length of the block (source fusions only)."""
+    saved = []
+    for instance in instances:
+        if instance.bound:
+            slot = _forward_slot(instance.module)
+            saved.append((instance.module, slot, instance.module.__dict__[slot]))
+            if instance.previous_forward is None:
+                del instance.module.__dict__[slot]
+            else:
+                instance.module.__dict__[slot] = instance.previous_forward
+    try:
+        yield
+    finally:
+        for module, slot, forward in saved:
+            module.__dict__[slot] = forward
 
 
 def _undo_all(model: nn.Module, instances: Sequence[_Instance]) -> None:
@@ -337,10 +356,12 @@ def rewrite_model(
         planned = _plan(model, fusers, probe, report, suggest)
     checking = verify and not meta and bool(planned)
     if checking:
-        checks = prepare(model, planned, probe, lambda instance, tag, reason: _refuse(report, instance, tag, reason))
-        planned = [i for i in planned if i.path in checks]
-        training = [i for i in planned if any(p.fuser.changes_training for p in i.plans)]
-        training_loss = loss_in_training(model, probe) if training else None
+        # Fusions that change training mode only run the original code in eval mode: they are judged
+        # by the model's loss in training mode instead (``_check_training``).
+        training = [i for i in planned if all(p.fuser.changes_training for p in i.plans)]
+        evaluated = [i for i in planned if i not in training]
+        checks = prepare(model, evaluated, probe, lambda instance, tag, reason: _refuse(report, instance, tag, reason))
+        planned = [i for i in planned if i.path in checks or i in training]
     elif planned and not verify:
         report.verification = "unverified: the caller passed verify=False"
         report.notes.append(report.verification)
@@ -357,9 +378,11 @@ def rewrite_model(
                 _undo(model, instance)
                 _refuse(report, instance, "verify.mismatch", f"the fused module is less accurate than the original: {reason}; undone.")
 
-            applied = check_instances(model, applied, checks, failed)
-            if training and applied:
-                applied = _check_training(model, applied, probe, training_loss, report)
+            applied = [i for i in applied if i in training] + check_instances(
+                model, [i for i in applied if i not in training], checks, failed
+            )
+            if any(i in training for i in applied):
+                applied = _check_training(model, applied, [i for i in applied if i in training], probe, report)
             if applied:
                 verdict = check_model(model, probe)
                 if verdict.passed:
