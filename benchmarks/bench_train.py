@@ -156,7 +156,18 @@ def _time_steps(model, ids, steps: int, optimizer, device: str) -> tuple[list[fl
     return times, peak, float(loss.item())
 
 
-def run_variant(variant: str, name: str, steps: int, smoke: bool, device: str) -> dict:
+def _profile(model, ids, rows: int = 25) -> str:
+    """The GPU kernels of one step, by total time: where the step goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
+
+
+def run_variant(variant: str, name: str, steps: int, smoke: bool, device: str, profile: tuple = ()) -> dict:
     result = {"variant": variant, "model": name}
     try:
         model, config, ids, rewrite_s = _build(variant, name, smoke, device)
@@ -172,6 +183,8 @@ def run_variant(variant: str, name: str, steps: int, smoke: bool, device: str) -
         times, peak, loss = _time_steps(model, ids, steps, None, device)
         result.update(step_ms=1000 * statistics.median(times), step_min_ms=1000 * min(times), peak_gib=peak, loss=loss)
         result["first_steps_s"] = time.perf_counter() - started - sum(times)
+        if variant in profile and device == "cuda":
+            result["profile"] = _profile(model, ids)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, foreach=True)
         times, peak, _ = _time_steps(model, ids, steps, optimizer, device)
         result.update(adamw_step_ms=1000 * statistics.median(times), adamw_peak_gib=peak)
@@ -224,6 +237,7 @@ def main() -> int:
     parser.add_argument("--variants", nargs="*", default=VARIANTS)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--smoke", action="store_true", help="toy sizes on the CPU (the liger variants are skipped)")
+    parser.add_argument("--profile", nargs="*", default=[], help="variants whose step's GPU kernels to list")
     parser.add_argument("--only", help=argparse.SUPPRESS)  # one variant, in this process (Liger's own process)
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
@@ -239,7 +253,7 @@ def main() -> int:
             if variant.startswith("liger"):
                 result = _in_own_process(variant, name, args)
             else:
-                result = run_variant(variant, name, args.steps, args.smoke, device)
+                result = run_variant(variant, name, args.steps, args.smoke, device, tuple(args.profile))
             results.append(result)
             print(json.dumps(result), flush=True)
     lines = [
@@ -253,6 +267,10 @@ def main() -> int:
     print("\n".join(lines))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
+        for r in results:
+            if "profile" in r:
+                with open(os.path.join(args.out, f"profile_{r['model']}_{r['variant']}.txt"), "w") as f:
+                    f.write(r.pop("profile"))
         with open(os.path.join(args.out, "bench_train.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
         with open(os.path.join(args.out, "bench_train.json"), "w") as f:
