@@ -8,9 +8,13 @@ none. A full ``[tokens, vocab]`` logits tensor, its float32 copy and their gradi
 largest tensors of a training step (4 GiB each for Llama 3's vocabulary at 8k tokens); here rows
 are taken ``chunk_rows`` at a time: each chunk's logits are computed, transformed, turned into
 the loss and differentiated there (autograd through ``t`` and the float32 cross-entropy, so the
-gradient rounds where the unfused model's does), and the chunk's share of the hidden states' and
-the weight's gradients is computed at once, so backward only scales them. The weight's gradient
-is summed over chunks in float32 and rounded once.
+gradient rounds where the unfused model's does) into one ``[tokens, vocab]`` tensor of logit
+gradients in the logits' dtype, the only full-size tensor held (the unfused model holds it too,
+beside the logits, their float32 copy and its log-softmax). The hidden states' and the weight's
+gradients are then one matmul each, rounded once as the unfused model's are (a weight gradient
+summed chunk by chunk would instead round once per chunk in bf16, or read and write a float32
+copy of the weight once per chunk), and the logit gradients are freed before the forward
+returns: backward only scales the results.
 """
 
 from __future__ import annotations
@@ -24,38 +28,28 @@ from torch import Tensor, nn
 
 __all__ = ["causal_lm_loss", "linear_cross_entropy"]
 
-# Rows per chunk: a chunk's logits, their float32 copy, its log-softmax and the gradients (about
-# 12 bytes an element) stay under this many bytes (benchmarks may set it).
+# Rows per chunk: a chunk's logits, their float32 copy, its log-softmax and its float32 gradient
+# (about 14 bytes an element) stay under this many bytes (benchmarks may set it).
 CHUNK_BYTES = 512 << 20
 
 
 def _chunk_rows(rows: int, vocab: int) -> int:
-    per_row = 12 * vocab
+    per_row = 14 * vocab
     return max(1, min(rows, 2 ** int(math.log2(max(1, CHUNK_BYTES // per_row)))))
-
-
-def _mm_float32(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` accumulated and returned in float32 (bf16 and fp16 inputs are widened exactly)."""
-    if a.dtype == torch.float32:
-        return a @ b
-    if a.is_cuda:
-        try:
-            return torch.mm(a, b, out_dtype=torch.float32)  # the tensor cores' float32 output, no rounding
-        except (TypeError, RuntimeError):
-            pass
-    return a.float() @ b.float()
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, ignore_index, scale, transform, chunk_rows):
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        grad_hidden = torch.empty_like(hidden) if needs_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight else None
-        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if needs_bias else None
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         differentiate = needs_hidden or needs_weight or needs_bias
-        for start in range(0, hidden.shape[0], chunk_rows):
+        rows, vocab = hidden.shape[0], weight.shape[0]
+        # The logits' gradient for every row, in the logits' dtype (as the unfused model holds it):
+        # the chunks fill it, then the hidden states' and the weight's gradients are one matmul each,
+        # rounded once as the unfused model's are. It is the one [tokens, vocab] tensor held.
+        grad_logits = torch.empty((rows, vocab), dtype=torch.result_type(hidden, weight), device=hidden.device) if differentiate else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, rows, chunk_rows):
             h = hidden[start : start + chunk_rows]
             with torch.enable_grad():
                 logits = F.linear(h, weight, bias).detach().requires_grad_(differentiate)
@@ -65,21 +59,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 )
                 scaled = loss * scale  # the gradient rounds to the logits' dtype after the scale, as unfused
             total += scaled.detach()
-            if not differentiate:
-                continue
-            (grad_logits,) = torch.autograd.grad(scaled, logits)
-            if needs_hidden:
-                grad_hidden[start : start + chunk_rows] = grad_logits @ weight
-            if needs_weight:
-                grad_weight += _mm_float32(grad_logits.t(), h)
-            if needs_bias:
-                grad_bias += grad_logits.float().sum(0)
-            del logits, shaped, loss, scaled, grad_logits
-        ctx.save_for_backward(
-            grad_hidden,
-            grad_weight.to(weight.dtype) if grad_weight is not None else None,
-            grad_bias.to(bias.dtype) if grad_bias is not None else None,
-        )
+            if differentiate:
+                (grad_logits[start : start + chunk_rows],) = torch.autograd.grad(scaled, logits)
+            del logits, shaped, loss, scaled
+        grads = (None, None, None)
+        if differentiate:
+            grads = (
+                grad_logits @ weight if needs_hidden else None,
+                grad_logits.t() @ hidden if needs_weight else None,
+                grad_logits.sum(0, dtype=torch.float32).to(bias.dtype) if needs_bias else None,
+            )
+            del grad_logits
+        ctx.save_for_backward(*grads)
         return total
 
     @staticmethod
