@@ -25,7 +25,6 @@ import contextlib
 import inspect
 import logging
 import time
-import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -38,7 +37,7 @@ from .capture import Probe, ProbeUnavailable, eval_mode, is_meta_model, make_pro
 from .checking import check_instances, check_model, judge_losses, loss_in_training, prepare
 from .fusion import Fused, Fuser, Refusal, SourceFuser
 from .report import FusionRecord, RewriteReport, SkipRecord
-from .source import MethodRewrite, rewrite_method
+from .source import BoundRewrite, MethodRewrite, rewrite_method
 from .tracer import unwrapped_forward
 
 __all__ = ["REPLACED_ATTR", "REPORT_ATTR", "REWRITTEN_ATTR", "is_fused", "rewrite_model", "rewrites_of"]
@@ -188,6 +187,7 @@ def _compose_source_edits(instance: _Instance, report: RewriteReport) -> None:
     if rewrite is not None:
         declared = (p.fuser.declaration(p.found) for p in instance.plans if isinstance(p.fuser, SourceFuser))
         rewrite.declarations = tuple(d for d in declared if d is not None)
+        rewrite.recipe = tuple((p.fuser, p.found) for p in instance.plans if isinstance(p.fuser, SourceFuser))
 
 
 def _edit_for(plan: _Planned):
@@ -213,7 +213,7 @@ def _apply(model: nn.Module, instance: _Instance) -> None:
     if instance.rewrite is not None:
         module = instance.module
         slot = _forward_slot(module)
-        forward = types.MethodType(instance.rewrite.compile(), module)
+        forward = BoundRewrite(instance.rewrite, module)
         instance.previous_forward = module.__dict__.get(slot)
         module.__dict__[slot] = forward
         module.__dict__[REWRITTEN_ATTR] = instance.rewrite

@@ -34,12 +34,14 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 from .graph import NoMatch
 
 __all__ = [
+    "BoundRewrite",
     "EditContext",
     "MethodRewrite",
     "MethodSource",
     "control_flow",
     "helper_functions",
     "method_source",
+    "rebuilt_rewrite",
     "rewrite_method",
     "self_calls",
     "self_method_calls",
@@ -255,7 +257,18 @@ class MethodRewrite:
     kinds: tuple[str, ...]
     # What an emitted file declares on the class (rewriter.weights.Merge), set by the rewriter.
     declarations: tuple = ()
+    # How to make this rewrite again: ((fuser, found), ...), set by the rewriter. A rewrite pickles
+    # as its class and recipe, and is made again when unpickled (in another process too).
+    recipe: tuple = ()
     _compiled: Callable | None = None
+
+    def __reduce__(self):
+        if not self.recipe:
+            raise TypeError(f"This rewrite of {self.cls.__qualname__} has no recipe to be pickled with.")
+        return (rebuilt_rewrite, (self.cls, self.recipe))
+
+    def __deepcopy__(self, memo):
+        return self  # the same class and edits: nothing of it belongs to one instance
 
     @property
     def method_name(self) -> str:
@@ -291,6 +304,68 @@ class MethodRewrite:
         if self._compiled is None:
             self._compiled = _compile(self)
         return self._compiled
+
+
+_REBUILT: dict = {}
+
+
+def rebuilt_rewrite(cls: type, recipe: tuple) -> MethodRewrite:
+    """The rewrite ``recipe`` ((fuser, found), ...) makes of ``cls.forward``: unpickling a rewritten
+    instance runs the same edits on the class's source again (once per process)."""
+    key = (cls, recipe)
+    if key not in _REBUILT:
+        from .tracer import unwrapped_forward
+
+        edits = [(fuser.kind, functools.partial(_fuser_edit, fuser, found)) for fuser, found in recipe]
+        rewrite, refusals = rewrite_method(cls, unwrapped_forward(cls), edits)
+        if rewrite is None or refusals:
+            reasons = "; ".join(f"{kind}: {r.reason}" for kind, r in refusals.items())
+            raise RuntimeError(
+                f"The rewrite of {cls.__qualname__} could not be made again here ({reasons or 'no edit applied'}): "
+                "is this the transformers version the model was rewritten with?"
+            )
+        rewrite.recipe = recipe
+        rewrite.declarations = tuple(d for d in (f.declaration(found) for f, found in recipe) if d is not None)
+        _REBUILT[key] = rewrite
+    return _REBUILT[key]
+
+
+def _fuser_edit(fuser, found, tree, context):
+    return fuser.edit(tree, found, context)
+
+
+class BoundRewrite:
+    """A rewritten method bound to one instance, like ``types.MethodType``, that copies and pickles:
+    it pickles as its instance and its rewrite (the class and the recipe), so ``copy.deepcopy`` and
+    ``torch.save(model)`` work, and ``torch.load`` in another process makes the rewrite again."""
+
+    __slots__ = ("__self__", "__func__", "rewrite")
+
+    def __init__(self, rewrite: MethodRewrite, instance):
+        self.rewrite = rewrite
+        self.__self__ = instance
+        self.__func__ = rewrite.compile()
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    @property
+    def __signature__(self):
+        return inspect.signature(types.MethodType(self.__func__, self.__self__))
+
+    @property
+    def __name__(self):
+        return self.__func__.__name__
+
+    @property
+    def __wrapped__(self):
+        return types.MethodType(self.__func__, self.__self__)
+
+    def __reduce__(self):
+        return (BoundRewrite, (self.rewrite, self.__self__))
+
+    def __repr__(self) -> str:
+        return f"<rewritten method {self.__func__.__qualname__} of {type(self.__self__).__name__}>"
 
 
 def _method_code(node: cst.FunctionDef) -> str:

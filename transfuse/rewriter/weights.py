@@ -29,7 +29,6 @@ from ..ops import LinearPart, identify_activation, layer
 __all__ = ["ActivationError", "Merge", "MergeError", "merge_declared", "merge_linears", "merges_of", "unmerge_linears"]
 
 _MERGES = "_transfuse_merges"
-_HOOKS = "_transfuse_merge_hooks"
 _TENSORS = ("weight", "bias")
 
 
@@ -130,17 +129,27 @@ def unmerge_linears(parent: nn.Module, into: str) -> None:
     for name, lin in zip(record.parts, record.originals):
         setattr(parent, name, lin)
     if not merges_of(parent):
-        for handle in parent.__dict__.pop(_HOOKS):
-            handle.remove()
+        _remove_hooks(parent)
         del parent.__dict__[_MERGES]
 
 
+# The hooks are found by identity in the module's own hook tables, not through handles: a copied or
+# unpickled module carries the hooks but not handles to its own tables.
+def _ours(hook) -> bool:
+    return getattr(hook, "hook", hook) in (_split_on_save, _merge_on_load)
+
+
 def _ensure_hooks(parent: nn.Module) -> None:
-    if _HOOKS not in parent.__dict__:
-        parent.__dict__[_HOOKS] = (
-            parent.register_state_dict_post_hook(_split_on_save),
-            parent.register_load_state_dict_pre_hook(_merge_on_load),
-        )
+    if not any(_ours(h) for h in parent._state_dict_hooks.values()):
+        parent.register_state_dict_post_hook(_split_on_save)
+    if not any(_ours(h) for h in parent._load_state_dict_pre_hooks.values()):
+        parent.register_load_state_dict_pre_hook(_merge_on_load)
+
+
+def _remove_hooks(parent: nn.Module) -> None:
+    for table in (parent._state_dict_hooks, parent._load_state_dict_pre_hooks):
+        for key in [k for k, h in table.items() if _ours(h)]:
+            del table[key]
 
 
 def _split_on_save(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
