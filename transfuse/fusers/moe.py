@@ -75,7 +75,10 @@ class MoEFuser(Fuser):
     def wants(self, module: nn.Module) -> bool:
         """A child holding 3-D parameters (packed experts) or a list of small modules (per-expert MLPs)."""
         for child in module.children():
-            if any(p.dim() >= 3 for p in child.parameters(recurse=False)):
+            # Packed experts are [E, in, out]; a convolution's weight has 3 or more dimensions too.
+            if not isinstance(child, nn.modules.conv._ConvNd) and any(
+                p.dim() == 3 for p in child.parameters(recurse=False)
+            ):
                 return True
             if isinstance(child, nn.ModuleList) and len(child) >= 2 and _small_members(child):
                 return True

@@ -62,8 +62,40 @@ def is_meta_model(model: nn.Module) -> bool:
     return bool(params) and all(p.is_meta for p in params)
 
 
+def _input_embeddings(model: nn.Module) -> nn.Module | None:
+    """The model's token embeddings: ``get_input_embeddings()`` where it is implemented (remote code
+    may not), else the first ``nn.Embedding`` it holds."""
+    getter = getattr(model, "get_input_embeddings", None)
+    if getter is not None:
+        try:
+            found = getter()
+        except (NotImplementedError, AttributeError):
+            found = None
+        if found is not None:
+            return found
+    return next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+
+
+def _vocabulary(model: nn.Module) -> int | None:
+    """How many token ids the model takes: its config's vocabulary (a composite model's text
+    config's), else its token embeddings' size."""
+    config = getattr(model, "config", None)
+    for candidate in (config, getattr(config, "text_config", None)):
+        vocab = getattr(candidate, "vocab_size", None)
+        if isinstance(vocab, int) and vocab > 0:
+            return vocab
+    get_text_config = getattr(config, "get_text_config", None)
+    if callable(get_text_config):
+        vocab = getattr(get_text_config(), "vocab_size", None)
+        if isinstance(vocab, int) and vocab > 0:
+            return vocab
+    embeddings = _input_embeddings(model)
+    vocab = getattr(embeddings, "num_embeddings", None)
+    return vocab if isinstance(vocab, int) and vocab > 0 else None
+
+
 def _model_device(model: nn.Module) -> torch.device:
-    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    embeddings = _input_embeddings(model)
     if embeddings is not None and getattr(embeddings, "weight", None) is not None:
         return embeddings.weight.device
     for p in model.parameters():
@@ -90,11 +122,12 @@ def make_probe(model: nn.Module, example_inputs: Any = None, seq_len: int = 32, 
             f"example_inputs must be a tensor, a tuple of positional arguments or a dict of keyword arguments "
             f"of {type(model).__name__}.forward, not {type(example_inputs).__name__}."
         )
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if not isinstance(vocab, int):
+    vocab = _vocabulary(model)
+    if vocab is None:
         raise ProbeUnavailable(
-            f"{type(model).__name__} has no config.vocab_size, so transfuse cannot make a probe input for it; "
-            "pass example_inputs=(tensor, ...) or example_inputs={'name': tensor} to rewrite()"
+            f"{type(model).__name__} has no vocabulary (config.vocab_size, a text config's, or token embeddings), "
+            "so transfuse cannot make a probe input for it; pass example_inputs=(tensor, ...) or "
+            "example_inputs={'name': tensor} to rewrite()"
         )
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, vocab, (1, seq_len), generator=generator).to(_model_device(model))
