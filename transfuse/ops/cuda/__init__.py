@@ -1,4 +1,4 @@
-"""CUDA C++ providers (kernels in ``csrc/``), built on demand where a CUDA toolchain exists.
+"""CUDA C++ providers (kernels in ``transfuse/csrc/``), built on demand where a CUDA toolchain exists.
 
 Registered here for rms_norm, fused_add_rms_norm and silu_and_mul. ``supported`` only asks
 whether the platform is an NVIDIA GPU; ``supports_args`` takes the cases the kernels were
@@ -24,7 +24,7 @@ from .build import extension
 
 __all__ = ["on_cuda_platform"]
 
-# Widths the rms_norm kernel holds in registers (csrc/rms_norm.cu: 4096 vectors a row):
+# Widths the rms_norm kernel holds in registers (transfuse/csrc/rms_norm.cu: 4096 vectors a row):
 # any row up to _SCALAR_WIDTH, and up to 4096 16-byte vectors when rows are contiguous and aligned.
 _SCALAR_WIDTH = 4096
 _VECTORS = 4096
@@ -54,7 +54,7 @@ def _built() -> bool:
 
 
 def _rows_aligned(t: torch.Tensor | None, vec: int) -> bool:
-    """Every row of ``t``'s rows view starts on 16 bytes, as csrc/rms_norm.cu's vector path checks."""
+    """Every row of ``t``'s rows view starts on 16 bytes, as transfuse/csrc/rms_norm.cu's vector path checks."""
     if t is None:
         return True
     try:

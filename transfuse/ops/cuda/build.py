@@ -1,4 +1,4 @@
-"""Build the CUDA C++ kernels of ``csrc/`` with torch's C++ extension tooling, once, on first use.
+"""Build the CUDA C++ kernels of ``transfuse/csrc/`` with torch's C++ extension tooling, once, on first use.
 
 The build needs a CUDA build of torch, a visible NVIDIA GPU, ``nvcc`` and the sources. It
 is compiled for the GPUs present (torch's default; ``TORCH_CUDA_ARCH_LIST`` overrides it)
@@ -7,11 +7,9 @@ into torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default
 one warning line says why and the CUDA providers step aside for the next ones;
 ``python -m transfuse.ops.cuda`` builds verbosely, to read the compiler's own output.
 
-The sources live in ``csrc/`` at the repository root. ``transfuse/csrc`` is a symlink to it,
-so a source checkout or an editable install finds them inside the package, and a wheel ships
-them there as files (``package-data`` in pyproject.toml). The loader looks in
-``$TRANSFUSE_CSRC``, then ``transfuse/csrc``, then ``csrc/`` beside the package (for a
-checkout made without symlinks).
+The sources live inside the package, in ``transfuse/csrc/`` (plain files: a checkout, an
+editable install, a wheel and an sdist all carry them the same way; ``package-data`` in
+pyproject.toml). ``$TRANSFUSE_CSRC`` points the loader elsewhere.
 """
 
 from __future__ import annotations
@@ -38,7 +36,7 @@ _PACKAGE_DIR = Path(__file__).resolve().parents[2]
 
 def csrc_dir() -> Path | None:
     """The directory holding the CUDA sources, or None when none is installed."""
-    candidates = [_PACKAGE_DIR / "csrc", _PACKAGE_DIR.parent / "csrc"]
+    candidates = [_PACKAGE_DIR / "csrc"]
     if os.environ.get("TRANSFUSE_CSRC"):
         candidates.insert(0, Path(os.environ["TRANSFUSE_CSRC"]))
     for candidate in candidates:
@@ -58,12 +56,12 @@ def unavailable_reason() -> str | None:
     if CUDA_HOME is None:
         return "nvcc was not found; set CUDA_HOME to the CUDA toolkit"
     if csrc_dir() is None:
-        return "the CUDA sources (csrc/) are not installed; set TRANSFUSE_CSRC to a transfuse checkout's csrc directory"
+        return "the CUDA sources (transfuse/csrc/) are not installed; set TRANSFUSE_CSRC to a directory holding them"
     return None
 
 
 def _sources_digest(directory: Path) -> str:
-    """A digest of every file in csrc/: torch's build cache watches the listed sources, not the headers."""
+    """A digest of every file of the sources: torch's build cache watches the listed sources, not the headers."""
     digest = hashlib.sha256()
     for path in sorted(directory.iterdir()):
         if path.is_file():
