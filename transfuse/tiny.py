@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["tiny_config", "tiny_model"]
+__all__ = ["causal_lm_types", "tiny_config", "tiny_model"]
 
 # Small values for common configuration keys. Sizes keep every head, expert and
 # rank dimension consistent with one another (hidden 64 = 4 heads x 16).
@@ -58,15 +58,23 @@ _TINY_VALUES = {
 _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
+def causal_lm_types() -> list[str]:
+    """The model types transformers builds a causal LM for, sorted."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
 def tiny_config(model_type: str, **overrides):
     """A small configuration of ``model_type``: two layers, hidden size 64, a few experts."""
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if model_type not in CONFIG_MAPPING:
+        causal = causal_lm_types()
         raise ValueError(
-            f"Unknown model type {model_type!r}. Known types include: "
-            f"{', '.join(sorted(CONFIG_MAPPING.keys())[:12])}, ... ({len(CONFIG_MAPPING)} in all)."
+            f"Unknown model type {model_type!r}. Causal-LM types include: "
+            f"{', '.join(causal[:12])}, ... ({len(causal)} in all)."
         )
     default = CONFIG_MAPPING[model_type]()
     values = {k: v for k, v in _TINY_VALUES.items() if hasattr(default, k)}
