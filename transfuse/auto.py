@@ -30,6 +30,12 @@ class AutoModelForCausalLM:
     def from_pretrained(
         cls, pretrained_model_name_or_path, *model_args, fusions: list[str] | None = None, verify: bool = True, **kwargs
     ):
+        """Load as ``transformers.AutoModelForCausalLM.from_pretrained`` does (every argument means what
+        it means there: ``dtype``, ``device_map``, ``trust_remote_code``, ``gguf_file``, ...), then
+        ``transfuse.rewrite`` the model in place with ``fusions`` (the default kinds when None) and
+        ``verify``. Where the rewrite cannot be made (no probe runs, an error part-way), a warning
+        says why and the stock model is returned: loading never fails because of transfuse. Progress
+        follows transformers' logging (``transformers.logging.disable_progress_bar()`` hides the bars)."""
         from transformers import AutoModelForCausalLM as TransformersAuto
 
         model = TransformersAuto.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
@@ -37,6 +43,8 @@ class AutoModelForCausalLM:
 
     @classmethod
     def from_config(cls, config, *, fusions: list[str] | None = None, verify: bool = True, **kwargs):
+        """Build as ``transformers.AutoModelForCausalLM.from_config(config, **kwargs)`` does (random
+        weights), then rewrite it as ``from_pretrained`` does."""
         from transformers import AutoModelForCausalLM as TransformersAuto
 
         model = TransformersAuto.from_config(config, **kwargs)

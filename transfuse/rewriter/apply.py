@@ -32,6 +32,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from ..progress import bar
 from .analysis import ClassAnalysis, analyse
 from .capture import Probe, ProbeUnavailable, eval_mode, is_meta_model, make_probe, record_calls
 from .checking import check_instances, check_model, judge_losses, loss_in_training, prepare
@@ -110,7 +111,8 @@ def _plan(
     claimed: list[str] = []  # paths whose whole subtree a planned fusion consumes
     classes = set()
     meta_model = is_meta_model(model)
-    for path, module in model.named_modules():
+    modules = list(model.named_modules())
+    for path, module in bar(modules, total=len(modules), desc="transfuse: analysing"):
         if is_fused(module) or any(path.startswith(p + ".") or path == p for p in claimed):
             continue
         wanting = [f for f in fusers if f.wants(module)]

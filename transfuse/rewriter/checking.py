@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..ops.graphs import suspended as graphs_suspended
+from ..progress import bar
 from .analysis import class_key
 from .capture import Call, Probe, eval_mode, record_calls
 from .verify import Judgement, judge, judge_model
@@ -151,7 +152,7 @@ def prepare(
         if instance.path in reached:
             donors.setdefault(class_key(instance.module), instance.path)
     checks: dict[str, Check] = {}
-    for instance in instances:
+    for instance in bar(instances, total=len(instances), desc="transfuse: reference runs"):
         call, borrowed = reached.get(instance.path), None
         if call is None:
             borrowed = donors.get(class_key(instance.module))
@@ -187,7 +188,7 @@ def check_instances(
     """Run each fused instance on its recorded inputs; ``failed(instance, reason)`` for those whose
     output ``judge`` does not pass. Returns the instances that passed."""
     kept = []
-    for instance in instances:
+    for instance in bar(instances, total=len(instances), desc="transfuse: checking"):
         check = checks[instance.path]
         module = model.get_submodule(instance.path)
         args, kwargs = check.call.fresh()

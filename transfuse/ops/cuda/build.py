@@ -25,6 +25,7 @@ from types import ModuleType
 
 import torch
 
+from ...progress import note
 from ..platform import current_platform
 
 __all__ = ["EXTENSION_NAME", "SOURCES", "build", "csrc_dir", "extension", "unavailable_reason"]
@@ -97,7 +98,11 @@ def build(verbose: bool = False) -> ModuleType:
     source_dir = csrc_dir()
     _clear_stale_lock(verbose)
     version = f"-DTRANSFUSE_CSRC_DIGEST={_sources_digest(source_dir)}"
-    return load(
+    started = time.perf_counter()
+    fresh = not _built_before()
+    if fresh:
+        note("transfuse: building the CUDA kernels, once per machine and torch version (about 30 s)...")
+    module = load(
         name=EXTENSION_NAME,
         sources=[str(source_dir / name) for name in SOURCES],
         extra_include_paths=[str(source_dir)],
@@ -105,6 +110,15 @@ def build(verbose: bool = False) -> ModuleType:
         extra_cuda_cflags=["-O3", "--expt-relaxed-constexpr", "-lineinfo", version],
         verbose=verbose,
     )
+    if fresh:
+        note(f"transfuse: CUDA kernels built in {time.perf_counter() - started:.0f} s")
+    return module
+
+
+def _built_before() -> bool:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return (Path(_get_build_directory(EXTENSION_NAME, False)) / f"{EXTENSION_NAME}.so").is_file()
 
 
 def _first_line(exc: BaseException) -> str:

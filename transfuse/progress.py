@@ -1,0 +1,58 @@
+"""How transfuse reports progress, in transformers' conventions, so it is silenced the same way.
+
+* ``bar``: a progress bar (tqdm, through ``transformers.utils.logging.tqdm`` where transformers is
+  installed) that appears only once its work has taken ``BAR_DELAY_S``: quick rewrites print
+  nothing. ``transformers.logging.disable_progress_bar()`` or ``TRANSFUSE_PROGRESS=0`` turn bars off.
+* ``note``: a one-line message to the ``transfuse`` logger, shown when transformers' verbosity
+  allows its level (by default warnings are shown and info is not, as for transformers' own
+  messages): ``transformers.logging.set_verbosity_error()`` silences it, and
+  ``TRANSFUSE_VERBOSITY`` (``error``, ``warning``, ``info``) overrides it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Iterable, TypeVar
+
+__all__ = ["BAR_DELAY_S", "bar", "note"]
+
+logger = logging.getLogger("transfuse")
+T = TypeVar("T")
+
+# A bar appears only when its work has lasted this long.
+BAR_DELAY_S = 2.0
+_LEVELS = {"error": logging.ERROR, "warning": logging.WARNING, "info": logging.INFO, "debug": logging.DEBUG}
+
+
+def _verbosity() -> int:
+    chosen = os.environ.get("TRANSFUSE_VERBOSITY", "").strip().lower()
+    if chosen in _LEVELS:
+        return _LEVELS[chosen]
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return logging.WARNING
+    return hf_logging.get_verbosity()
+
+
+def note(message: str, level: int = logging.WARNING) -> None:
+    """Log ``message`` if the verbosity (transformers', or ``TRANSFUSE_VERBOSITY``) allows ``level``."""
+    if level >= _verbosity():
+        logger.log(level, message)
+
+
+def bar(iterable: Iterable[T], *, total: int | None = None, desc: str = "") -> Iterable[T]:
+    """``iterable`` with a progress bar that shows only after ``BAR_DELAY_S``, if bars are enabled."""
+    if os.environ.get("TRANSFUSE_PROGRESS", "1").strip() == "0":
+        return iterable
+    try:
+        from transformers.utils import logging as hf_logging
+
+        tqdm = hf_logging.tqdm
+    except ImportError:
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            return iterable
+    return tqdm(iterable, total=total, desc=desc, delay=BAR_DELAY_S, leave=False)
