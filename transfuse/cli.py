@@ -38,15 +38,14 @@ def _explain(args: argparse.Namespace) -> int:
 
 def _diff(args: argparse.Namespace) -> int:
     from .api import diff
-    from .rewriter.apply import rewrites_of
-    from .rewriter.diffview import colour, html_page
+    from .rewriter.diffview import colour, review_page
 
     model = _load_and_rewrite(args)
     text = diff(model, context=args.context)
     if args.html:
         with open(args.html, "w", encoding="utf-8") as f:
-            f.write(html_page(rewrites_of(model), title=f"transfuse diff {args.model}"))
-        log.info("transfuse: wrote %s", args.html)
+            f.write(review_page(model, args.model))
+        log.info("transfuse: wrote the review page %s", args.html)
     if not text:
         print("transfuse: no source was rewritten (only modules were replaced, or nothing fused).", file=sys.stderr)
         return 0
@@ -157,7 +156,9 @@ def _parser() -> argparse.ArgumentParser:
     diff = commands.add_parser("diff", parents=[with_model], help="rewrite MODEL and print what changed in its source")
     diff.add_argument("--context", type=int, default=3, metavar="N", help="lines of context (default 3)")
     diff.add_argument("--color", choices=("auto", "always", "never"), default="auto", help="default: on a terminal")
-    diff.add_argument("--html", metavar="FILE", help="also write a side-by-side HTML page to FILE")
+    diff.add_argument(
+        "--html", metavar="FILE", help="also write a review page to FILE: report, contents, unified and side-by-side views"
+    )
     diff.set_defaults(run=_diff)
 
     emit = commands.add_parser(

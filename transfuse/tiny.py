@@ -65,6 +65,12 @@ def causal_lm_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+def _read_only(cls: type, key: str) -> bool:
+    """Whether ``key`` is a property of the config class that cannot be set (falcon's head_dim)."""
+    attribute = getattr(cls, key, None)
+    return isinstance(attribute, property) and attribute.fset is None
+
+
 def tiny_config(model_type: str, **overrides):
     """A small configuration of ``model_type``: two layers, hidden size 64, a few experts."""
     from transformers import AutoConfig
@@ -77,7 +83,7 @@ def tiny_config(model_type: str, **overrides):
             f"{', '.join(causal[:12])}, ... ({len(causal)} in all)."
         )
     default = CONFIG_MAPPING[model_type]()
-    values = {k: v for k, v in _TINY_VALUES.items() if hasattr(default, k)}
+    values = {k: v for k, v in _TINY_VALUES.items() if hasattr(default, k) and not _read_only(type(default), k)}
     if "qk_rope_head_dim" in values and "head_dim" in values:
         values["head_dim"] = values["qk_rope_head_dim"]  # such configs rotate only the rope part of a head
     values.update(overrides)

@@ -48,7 +48,7 @@ logger = logging.getLogger("transfuse")
 REPORT_ATTR = "_transfuse_report"
 # On an instance whose forward was rewritten: the MethodRewrite it runs.
 REWRITTEN_ATTR = "_transfuse_rewrite"
-# On the model: {original class: (fuser, found)} for classes whose instances were replaced.
+# On the model: {original class: (fuser, found or None)} for classes whose instances were replaced.
 REPLACED_ATTR = "_transfuse_replaced"
 
 
@@ -407,8 +407,11 @@ def rewrite_model(
     replaced = model.__dict__.setdefault(REPLACED_ATTR, {})
     for instance in applied:
         for plan in instance.plans:
-            if plan.fuser.replaces_module:
-                replaced[type(instance.module)] = (plan.fuser, plan.found)
+            if plan.fused.replacement is not None and plan.fused.replaced == ("",):
+                # What was found is kept only for an emitted forward (a match may hold graph nodes,
+                # which neither copy nor pickle).
+                emits = type(plan.fuser).emitted_forward is not Fuser.emitted_forward
+                replaced[type(instance.module)] = (plan.fuser, plan.found if emits else None)
             report.fusions.append(
                 FusionRecord(
                     instance.path,

@@ -36,7 +36,7 @@ from .source import EditContext, MethodRewrite, _identifiers, _parse_file, metho
 from .syntax import comment_line
 from .tracer import unwrapped_forward
 
-__all__ = ["EmitError", "EmitResult", "emit", "emitted_sources"]
+__all__ = ["EmitError", "EmitResult", "emit", "emitted_replacement", "emitted_sources"]
 
 # Files of a checkpoint directory that emit copies or links besides the weights.
 _SKIPPED_FILES = {"config.json"}
@@ -100,15 +100,24 @@ def _collect(model: nn.Module, notes: list[str]) -> dict[str, _FileEdits]:
         if any(type(mod) is cls for mod in model.modules()):
             notes.append(f"{cls.__name__} is emitted unchanged: some of its instances were not replaced.")
             continue
-        source = method_source(unwrapped_forward(cls))
-        context = EditContext(cls, source, _identifiers(source.node)) if source is not None else None
-        forward = fuser.emitted_forward(found, context) if context is not None else None
-        if forward is None:
+        rewrite = emitted_replacement(cls, fuser, found)
+        if rewrite is None:
             notes.append(f"{cls.__name__} is emitted unchanged: its {fuser.kind} fusion has no emitted form.")
             continue
-        edits_for(cls).methods.append(MethodRewrite(cls, source, forward, context.imports, (fuser.kind,)))
+        edits_for(cls).methods.append(rewrite)
     edits_for(type(model))  # the model's own file carries the loading hook
     return files
+
+
+def emitted_replacement(cls: type, fuser, found) -> MethodRewrite | None:
+    """The forward an emitted file gives a class whose instances the rewrite replaced (calling the
+    same fused op), as a rewrite of its source; None where the fusion has no emitted form."""
+    source = method_source(unwrapped_forward(cls))
+    if source is None:
+        return None
+    context = EditContext(cls, source, _identifiers(source.node))
+    forward = fuser.emitted_forward(found, context)
+    return MethodRewrite(cls, source, forward, context.imports, (fuser.kind,)) if forward is not None else None
 
 
 def _absolute_module(module_name: str, relative: cst.ImportFrom) -> str:
