@@ -46,11 +46,12 @@ def table(monkeypatch):
 
     monkeypatch.setattr(graphs.SmallBatchGraphs, "_record", record)
     table.captures = captures
+    table.owner = layer  # the table itself holds no reference to its layer
     return table
 
 
 def test_a_shape_is_captured_when_seen_twice_and_replays_fresh_outputs(table):
-    layer = table.layer
+    layer = table.owner
     with torch.no_grad():
         x1, x2, x3 = (torch.randn(1, 2, 8) for _ in range(3))
         assert torch.equal(table(x1), layer(x1)) and table.captures == []
@@ -63,7 +64,7 @@ def test_a_shape_is_captured_when_seen_twice_and_replays_fresh_outputs(table):
 
 
 def test_replaced_weights_and_a_new_dispatch_generation_mean_a_new_capture(table, monkeypatch):
-    layer = table.layer
+    layer = table.owner
     x = torch.randn(2, 8)
     with torch.no_grad():
         table(x), table(x)
@@ -115,7 +116,7 @@ def test_keys_seen_once_are_bounded(table):
     with torch.no_grad():
         for _ in range(graphs._MAX_SEEN + 10):
             kept.append(nn.Parameter(torch.randn(8, 8)))
-            table.layer.proj.weight = kept[-1]
+            table.owner.proj.weight = kept[-1]
             table(torch.randn(1, 8))
     assert len(table._seen) == graphs._MAX_SEEN and table.captures == []
 
@@ -138,3 +139,17 @@ def test_a_shape_that_fails_to_capture_runs_eagerly_with_one_warning(monkeypatch
     assert len(caught) == 1 and len(attempts) == 1 and table._graphs == {}
     assert all(torch.equal(out, layer(x)) for out in outs)
     assert table.failed.startswith("RuntimeError")
+
+
+def test_a_table_does_not_keep_its_layer_alive():
+    """The tables live in a dictionary weakly keyed by their layer: a table holding the layer would
+    keep every layer (and its weights) alive for good."""
+    import gc
+    import weakref
+
+    layer = _Layer()
+    alive = weakref.ref(layer)
+    table = graphs.SmallBatchGraphs(layer, lambda x: x, max_tokens=4)
+    del layer
+    gc.collect()
+    assert alive() is None and table.name == "_Layer"

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 import transfuse
-from transfuse.ops import MergedProjection, RMSNorm
+from tests.test_moe import FAMILIES as MOE_FAMILIES
+from tests.test_moe import OVERRIDES as MOE_OVERRIDES
+from transfuse.ops import MergedProjection, MoE, RMSNorm
 from transfuse.rewriter.emit import EmitError, emit
 from transfuse.tiny import tiny_model
 
@@ -119,3 +121,72 @@ def test_from_pretrained_returns_a_rewritten_model_with_transformers_arguments(t
     assert torch.equal(_logits(fused, ids), _logits(stock, ids))
     only_norms = transfuse.from_pretrained(tmp_path, fusions=["rms_norm"])
     assert transfuse.report(only_norms).counts() == {"rms_norm": 9}
+
+
+# ---- mixtures of experts ---------------------------------------------------------------------
+
+
+def _realigned(model):
+    """The model with its tensors copied out of the checkpoint's memory map: CPU kernels may sum in
+    another order for tensors not aligned to 64 bytes, which safetensors' mmap does not promise."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone()
+    return model.eval()
+
+
+@pytest.mark.parametrize("model_type", MOE_FAMILIES)
+def test_emitted_moe_blocks_call_the_fused_ops_with_the_runtime_logits(model_type, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model(model_type, **MOE_OVERRIDES.get(model_type, {}))
+    ids = _ids(model)
+    transfuse.rewrite(model)
+    moe_classes = {f.cls for f in transfuse.report(model).fusions if f.kind == "moe"}
+    assert moe_classes
+    runtime = _logits(model, ids)
+    result = emit(model, tmp_path / "out")
+    assert not [n for n in result.notes if any(c in n for c in moe_classes)], result.notes
+    text = "".join((tmp_path / "out" / f).read_text() for f in result.files if f.endswith(".py"))
+    for cls in moe_classes:
+        body = text[text.index(f"class {cls}(") :]
+        assert "_transfuse_moe = MoEPlan(" in body.split("\nclass ")[0] and "moe_block(self, " in body.split("\nclass ")[0]
+    loaded = _realigned(AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True))
+    assert type(loaded).__module__.startswith("transformers_modules.")
+    assert not any(isinstance(m, MoE) for m in loaded.modules())  # the emitted blocks themselves compute
+    assert torch.equal(_logits(loaded, ids), runtime)
+    assert loaded.state_dict().keys() == model.state_dict().keys()
+    # The weights are in the model's own layout, which the stock classes load too.
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert (_logits(stock, ids) - runtime).abs().max().item() <= 1e-5
+
+
+def test_an_emitted_moe_block_refuses_attributes_its_plan_was_not_made_for(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = transfuse.rewrite(tiny_model("qwen3_moe"))
+    emit(model, tmp_path / "out")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True).eval()
+    ids = _ids(model)
+    _logits(loaded, ids)
+    loaded.model.layers[1].mlp.gate.norm_topk_prob = True  # the traced router branches on it
+    with pytest.raises(ValueError, match=r"made for gate\.norm_topk_prob = False, and it is now True"):
+        _logits(loaded, ids)
+    model.model.layers[1].mlp.gate.norm_topk_prob = True  # the runtime layer checks the same
+    with pytest.raises(ValueError, match=r"made for gate\.norm_topk_prob = False"):
+        _logits(model, ids)
+
+
+def test_emit_from_a_checkpoint_transformers_converts_saves_the_weights_in_the_models_layout(tmp_path):
+    """A stock MoE checkpoint keeps per-expert weights that transformers packs on load, for its own
+    classes only: the emitted (custom) classes would load nothing, so emit writes the packed ones."""
+    from transformers import AutoModelForCausalLM
+
+    tiny_model("qwen3_moe").save_pretrained(tmp_path / "ckpt")
+    model = transfuse.from_pretrained(tmp_path / "ckpt")
+    ids = _ids(model)
+    result = emit(model, tmp_path / "out", checkpoint_dir=str(tmp_path / "ckpt"))
+    assert any("saved in the model's own layout" in n for n in result.notes)
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() != (tmp_path / "ckpt" / "model.safetensors").read_bytes()
+    loaded = _realigned(AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True))
+    assert torch.equal(_logits(loaded, ids), _logits(model, ids))

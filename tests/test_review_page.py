@@ -106,12 +106,10 @@ def test_every_rewrite_and_replacement_has_a_section_in_the_contents():
     assert expected <= set(rows.ids)
     for anchor in rows.ids:
         assert f'href="#{anchor}"' in page
-    # the MoE block has no emitted form: its section shows the fused layer and the forward as written
-    assert "Qwen3MoeSparseMoeBlock" in rows.ids
-    moe = page.split('<section id="Qwen3MoeSparseMoeBlock">')[1].split("</section>")[0]
-    assert html.escape(repr(model.model.layers[0].mlp)) in moe
-    forward = [c for _, c in rows.rows[("Qwen3MoeSparseMoeBlock", "unified")]]
-    assert "def forward(" in forward[0][3]
+    # the MoE block is shown as its emitted form: the plan on the class, the forward calling moe_block
+    added = [c[3] for kind, c in rows.rows[("Qwen3MoeSparseMoeBlock-forward", "unified")] if kind[0] == "add"]
+    assert any("_transfuse_moe = MoEPlan(" in line for line in added)
+    assert any("return moe_block(self, hidden_states, self._transfuse_moe, top_k=self.gate.top_k)" in line for line in added)
     assert f"<b>{len(report.fusions)} fusions</b>" in page
     for kind in {f.kind for f in report.fusions}:
         assert f"<td>{kind}</td>" in page
@@ -139,3 +137,16 @@ def test_refusals_are_listed_with_their_tags_and_a_model_with_nothing_to_show_sa
         assert f'<span class="tag">{skip.tag}</span>' in refused and html.escape(skip.reason) in refused
     nothing = review_page(transfuse.rewrite(tiny_model("llama"), fusions=[]), "llama")
     assert "No class was rewritten or replaced." in nothing and "<b>0 fusions</b>" in nothing
+
+
+def test_a_replacement_without_an_emitted_form_shows_the_layer_and_the_forward_as_written():
+    torch.manual_seed(0)
+    model = toys.TinyMoEModel(toys.ModuleListMoE())  # per-expert modules: stacked, no emitted form
+    transfuse.rewrite(model, example_inputs=(torch.randn(2, 5, 32),))
+    page = review_page(model, "toy")
+    rows = _parse(page)
+    section = page.split('<section id="ModuleListMoE">')[1].split("</section>")[0]
+    (fused,) = [m for m in model.modules() if type(m).__name__ == "MoE"]
+    assert html.escape(repr(fused)) in section
+    written = [c[3] for _, c in rows.rows[("ModuleListMoE", "unified")]]
+    assert written[0].strip().startswith("def forward(") and any("index_add_" in line for line in written)

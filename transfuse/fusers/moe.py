@@ -22,6 +22,10 @@ block whose training path differs fuses for inference and says so when run in tr
 
 Packed experts are used in place (no copies, any layout); per-expert modules are stacked
 into the packed layout (``StackedExperts``), keeping their state-dict keys.
+
+An emitted file gives a block with packed experts ``forward = moe_block(self, x, plan, top_k=...)``,
+the plan a class attribute that also names the attribute values the traces assumed
+(``MoEPlan.assumes``); blocks of per-expert modules are emitted unchanged.
 """
 
 from __future__ import annotations
@@ -47,12 +51,13 @@ from ..rewriter.analysis import ClassAnalysis
 from ..rewriter.fusion import Fused, Fuser, Refusal
 from ..rewriter.graph import NoMatch, is_op, operand, operands, peel_casts, value
 from ..rewriter.inline import call_inputs, inline_calls
-from ..rewriter.source import method_source
+from ..rewriter.source import EditContext, method_source
+from ..rewriter.syntax import comment_line, dataclass_literal
 from ..rewriter.tracer import Trace, unwrapped_forward
 from .moe_experts import GLUMember, LoopMatch, match_glu_member, match_loop
 from .moe_routing import RoutingMatch, Source, match_routing, peel_reshapes
 
-__all__ = ["MoEFuser", "MoEMatch"]
+__all__ = ["MoEEmission", "MoEFuser", "MoEMatch"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,20 @@ class MoEMatch:
     limit: Source | None
     skip_ids_from: Source | None  # an expert id the loop skips, when it skips one
     training_branches: tuple[tuple[str, type], ...]  # (child path or "", class) whose forward reads self.training
+    input: str = "hidden_states"  # the forward's parameter the block reads
+
+
+@dataclass(frozen=True)
+class MoEEmission:
+    """What an emitted forward needs of a fused block: no graph nodes, so it copies and pickles.
+
+    plan: the fused layer's plan (a class attribute of the emitted block).
+    numbers: (``moe_block`` keyword, where the block's attribute is) for each number read per instance.
+    """
+
+    plan: MoEPlan
+    input: str
+    numbers: tuple[tuple[str, Source], ...]
 
 
 class MoEFuser(Fuser):
@@ -108,13 +127,56 @@ class MoEFuser(Fuser):
         children = dict(module.named_children())
         if found.member is not None:
             children[found.experts_child] = _stack(children[found.experts_child], found.member)
-        plan = replace(found.plan, train_error=_train_error(module, found))
+        # The layer keeps the block's children, not its own attributes: it checks the children's.
+        children_assumed = tuple(a for a in found.plan.assumes if "." in a[0])
+        plan = replace(found.plan, train_error=_train_error(module, found), assumes=children_assumed)
         experts = ExpertNumbers(
             alpha=_float(found.alpha, module, 1.0),
             limit=_float(found.limit, module, math.inf),
         )
         fused = layer("MoE")(children, plan, _routing_numbers(module, found.routing), experts)
         return Fused(replaced=("",), into=type(fused).__name__, replacement=fused)
+
+    def emission(self, found: MoEMatch, fused: Fused) -> MoEEmission | None:
+        """None for per-expert modules (an emitted file would have to stack them on every call) and
+        for plans that assume values no literal writes."""
+        plan = getattr(fused.replacement, "plan", None)
+        if found.member is not None or not isinstance(plan, MoEPlan):
+            return None
+        plan = replace(plan, assumes=found.plan.assumes)  # the emitted block has its own attributes too
+        if any(not isinstance(v, (bool, int, float, str, type(None))) for _, v in plan.assumes):
+            return None
+        numbers = []
+        r = found.routing
+        if r is not None:
+            numbers += [("top_k", r.top_k), ("n_group", r.n_group), ("topk_group", r.topk_group)]
+            numbers += [(k, v) for k, v in (("renorm_eps", r.renorm_eps), ("renorm_min", r.renorm_min), ("scale", r.scale))]
+        numbers += [("alpha", found.alpha), ("limit", found.limit)]
+        defaults = {"n_group": 1, "topk_group": 1}
+        kept = tuple((k, v) for k, v in numbers if v is not None and not (v.path is None and v.literal == defaults.get(k)))
+        return MoEEmission(plan, found.input, kept)
+
+    def emitted_forward(self, found: MoEEmission | None, context: EditContext) -> cst.FunctionDef | None:
+        """``return moe_block(self, hidden_states, self._transfuse_moe, top_k=self.gate.top_k, ...)``,
+        the plan a class attribute (``_transfuse_moe = MoEPlan(...)``), the docstring kept."""
+        if found is None:
+            return None
+        op = context.require("transfuse.ops", "moe_block")
+        plan = dataclass_literal(found.plan, lambda cls: context.require(cls.__module__, cls.__name__))
+        attribute = cst.parse_statement(f"_transfuse_moe = {plan}").with_changes(
+            leading_lines=[
+                cst.EmptyLine(indent=False),
+                comment_line("transfuse: what the fused mixture-of-experts ops compute here (moe_block)"),
+            ]
+        )
+        context.class_statements.append(attribute)
+        numbers = "".join(f", {k}={_expression(v)}" for k, v in found.numbers)
+        body = cst.parse_statement(f"return {op}(self, {found.input}, self._transfuse_moe{numbers})")
+        body = body.with_changes(leading_lines=[comment_line(f"transfuse: fused routing and experts ({found.plan.describe()})")])
+        node = context.source.node
+        first = node.body.body[0] if node.body.body else None
+        docstring = [first] if first is not None and m.matches(first, m.SimpleStatementLine([m.Expr(m.SimpleString())])) else []
+        return node.with_changes(body=node.body.with_changes(body=[*docstring, body]))
 
 
 class _NotMoE(Exception):
@@ -125,6 +187,10 @@ def _small_members(members: nn.ModuleList) -> bool:
     """Members of one class whose children are all leaves: per-expert MLPs, not decoder layers."""
     classes = {type(m) for m in members}
     return len(classes) == 1 and all(next(c.children(), None) is None for m in members for c in m.children())
+
+
+def _expression(source: Source) -> str:
+    return f"self.{source.path}" if source.path is not None else repr(source.literal)
 
 
 def _float(source: Source | None, module: nn.Module, default: float | None = None) -> float | None:
@@ -265,11 +331,25 @@ def _match_block(analysis: ClassAnalysis, loop: LoopMatch, call: fx.Node | None)
     loop_nodes = {inlined[n] for n in loop.nodes if n in inlined.env} if call is None else set()
     _check_in_place(inlined.graph, (routing.nodes if routing else set()) | output.nodes | loop_nodes, "block")
     experts, owner, member, alpha, limit, skip = _experts_plan(analysis, loop, call)
-    plan = MoEPlan(router, experts, output.shared, output.roles, output.returns_tuple, output.flat)
+    assumes = _assumptions(analysis, sorted(router_names) + ([call.target] if call is not None else []))
+    plan = MoEPlan(router, experts, output.shared, output.roles, output.returns_tuple, output.flat, assumes=assumes)
     branches = (("", analysis.cls),) if "training" in trace.specialisation else ()
     if routing is not None and not router.train_as_module and _reads_training(analysis, router.module):
         branches += ((router.module, analysis.child(router.module).cls),)
-    return MoEMatch(plan, owner, member, routing, alpha, limit, skip, branches)
+    return MoEMatch(plan, owner, member, routing, alpha, limit, skip, branches, input=used[0].target)
+
+
+def _assumptions(analysis: ClassAnalysis, children: list[str]) -> tuple[tuple[str, Any], ...]:
+    """The attributes of the block and of the children traced into its plan that the traces branched
+    on, with their values (``self.training`` aside: training mode is judged per instance)."""
+    found = {}
+    for prefix, child in [("", analysis), *((f"{c}.", analysis.child(c)) for c in children)]:
+        if child is None:
+            continue
+        for name, seen in child.trace.specialisation.items():
+            if name != "training":
+                found[prefix + name] = seen
+    return tuple(sorted(found.items()))
 
 
 def _experts_plan(analysis: ClassAnalysis, loop: LoopMatch, call: fx.Node | None):

@@ -88,7 +88,7 @@ class SmallBatchGraphs:
     """CUDA graphs of ``forward(x)`` for a layer: one per input shape, dtype, stream and set of weights."""
 
     def __init__(self, layer: nn.Module, forward: Callable[[Tensor], Any], max_tokens: int):
-        self.layer = layer
+        self.name = type(layer).__name__  # not the layer: the graphs are kept in a weak table keyed by it
         self.forward = forward
         self.max_tokens = max_tokens
         self.failed: str | None = None  # why the last capture that failed did
@@ -161,7 +161,7 @@ class SmallBatchGraphs:
             self._failed_keys.add(key)
             if first:
                 warnings.warn(
-                    f"transfuse: {type(self.layer).__name__} runs eagerly at {tuple(x.shape)}: capturing it as a "
+                    f"transfuse: {self.name} runs eagerly at {tuple(x.shape)}: capturing it as a "
                     f"CUDA graph failed ({self.failed}).",
                     stacklevel=4,
                 )

@@ -12,6 +12,10 @@ router (transformers records router logits with forward hooks), the router child
 called as is and its outputs are used. ``StackedExperts`` holds per-expert GLU weights
 stacked into the packed layout, saved and loaded under the original per-expert keys.
 
+``moe_block(module, x, plan, top_k=...)`` computes the same for any module holding those
+children: an emitted modeling file's block calls it from its own forward. A plan's ``assumes``
+are attribute values the traced code branched on; a layer whose attributes differ raises.
+
 Called eagerly on a GPU, in eval mode, with up to ``DECODE_GRAPH_TOKENS`` tokens, the layer
 replays a CUDA graph of its own forward (``transfuse.ops.graphs``), where the host cost of
 issuing the routing and expert kernels from Python would otherwise exceed their GPU time.
@@ -31,7 +35,10 @@ from torch import Tensor, nn
 from .graphs import SmallBatchGraphs
 from .moe import ExpertsSpec, RoutingSpec, moe_experts, moe_route
 
-__all__ = ["ExpertsPlan", "LogitsPlan", "MoE", "MoEPlan", "RouterPlan", "SharedPlan", "StackedExperts"]
+__all__ = [
+    "ExpertNumbers", "ExpertsPlan", "LogitsPlan", "MoE", "MoEPlan", "RouterPlan", "RoutingNumbers", "SharedPlan",
+    "StackedExperts", "moe_block",
+]  # fmt: skip
 
 # Roles of the values a block reads or returns.
 TOKENS, INPUT, HIDDEN, LOGITS, WEIGHTS, IDS = "tokens", "input", "hidden", "logits", "weights", "ids"
@@ -112,6 +119,9 @@ class MoEPlan:
     returns_tuple: bool = False
     flat_output: bool = False
     train_error: str | None = None
+    # (dotted path below the layer, value): attributes the plan was made for (the traced code
+    # branched on them); a layer whose attributes now differ raises instead of computing another path.
+    assumes: tuple[tuple[str, bool | int | float | str | None], ...] = ()
 
     def describe(self) -> str:
         routing = (
@@ -203,69 +213,126 @@ class MoE(nn.Module):
         self.expert_numbers = experts or ExpertNumbers()
 
     def forward(self, hidden_states: Tensor, *unused, **unused_kwargs):
-        if hidden_states.is_cuda and not self.training and not torch.compiler.is_compiling():
-            graphs = _LAYER_GRAPHS.get(self)
-            if graphs is None:
-                graphs = _LAYER_GRAPHS[self] = SmallBatchGraphs(self, self._forward, DECODE_GRAPH_TOKENS)
-            if graphs.graphable(hidden_states):
-                return graphs(hidden_states)
-        return self._forward(hidden_states)
+        return _block_forward(self, hidden_states, self.plan, self.routing, self.expert_numbers)
 
     def _forward(self, hidden_states: Tensor):
-        plan = self.plan
-        if self.training and plan.train_error is not None:
-            raise RuntimeError(plan.train_error)
-        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
-        logits, weights, ids = self._route(hidden_states, tokens)
-        e = plan.experts
-        out = moe_experts(
-            tokens, weights, ids, _tensor(self, e.w13), _tensor(self, e.w2), e.spec,
-            b13=_tensor(self, e.b13) if e.b13 is not None else None,
-            b2=_tensor(self, e.b2) if e.b2 is not None else None,
-            alpha=self.expert_numbers.alpha, limit=self.expert_numbers.limit,
-        )  # fmt: skip
-        for shared in plan.shared:
-            out = out + self._shared(shared, hidden_states, tokens).reshape(out.shape)
-        hidden = out if plan.flat_output else out.reshape(hidden_states.shape)
-        values = {HIDDEN: hidden, LOGITS: logits, WEIGHTS: weights, IDS: ids}
-        returned = tuple(values[role] for role in plan.outputs)
-        return returned if plan.returns_tuple else returned[0]
+        """The layer's computation, never through a CUDA graph."""
+        return _block_compute(self, hidden_states, plan=self.plan, routing=self.routing, numbers=self.expert_numbers)
 
-    def _route(self, hidden_states: Tensor, tokens: Tensor) -> tuple[Tensor | None, Tensor, Tensor]:
-        r = self.plan.router
-        module = getattr(self, r.module)
-        call_module = r.spec is None or (
-            WEIGHTS in r.returns and (_observed(module) or (self.training and r.train_as_module))
-        )
-        if call_module or r.logits is None:
-            out = module(hidden_states if r.input else tokens)
-            found = dict(zip(r.returns, out if len(r.returns) > 1 else (out,)))
-            if call_module:
-                return found.get(LOGITS), found[WEIGHTS], found[IDS]
-            logits = found[LOGITS]
-        else:
-            logits = r.logits.logits(self, tokens)
-        n = self.routing
-        bias = _tensor(self, r.correction_bias).reshape(-1) if r.correction_bias is not None else None
-        dtype = {LOGITS: logits.dtype, INPUT: hidden_states.dtype, "float32": torch.float32, None: None}[
-            r.weights_dtype
-        ]
-        weights, ids = moe_route(
-            logits, n.top_k, r.spec, correction_bias=bias, n_group=n.n_group, topk_group=n.topk_group,
-            renorm_eps=n.renorm_eps, renorm_min=n.renorm_min, scale=n.scale, out_dtype=dtype,
-        )  # fmt: skip
-        return logits, weights, ids
-
-    def _shared(self, shared: SharedPlan, hidden_states: Tensor, tokens: Tensor) -> Tensor:
-        out = getattr(self, shared.module)(hidden_states if shared.input else tokens)
-        if shared.gate is None:
-            return out
-        gate = getattr(self, shared.gate)(hidden_states if shared.gate_input else tokens)
-        return torch.sigmoid(gate) * out
+    def _route(self, hidden_states: Tensor, tokens: Tensor):
+        return _block_route(self, self.plan.router, self.routing, hidden_states, tokens)
 
     def extra_repr(self) -> str:
         top_k = f"top_k={self.routing.top_k}, " if self.routing is not None else ""
         return top_k + self.plan.describe()
+
+
+def moe_block(
+    layer: nn.Module,
+    hidden_states: Tensor,
+    plan: MoEPlan,
+    *,
+    top_k: int | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    renorm_eps: float | None = None,
+    renorm_min: float | None = None,
+    scale: float | None = None,
+    alpha: float = 1.0,
+    limit: float = math.inf,
+):
+    """What ``MoE`` computes, for a module that keeps the block's own children: the forward an
+    emitted modeling file gives a fused block (``self`` as ``layer``, its plan a class attribute,
+    the numbers read from its attributes). ``top_k`` is needed when the plan routes (``spec``)."""
+    routing = None
+    if plan.router.spec is not None:
+        if top_k is None:
+            raise TypeError("moe_block: a plan that routes needs top_k.")
+        routing = RoutingNumbers(top_k, n_group, topk_group, renorm_eps, renorm_min, scale)
+    return _block_forward(layer, hidden_states, plan, routing, ExpertNumbers(alpha, limit))
+
+
+def _block_forward(layer: nn.Module, hidden_states: Tensor, plan: MoEPlan, routing, numbers: ExpertNumbers):
+    if plan.assumes:
+        _check_assumptions(layer, plan.assumes)
+    if hidden_states.is_cuda and not layer.training and not torch.compiler.is_compiling():
+        graphs = _LAYER_GRAPHS.get(layer)
+        if graphs is None:
+            # The graphs are kept in a table weakly keyed by the layer: they must not hold it.
+            compute = functools.partial(_weakly, weakref.ref(layer), plan=plan, routing=routing, numbers=numbers)
+            graphs = _LAYER_GRAPHS[layer] = SmallBatchGraphs(layer, compute, DECODE_GRAPH_TOKENS)
+        if graphs.graphable(hidden_states):
+            return graphs(hidden_states)
+    return _block_compute(layer, hidden_states, plan=plan, routing=routing, numbers=numbers)
+
+
+def _weakly(layer: weakref.ref, hidden_states: Tensor, **plan):
+    return _block_compute(layer(), hidden_states, **plan)
+
+
+def _check_assumptions(layer: nn.Module, assumes) -> None:
+    for path, expected in assumes:
+        *owners, name = _split(path)
+        module = layer
+        for part in owners:
+            module = module._modules[part]
+        now = getattr(module, name, None)
+        if type(now) is not type(expected) or now != expected:
+            raise ValueError(
+                f"This fused mixture-of-experts layer was made for {path} = {expected!r}, and it is now {now!r}: "
+                "the block's code takes another path for that value. Rewrite the model again (or emit it again) "
+                "after changing it."
+            )
+
+
+def _block_compute(layer: nn.Module, hidden_states: Tensor, *, plan: MoEPlan, routing, numbers: ExpertNumbers):
+    if layer.training and plan.train_error is not None:
+        raise RuntimeError(plan.train_error)
+    tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+    logits, weights, ids = _block_route(layer, plan.router, routing, hidden_states, tokens)
+    e = plan.experts
+    out = moe_experts(
+        tokens, weights, ids, _tensor(layer, e.w13), _tensor(layer, e.w2), e.spec,
+        b13=_tensor(layer, e.b13) if e.b13 is not None else None,
+        b2=_tensor(layer, e.b2) if e.b2 is not None else None,
+        alpha=numbers.alpha, limit=numbers.limit,
+    )  # fmt: skip
+    for shared in plan.shared:
+        out = out + _block_shared(layer, shared, hidden_states, tokens).reshape(out.shape)
+    hidden = out if plan.flat_output else out.reshape(hidden_states.shape)
+    values = {HIDDEN: hidden, LOGITS: logits, WEIGHTS: weights, IDS: ids}
+    returned = tuple(values[role] for role in plan.outputs)
+    return returned if plan.returns_tuple else returned[0]
+
+
+def _block_route(layer: nn.Module, r: RouterPlan, n, hidden_states: Tensor, tokens: Tensor):
+    module = getattr(layer, r.module)
+    call_module = r.spec is None or (
+        WEIGHTS in r.returns and (_observed(module) or (layer.training and r.train_as_module))
+    )
+    if call_module or r.logits is None:
+        out = module(hidden_states if r.input else tokens)
+        found = dict(zip(r.returns, out if len(r.returns) > 1 else (out,)))
+        if call_module:
+            return found.get(LOGITS), found[WEIGHTS], found[IDS]
+        logits = found[LOGITS]
+    else:
+        logits = r.logits.logits(layer, tokens)
+    bias = _tensor(layer, r.correction_bias).reshape(-1) if r.correction_bias is not None else None
+    dtype = {LOGITS: logits.dtype, INPUT: hidden_states.dtype, "float32": torch.float32, None: None}[r.weights_dtype]
+    weights, ids = moe_route(
+        logits, n.top_k, r.spec, correction_bias=bias, n_group=n.n_group, topk_group=n.topk_group,
+        renorm_eps=n.renorm_eps, renorm_min=n.renorm_min, scale=n.scale, out_dtype=dtype,
+    )  # fmt: skip
+    return logits, weights, ids
+
+
+def _block_shared(layer: nn.Module, shared: SharedPlan, hidden_states: Tensor, tokens: Tensor) -> Tensor:
+    out = getattr(layer, shared.module)(hidden_states if shared.input else tokens)
+    if shared.gate is None:
+        return out
+    gate = getattr(layer, shared.gate)(hidden_states if shared.gate_input else tokens)
+    return torch.sigmoid(gate) * out
 
 
 class StackedExperts(nn.Module):

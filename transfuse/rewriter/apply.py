@@ -405,13 +405,19 @@ def rewrite_model(
             "every fusion was undone and the model is as it was."
         ) from exc
     replaced = model.__dict__.setdefault(REPLACED_ATTR, {})
+    differing: set[type] = set()
     for instance in applied:
         for plan in instance.plans:
             if plan.fused.replacement is not None and plan.fused.replaced == ("",):
-                # What was found is kept only for an emitted forward (a match may hold graph nodes,
-                # which neither copy nor pickle).
+                # What an emitted forward needs (not the match: it may hold graph nodes, which
+                # neither copy nor pickle); None where instances of one class differ in it.
                 emits = type(plan.fuser).emitted_forward is not Fuser.emitted_forward
-                replaced[type(instance.module)] = (plan.fuser, plan.found if emits else None)
+                kept = plan.fuser.emission(plan.found, plan.fused) if emits else None
+                cls = type(instance.module)
+                if cls in differing or (cls in replaced and replaced[cls][1] != kept):
+                    differing.add(cls)
+                    kept = None
+                replaced[cls] = (plan.fuser, kept)
             report.fusions.append(
                 FusionRecord(
                     instance.path,

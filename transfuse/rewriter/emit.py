@@ -5,7 +5,8 @@ For each modeling file that holds a fused class, the emitted copy is the origina
 
 * each rewritten method replaced by its edited version (the same edit the runtime
   rewrite compiled), and each replaced module class given a forward that calls the same
-  fused op, so the emitted model and the runtime rewrite compute the same numbers;
+  fused op (an RMSNorm: ``rms_norm``; a mixture-of-experts block: ``moe_block`` with its plan
+  as a class attribute), so the emitted model and the runtime rewrite compute the same numbers;
 * ``_transfuse_merges = (Merge(...), ...)`` on each class whose children are merged; the
   original ``__init__`` is kept, so checkpoints load with their own keys, and the file's
   ``PreTrainedModel`` base merges them once ``from_pretrained`` (or ``_from_config``) has
@@ -15,6 +16,9 @@ For each modeling file that holds a fused class, the emitted copy is the origina
 
 ``emit`` writes those files, ``config.json`` with ``auto_map`` pointing at them, and the
 weights, into a temporary directory that replaces the output directory only at the end.
+The weights are in the model's own layout wherever transformers would convert a checkpoint
+on load (MoE experts packed from per-expert tensors): it converts for its own classes only,
+and the emitted ones are custom code.
 """
 
 from __future__ import annotations
@@ -102,7 +106,7 @@ def _collect(model: nn.Module, notes: list[str]) -> dict[str, _FileEdits]:
             continue
         rewrite = emitted_replacement(cls, fuser, found)
         if rewrite is None:
-            notes.append(f"{cls.__name__} is emitted unchanged: its {fuser.kind} fusion has no emitted form.")
+            notes.append(f"{cls.__name__} is emitted unchanged: its {fuser.kind} fusion has no emitted form for it.")
             continue
         edits_for(cls).methods.append(rewrite)
     edits_for(type(model))  # the model's own file carries the loading hook
@@ -112,12 +116,14 @@ def _collect(model: nn.Module, notes: list[str]) -> dict[str, _FileEdits]:
 def emitted_replacement(cls: type, fuser, found) -> MethodRewrite | None:
     """The forward an emitted file gives a class whose instances the rewrite replaced (calling the
     same fused op), as a rewrite of its source; None where the fusion has no emitted form."""
-    source = method_source(unwrapped_forward(cls))
+    source = method_source(unwrapped_forward(cls)) if found is not None else None
     if source is None:
         return None
     context = EditContext(cls, source, _identifiers(source.node))
     forward = fuser.emitted_forward(found, context)
-    return MethodRewrite(cls, source, forward, context.imports, (fuser.kind,)) if forward is not None else None
+    if forward is None:
+        return None
+    return MethodRewrite(cls, source, forward, context.imports, (fuser.kind,), preceding=tuple(context.class_statements))
 
 
 def _absolute_module(module_name: str, relative: cst.ImportFrom) -> str:
@@ -134,7 +140,7 @@ class _FileTransformer(cst.CSTTransformer):
     def __init__(self, edits: _FileEdits, parsed, emitted_modules: dict[str, str], base_classes: set[str]):
         # Methods are found by name and line in this parse of the file (not by node identity,
         # which a re-parse would change).
-        self.methods = {id(parsed.functions[(r.original.node.name.value, r.original.line())]): r.edited for r in edits.methods}
+        self.methods = {id(parsed.functions[(r.original.node.name.value, r.original.line())]): r.replacement for r in edits.methods}
         self.edits = edits
         self.emitted_modules = emitted_modules  # absolute module name -> emitted file stem
         self.base_classes = base_classes
@@ -250,11 +256,37 @@ def emitted_sources(model: nn.Module) -> tuple[dict[str, str], str, list[str]]:
     return texts, auto_map, notes
 
 
-def _copy_checkpoint_files(source_dir: str, out: str, link: bool, skip: Iterable[str]) -> list[str]:
+# Weight files of a checkpoint directory (not copied where emit saves the weights itself).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".index.json")
+
+
+def _converted_on_load(model: nn.Module) -> bool:
+    """Whether transformers converts this model's checkpoints when it loads them (Mixtral's per-expert
+    weights into packed tensors, say). It applies no such conversion to custom code, which an
+    emitted model is, so those weights must be written in the model's own layout."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:  # transformers before the conversion mappings
+        return False
+    return bool(get_model_conversion_mapping(model, add_legacy=False))
+
+
+def _save_weights(model: nn.Module, staging: str) -> None:
+    """``save_pretrained`` in the model's own layout: the keys of its state_dict, which the emitted
+    classes load without conversion (the original format would be converted back only for the stock
+    classes)."""
+    import inspect
+
+    own_layout = {"save_original_format": False}
+    parameters = inspect.signature(model.save_pretrained).parameters
+    model.save_pretrained(staging, **{k: v for k, v in own_layout.items() if k in parameters})
+
+
+def _copy_checkpoint_files(source_dir: str, out: str, link: bool, skip: Iterable[str], weights: bool = True) -> list[str]:
     written = []
     for name in sorted(os.listdir(source_dir)):
         path = os.path.join(source_dir, name)
-        if name in skip or name.endswith(".py") or not os.path.isfile(path):
+        if name in skip or (not weights and name.endswith(_WEIGHT_SUFFIXES)) or name.endswith(".py") or not os.path.isfile(path):
             continue
         target = os.path.join(out, name)
         if link:
@@ -292,11 +324,18 @@ def emit(
             with open(os.path.join(staging, name), "w", encoding="utf-8") as f:
                 f.write(text)
             result.files.append(name)
+        converted = _converted_on_load(model)
         if checkpoint_dir is not None:
-            result.files += _copy_checkpoint_files(checkpoint_dir, staging, link, _SKIPPED_FILES | set(texts))
-        else:
-            model.save_pretrained(staging)
-            result.files += [n for n in os.listdir(staging) if n not in result.files and n != "config.json"]
+            skipped = _SKIPPED_FILES | set(texts)
+            result.files += _copy_checkpoint_files(checkpoint_dir, staging, link, skipped, weights=not converted)
+            if converted:
+                notes.append(
+                    f"the weights are saved in the model's own layout, not copied: transformers converts "
+                    f"{type(model).__name__} checkpoints on load, and does not for custom code."
+                )
+        if checkpoint_dir is None or converted:
+            _save_weights(model, staging)
+            result.files += [n for n in sorted(os.listdir(staging)) if n not in result.files and n != "config.json"]
         config = model.config
         previous = getattr(config, "auto_map", None)
         config.auto_map = {"AutoModelForCausalLM": auto_map}

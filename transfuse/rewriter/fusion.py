@@ -88,8 +88,15 @@ class Fuser(ABC):
 
     def emitted_forward(self, found: Any, context: EditContext) -> cst.FunctionDef | None:
         """For a fuser that replaces modules: the forward an emitted modeling file gives the
-        original class instead (calling the same fused op), or None if it cannot emit one."""
+        original class instead (calling the same fused op), or None if it cannot emit one.
+        ``found`` is what ``emission`` kept; statements the class needs besides the forward go
+        in ``context.class_statements``."""
         return None
+
+    def emission(self, found: Any, fused: Fused) -> Any:
+        """What ``emitted_forward`` needs of a replacement, kept on the model (so it must deep-copy
+        and pickle: no graph nodes); None where there is nothing to emit. Default: the match."""
+        return found
 
     @abstractmethod
     def fuse(self, module: nn.Module, found: Any) -> Fused:

@@ -191,6 +191,8 @@ class EditContext:
     source: MethodSource
     names: set[str]
     imports: dict[str, tuple[str, str]] = field(default_factory=dict)  # alias -> (module, name)
+    # Statements an emitted forward needs on its class (placed before the method): a plan, say.
+    class_statements: list = field(default_factory=list)
 
     def fresh_name(self, base: str) -> str:
         """A local name not used anywhere in the method (nor a builtin)."""
@@ -246,6 +248,16 @@ def _resolve(module: str, name: str):
 Edit = Callable[[cst.FunctionDef, EditContext], cst.FunctionDef]
 
 
+class _MethodReplacer(cst.CSTTransformer):
+    """Replaces methods, found by node identity, with their replacements."""
+
+    def __init__(self, replacements: dict[int, cst.CSTNode | cst.FlattenSentinel]):
+        self.replacements = replacements
+
+    def leave_FunctionDef(self, original_node, updated_node):
+        return self.replacements.get(id(original_node), updated_node)
+
+
 @dataclass
 class MethodRewrite:
     """A class's method after a sequence of edits, and its three outputs."""
@@ -260,6 +272,8 @@ class MethodRewrite:
     # How to make this rewrite again: ((fuser, found), ...), set by the rewriter. A rewrite pickles
     # as its class and recipe, and is made again when unpickled (in another process too).
     recipe: tuple = ()
+    # Class-level statements placed before the method in the emitted file (emitted replacements only).
+    preceding: tuple = ()
     _compiled: Callable | None = None
 
     def __reduce__(self):
@@ -284,7 +298,15 @@ class MethodRewrite:
 
     def edited_file_text(self) -> str:
         """The original file with this method replaced (formatting and comments kept)."""
-        return self.original.file.module.deep_replace(self.original.node, self.edited).code
+        return self.original.file.module.visit(_MethodReplacer({id(self.original.node): self.replacement})).code
+
+    @property
+    def replacement(self) -> cst.FunctionDef | cst.FlattenSentinel:
+        """What takes the original method's place in a file: the edited method, after the class
+        statements it needs."""
+        if not self.preceding:
+            return self.edited
+        return cst.FlattenSentinel([*self.preceding, self.edited])
 
     def diff(self, context: int = 3) -> str:
         """Unified diff of the original file against the rewritten one, with real line numbers."""

@@ -7,7 +7,9 @@ that could mutate it.
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+import math
+from typing import Any, Callable
 
 import libcst as cst
 import libcst.matchers as m
@@ -21,6 +23,7 @@ __all__ = [
     "in_place_writes",
     "calls_taking",
     "comment_line",
+    "dataclass_literal",
     "replace_nodes",
     "statement_block",
 ]
@@ -150,3 +153,37 @@ def replace_nodes(
 
 def comment_line(text: str) -> cst.EmptyLine:
     return cst.EmptyLine(comment=cst.Comment(f"# {text}"))
+
+
+def dataclass_literal(value: Any, name_of: Callable[[type], str], indent: str = "    ") -> str:
+    """Python that builds ``value`` (dataclasses, tuples, plain constants): each dataclass as a call
+    with the fields that differ from their defaults, ``name_of(cls)`` naming it; the outermost
+    call's fields on lines of their own."""
+
+    def literal(v: Any) -> str:
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return f"{name_of(type(v))}({', '.join(_fields(v))})"
+        if isinstance(v, tuple):
+            items = [literal(x) for x in v]
+            return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
+        if isinstance(v, float) and not math.isfinite(v):
+            return f'float("{v}")'
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return repr(v)
+        raise TypeError(f"dataclass_literal: no literal writes a {type(v).__name__}.")
+
+    def _fields(v: Any) -> list[str]:
+        out = []
+        for f in dataclasses.fields(v):
+            current = getattr(v, f.name)
+            default = f.default if f.default is not dataclasses.MISSING else (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING
+            )  # fmt: skip
+            if default is dataclasses.MISSING or current != default:
+                out.append(f"{f.name}={literal(current)}")
+        return out
+
+    if not (dataclasses.is_dataclass(value) and not isinstance(value, type)):
+        return literal(value)
+    fields = "".join(f"\n{indent}{field}," for field in _fields(value))
+    return f"{name_of(type(value))}({fields}\n)" if fields else f"{name_of(type(value))}()"
