@@ -150,7 +150,9 @@ def test_emitted_moe_blocks_call_the_fused_ops_with_the_runtime_logits(model_typ
     text = "".join((tmp_path / "out" / f).read_text() for f in result.files if f.endswith(".py"))
     for cls in moe_classes:
         body = text[text.index(f"class {cls}(") :]
-        assert "_transfuse_moe = MoEPlan(" in body.split("\nclass ")[0] and "moe_block(self, " in body.split("\nclass ")[0]
+        block = body.split("\nclass ")[0]
+        assert "_transfuse_moe = MoEPlan(" in block and "if moe_block_applies(self, self._transfuse_moe):" in block
+        assert "return moe_block(self, " in block
     loaded = _realigned(AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True))
     assert type(loaded).__module__.startswith("transformers_modules.")
     assert not any(isinstance(m, MoE) for m in loaded.modules())  # the emitted blocks themselves compute
@@ -159,6 +161,10 @@ def test_emitted_moe_blocks_call_the_fused_ops_with_the_runtime_logits(model_typ
     # The weights are in the model's own layout, which the stock classes load too.
     stock = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert (_logits(stock, ids) - runtime).abs().max().item() <= 1e-5
+    # Rewriting the emitted model refuses nothing and fuses only classes the emit left unchanged.
+    again = transfuse.report(transfuse.rewrite(loaded))
+    unchanged = {n.split(" is emitted unchanged")[0] for n in result.notes if "is emitted unchanged" in n}
+    assert again.skipped == [] and {f.cls for f in again.fusions} <= unchanged, (again, result.notes)
 
 
 def test_an_emitted_moe_block_refuses_attributes_its_plan_was_not_made_for(tmp_path):

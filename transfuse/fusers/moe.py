@@ -43,6 +43,7 @@ from torch import nn
 
 from ..ops import layer
 from ..ops.moe import ExpertsSpec
+from ..ops.sharding import is_sharded
 from ..ops.moe_layer import (
     HIDDEN, IDS, LOGITS, WEIGHTS, ExpertNumbers, ExpertsPlan, MoEPlan, RouterPlan, RoutingNumbers, SharedPlan,
     StackedExperts,
@@ -157,7 +158,8 @@ class MoEFuser(Fuser):
         return MoEEmission(plan, found.input, kept)
 
     def emitted_forward(self, found: MoEEmission | None, context: EditContext) -> cst.FunctionDef | None:
-        """``return moe_block(self, hidden_states, self._transfuse_moe, top_k=self.gate.top_k, ...)``,
+        """``if moe_block_applies(...): return moe_block(self, hidden_states, self._transfuse_moe,
+        top_k=self.gate.top_k, ...)`` before the forward as written (which sharded experts run),
         the plan a class attribute (``_transfuse_moe = MoEPlan(...)``), the docstring kept."""
         if found is None:
             return None
@@ -170,13 +172,23 @@ class MoEFuser(Fuser):
             ]
         )
         context.class_statements.append(attribute)
+        applies = context.require("transfuse.ops", "moe_block_applies")
         numbers = "".join(f", {k}={_expression(v)}" for k, v in found.numbers)
-        body = cst.parse_statement(f"return {op}(self, {found.input}, self._transfuse_moe{numbers})")
-        body = body.with_changes(leading_lines=[comment_line(f"transfuse: fused routing and experts ({found.plan.describe()})")])
+        fused = cst.parse_statement(
+            f"if {applies}(self, self._transfuse_moe):\n"
+            f"    return {op}(self, {found.input}, self._transfuse_moe{numbers})\n"
+        )
+        fused = fused.with_changes(
+            leading_lines=[
+                comment_line(f"transfuse: fused routing and experts ({found.plan.describe()}); sharded experts"),
+                comment_line("(tensor or expert parallelism) run the forward as written below"),
+            ]
+        )
         node = context.source.node
-        first = node.body.body[0] if node.body.body else None
-        docstring = [first] if first is not None and m.matches(first, m.SimpleStatementLine([m.Expr(m.SimpleString())])) else []
-        return node.with_changes(body=node.body.with_changes(body=[*docstring, body]))
+        body = list(node.body.body)
+        docstring = body[:1] if body and m.matches(body[0], m.SimpleStatementLine([m.Expr(m.SimpleString())])) else []
+        rest = body[len(docstring) :]
+        return node.with_changes(body=node.body.with_changes(body=[*docstring, fused, *rest]))
 
 
 class _NotMoE(Exception):
@@ -608,6 +620,13 @@ def _validate(module: nn.Module, found: MoEMatch) -> None:
         or next(module.buffers(recurse=False), None) is not None
     ):
         raise NoMatch("moe.block-tensors", "the block holds tensors of its own, which the fused layer would not keep.")
+    sharded = next((name for name, p in module.named_parameters() if is_sharded(p)), None)
+    if sharded is not None:
+        raise NoMatch(
+            "moe.sharded",
+            f"{sharded} is a DTensor (tensor or expert parallelism): the fused layer computes whole experts on one "
+            "device, not shards of them.",
+        )
     if found.member is not None:
         experts = _check_members(module.get_submodule(found.experts_child), found.member)
     else:

@@ -23,7 +23,7 @@ from .fused_add_rms_norm import fused_add_rms_norm, fused_add_rms_norm_native
 from .layers import LinearPart, MergedProjection, MoE, RMSNorm, layer, register_layer
 from .linear_cross_entropy import causal_lm_loss, linear_cross_entropy
 from .moe import ExpertsSpec, RoutingSpec, moe_experts, moe_experts_native, moe_route, moe_route_native
-from .moe_layer import StackedExperts, moe_block
+from .moe_layer import StackedExperts, moe_block, moe_block_applies
 from .platform import Platform, current_platform
 from .rms_norm import RMSNormSpec, rms_norm, rms_norm_native
 
@@ -52,6 +52,7 @@ __all__ = [
     "layer",
     "linear_cross_entropy",
     "moe_block",
+    "moe_block_applies",
     "moe_experts",
     "moe_experts_native",
     "moe_route",

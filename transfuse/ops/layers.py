@@ -15,6 +15,7 @@ from torch import nn
 
 from .moe_layer import MoE
 from .rms_norm import RMSNormSpec, rms_norm
+from .sharding import ColwiseShards, is_sharded
 
 __all__ = ["LinearPart", "MergedProjection", "MoE", "RMSNorm", "layer", "register_layer"]
 
@@ -58,6 +59,8 @@ class MergedProjection(nn.Module):
         self.bias = nn.Parameter(torch.empty(self.out_features, device=device, dtype=dtype)) if bias else None
         self._owner = None  # the module holding the parts under their names (a weak reference)
         self._part_modules: tuple = ()
+        # Set when the parts were column-parallel shards (tp_plan): split_sizes are then this rank's.
+        self.shards: ColwiseShards | None = None
 
     def attach(self, owner: nn.Module, part_modules: tuple[nn.Module, ...]) -> None:
         """Where the parts live (``owner.<part>``), and the ``LinearPart`` each slot holds unwrapped."""
@@ -67,7 +70,11 @@ class MergedProjection(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for part in self._part_modules:
             part.sync()
-        out = F.linear(x, self.weight, self.bias)
+        if self.shards is not None:
+            x = self.shards.input(x)
+            out = F.linear(x, self.weight.to_local(), self.bias.to_local() if self.bias is not None else None)
+        else:
+            out = F.linear(x, self.weight, self.bias)
         owner = self._owner() if self._owner is not None else None
         if owner is None:
             return out
@@ -124,7 +131,8 @@ class LinearPart(nn.Linear):
     def __init__(self, merged: MergedProjection, index: int):
         nn.Module.__init__(self)
         self.in_features = merged.in_features
-        self.out_features = merged.split_sizes[index]
+        shards = merged.shards
+        self.out_features = shards.full_sizes[index] if shards is not None else merged.split_sizes[index]
         object.__setattr__(self, "_merged", merged)  # not a child: the owner holds the merged module
         self._rows = (sum(merged.split_sizes[:index]), sum(merged.split_sizes[: index + 1]))
         self._views: dict = {}
@@ -136,20 +144,23 @@ class LinearPart(nn.Linear):
         cached = self._views.get(name)
         if cached is not None and cached[0] is merged:
             _, view, ptr = cached
-            if view.data_ptr() == ptr:
+            if _local(view).data_ptr() == ptr:
                 return view
             # Someone replaced the view's data (PEFT's safe merge assigns ``weight.data``): write it back.
             with torch.no_grad():
-                merged[self._rows[0] : self._rows[1]].copy_(view)
-        view = merged[self._rows[0] : self._rows[1]]
-        self._views[name] = (merged, view, view.data_ptr())
+                _local(merged)[self._rows[0] : self._rows[1]].copy_(_local(view))
+        rows = _local(merged)[self._rows[0] : self._rows[1]]
+        shards = self._merged.shards
+        # Under tensor parallelism, this rank's rows of the part as the DTensor shard of the full part.
+        view = shards.sharded(rows, self.out_features) if shards is not None else rows
+        self._views[name] = (merged, view, rows.data_ptr())
         return view
 
     def sync(self) -> None:
         """Write back into the merged tensors a view whose data was replaced since it was handed out
         (a no-op unless someone asked for the part's weight)."""
         for name, (merged, view, ptr) in list(self._views.items()):
-            if view.data_ptr() != ptr or getattr(self._merged, name) is not merged:
+            if _local(view).data_ptr() != ptr or getattr(self._merged, name) is not merged:
                 self._view(name)
 
     @property
@@ -172,6 +183,10 @@ class LinearPart(nn.Linear):
         state = self.__dict__.copy()
         state["_views"] = {}
         return state
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if is_sharded(tensor) else tensor
 
 
 class RMSNorm(nn.Module):

@@ -34,10 +34,11 @@ from torch import Tensor, nn
 
 from .graphs import SmallBatchGraphs
 from .moe import ExpertsSpec, RoutingSpec, moe_experts, moe_route
+from .sharding import is_sharded
 
 __all__ = [
     "ExpertNumbers", "ExpertsPlan", "LogitsPlan", "MoE", "MoEPlan", "RouterPlan", "RoutingNumbers", "SharedPlan",
-    "StackedExperts", "moe_block",
+    "StackedExperts", "moe_block", "moe_block_applies",
 ]  # fmt: skip
 
 # Roles of the values a block reads or returns.
@@ -250,6 +251,13 @@ def moe_block(
             raise TypeError("moe_block: a plan that routes needs top_k.")
         routing = RoutingNumbers(top_k, n_group, topk_group, renorm_eps, renorm_min, scale)
     return _block_forward(layer, hidden_states, plan, routing, ExpertNumbers(alpha, limit))
+
+
+def moe_block_applies(layer: nn.Module, plan: MoEPlan) -> bool:
+    """Whether ``moe_block`` computes this block: its experts are whole tensors, not the DTensor
+    shards of tensor or expert parallelism (an emitted block then runs its forward as written)."""
+    e = plan.experts
+    return not any(is_sharded(_tensor(layer, path)) for path in (e.w13, e.w2))
 
 
 def _block_forward(layer: nn.Module, hidden_states: Tensor, plan: MoEPlan, routing, numbers: ExpertNumbers):

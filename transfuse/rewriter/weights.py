@@ -14,6 +14,10 @@ lives at the load/save boundary, never in ``forward``:
 
 ``unmerge_linears`` undoes a merge with views of the merged tensors, so neither direction
 keeps a second copy of the weights.
+
+Under tensor parallelism (``tp_plan``), column-parallel parts (DTensors ``Shard(0)``) merge
+from this rank's shards (``transfuse.ops.sharding``): the parts, their state-dict entries and
+their checkpoints stay DTensors of the full originals, which transformers gathers when it saves.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 from torch import nn
 
 from ..ops import LinearPart, identify_activation, layer
+from ..ops.sharding import ColwiseShards, colwise_shards, is_sharded
 
 __all__ = ["ActivationError", "Merge", "MergeError", "merge_declared", "merge_linears", "merges_of", "unmerge_linears"]
 
@@ -52,7 +57,7 @@ def merges_of(parent: nn.Module) -> dict[str, _Merge]:
     return parent.__dict__.get(_MERGES, {})
 
 
-def _check_mergeable(parent: nn.Module, into: str, parts: Sequence[str]) -> list[nn.Linear]:
+def _check_mergeable(parent: nn.Module, into: str, parts: Sequence[str]) -> tuple[list[nn.Linear], ColwiseShards | None]:
     if len(parts) < 2:
         raise MergeError(f"Merging needs at least two linears, got {list(parts)}.")
     if hasattr(parent, into):
@@ -62,9 +67,13 @@ def _check_mergeable(parent: nn.Module, into: str, parts: Sequence[str]) -> list
         child = parent._modules.get(name)
         if not isinstance(child, nn.Linear) or type(child).forward is not nn.Linear.forward:
             raise MergeError(f"{name!r} is a {type(child).__name__}, not an nn.Linear with Linear's own forward.")
-        if type(child.weight) is not nn.Parameter:
+        if type(child.weight) is not nn.Parameter and not is_sharded(child.weight):
             raise MergeError(f"{name}.weight is a {type(child.weight).__name__}, not a plain Parameter.")
         linears.append(child)
+    try:
+        shards = colwise_shards(parts, linears)
+    except ValueError as exc:
+        raise MergeError(str(exc)) from None
     first = linears[0].weight
     for name, lin in zip(parts, linears):
         if lin.in_features != linears[0].in_features:
@@ -78,30 +87,34 @@ def _check_mergeable(parent: nn.Module, into: str, parts: Sequence[str]) -> list
             raise MergeError(f"{name} and {parts[0]} differ in having a bias.")
         if lin.bias is not None and lin.bias.dtype != first.dtype:
             raise MergeError(f"{name}.bias is {lin.bias.dtype}, its weight is {first.dtype}.")
-    return linears
+    return linears, shards
 
 
 def merge_linears(
     parent: nn.Module, into: str, parts: Sequence[str], *, activation: str | None = None
 ) -> nn.Module:
     """Replace ``parent``'s linear children ``parts`` by one merged linear named ``into``."""
-    linears = _check_mergeable(parent, into, parts)
+    linears, shards = _check_mergeable(parent, into, parts)
     first = linears[0]
     with torch.device("meta"):
         merged = layer("MergedProjection")(
             first.in_features,
-            tuple(lin.out_features for lin in linears),
+            shards.local_sizes() if shards is not None else tuple(lin.out_features for lin in linears),
             bias=first.bias is not None,
             parts=tuple(parts),
             activation=activation,
             dtype=first.weight.dtype,
         )
+    merged.shards = shards
     with torch.no_grad():
         for tensor in _TENSORS:
             pieces = [getattr(lin, tensor) for lin in linears]
             if pieces[0] is not None:
-                joined = nn.Parameter(torch.cat([p.detach() for p in pieces]), requires_grad=pieces[0].requires_grad)
-                setattr(merged, tensor, joined)
+                if shards is not None:  # this rank's shards of the parts, concatenated
+                    data = shards.merged(torch.cat([p.detach().to_local() for p in pieces]))
+                else:
+                    data = torch.cat([p.detach() for p in pieces])
+                setattr(merged, tensor, nn.Parameter(data, requires_grad=pieces[0].requires_grad))
     views = tuple(LinearPart(merged, i) for i in range(len(parts)))
     for name, lin, view in zip(parts, linears, views):
         setattr(parent, name, view)
@@ -123,7 +136,7 @@ def unmerge_linears(parent: nn.Module, into: str) -> None:
         joined = getattr(merged, tensor)
         if joined is None:
             continue
-        for lin, piece in zip(record.originals, joined.detach().split(record.sizes, dim=0)):
+        for lin, piece in zip(record.originals, _pieces(merged, joined.detach(), record.sizes)):
             setattr(lin, tensor, nn.Parameter(piece, requires_grad=joined.requires_grad))
     delattr(parent, into)
     for name, lin in zip(record.parts, record.originals):
@@ -152,12 +165,22 @@ def _remove_hooks(parent: nn.Module) -> None:
             del table[key]
 
 
+def _pieces(merged: nn.Module, joined: torch.Tensor, sizes: tuple[int, ...]) -> list[torch.Tensor]:
+    """The parts' tensors of a merged tensor: views of its rows, or under tensor parallelism the
+    DTensor shards of the full parts whose local tensors are views of this rank's rows."""
+    shards = merged.shards
+    if shards is None:
+        return list(joined.split(sizes, dim=0))
+    local = joined.to_local().split(sizes, dim=0)
+    return [shards.sharded(piece, full) for piece, full in zip(local, shards.full_sizes)]
+
+
 def _split_on_save(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
     for into, record in merges_of(module).items():
         for tensor in _TENSORS:
             key = f"{prefix}{into}.{tensor}"
             if key in state_dict:
-                pieces = state_dict.pop(key).split(record.sizes, dim=0)
+                pieces = _pieces(module._modules[into], state_dict.pop(key), record.sizes)
                 for part, piece in zip(record.parts, pieces):
                     state_dict[f"{prefix}{part}.{tensor}"] = piece
 
@@ -169,7 +192,12 @@ def _merge_on_load(module, state_dict, prefix, local_metadata, strict, missing_k
             # All parts or none: a partial set is left as is, so loading reports the
             # merged key as missing and the parts as unexpected.
             if all(k in state_dict for k in keys):
-                state_dict[f"{prefix}{into}.{tensor}"] = torch.cat([state_dict.pop(k) for k in keys])
+                shards = module._modules[into].shards
+                if shards is None:
+                    state_dict[f"{prefix}{into}.{tensor}"] = torch.cat([state_dict.pop(k) for k in keys])
+                else:  # full or sharded parts: this rank's rows of each, as the merged DTensor
+                    local = torch.cat([shards.local(state_dict.pop(k)) for k in keys])
+                    state_dict[f"{prefix}{into}.{tensor}"] = shards.merged(local)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,84 @@
+"""Tensor parallelism keeps the fusions: two CPU processes over gloo, ``from_pretrained(..., tp_plan="auto")``.
+
+The checks run in ``tests/tp_worker.py`` (one process per rank, launched with torch.distributed.run);
+here: merged projections built from each rank's shards, without DTensors, and the launch.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import transfuse
+from transfuse.rewriter.emit import emit
+from transfuse.tiny import tiny_model
+
+FAMILIES = ["llama", "qwen3", "qwen2", "gemma2", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"]
+
+
+@pytest.mark.slow
+def test_tp_over_two_processes_keeps_the_fusions_with_stock_tp_numbers(tmp_path):
+    for family in FAMILIES:
+        tiny_model(family).save_pretrained(tmp_path / family)
+        emit(transfuse.rewrite(tiny_model(family)), tmp_path / f"{family}-emitted")
+    worker = os.path.join(os.path.dirname(__file__), "tp_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFUSE_PROGRESS": "0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", worker,
+         str(tmp_path), *FAMILIES],
+        capture_output=True, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    passed = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("ok ")]
+    assert passed == FAMILIES, done.stdout
+
+
+def test_merging_refuses_row_parallel_parts_and_mixed_parts_with_reasons(monkeypatch):
+    """The rules, on a one-rank gloo mesh in this process: column-parallel parts merge; a row-parallel
+    (Shard(1)) part or a plain part among DTensors is refused with its reason."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    assert not dist.is_initialized()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        _check_rules(init_device_mesh("cpu", (1,)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_rules(mesh):
+    from torch import nn
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from transfuse.rewriter.weights import MergeError, merge_linears
+
+    def parent(placements):
+        torch.manual_seed(0)
+        module = nn.Module()
+        for name, placement in zip(("a", "b"), placements):
+            lin = nn.Linear(8, 6, bias=False)
+            if placement is not None:
+                lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), mesh, [placement]))
+            setattr(module, name, lin)
+        return module
+
+    x = torch.randn(3, 8)
+    module = parent([Shard(0), Shard(0)])
+    expected = torch.cat([module.a.weight.to_local(), module.b.weight.to_local()])
+    merged = merge_linears(module, "ab", ["a", "b"])
+    assert merged.shards is not None and merged.split_sizes == (6, 6)
+    assert torch.equal(merged(x), x @ expected.T)
+    assert torch.equal(module.a.weight.full_tensor(), expected[:6])  # the part, a DTensor view of its rows
+    state = module.state_dict()
+    assert sorted(state) == ["a.weight", "b.weight"] and torch.equal(state["b.weight"].full_tensor(), expected[6:])
+    with pytest.raises(MergeError, match=r"a\.weight is sharded as \(Shard\(dim=1\),\): only column-parallel"):
+        merge_linears(parent([Shard(1), Shard(0)]), "ab", ["a", "b"])
+    with pytest.raises(MergeError, match=r"b\.weight is a plain tensor while other parts are DTensors"):
+        merge_linears(parent([Shard(0), None]), "ab", ["a", "b"])

@@ -1,0 +1,142 @@
+"""Merged projections of tensor-parallel shards (transformers' ``tp_plan``, DTensor parameters).
+
+Under column parallelism each rank holds rows ``Shard(0)`` of every projection's weight: for
+q, k and v, its own heads of each. Concatenating the local shards of q, k and v gives this
+rank's part of a merged projection, split by the local sizes; one local matmul then computes
+exactly the local outputs the three sharded projections computed (GQA included: each part is
+sharded by its own heads, which a single ``Shard(0)`` of the concatenated full weight is not).
+
+``ColwiseShards`` records the mesh and the parts' full sizes. The merged weight is a DTensor
+over the same mesh whose local tensor is that concatenation, so optimisers and gradient
+clipping see it as the sharded parameter it is; its global layout (every rank's q, k, v in
+rank order) is never materialised: checkpoints go through the parts, each a DTensor
+``Shard(0)`` view of its rows of the local tensor, which transformers gathers into the
+original full tensors when it saves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["ColwiseShards", "colwise_shards", "is_sharded"]
+
+
+def is_sharded(tensor) -> bool:
+    """Whether ``tensor`` is a DTensor."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a build without torch.distributed
+        return False
+    return isinstance(tensor, DTensor)
+
+
+@dataclass(frozen=True, eq=False)
+class ColwiseShards:
+    """The sharding of a merged projection made of column-parallel parts.
+
+    mesh: the parts' one-dimensional device mesh.
+    full_sizes: each part's full output width (its ``out_features``).
+    """
+
+    mesh: object
+    full_sizes: tuple[int, ...]
+
+    @property
+    def ranks(self) -> int:
+        return self.mesh.size()
+
+    def local_sizes(self) -> tuple[int, ...]:
+        return tuple(size // self.ranks for size in self.full_sizes)
+
+    def local(self, tensor: Tensor) -> Tensor:
+        """This rank's rows of a part or merged tensor (a DTensor, or a full tensor to slice)."""
+        if is_sharded(tensor):
+            return tensor.to_local()
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        # src_data_rank=None: every rank holds the full tensor and keeps its rows, no communication.
+        return distribute_tensor(tensor, self.mesh, [Shard(0)], src_data_rank=None).to_local()
+
+    def sharded(self, local: Tensor, full_rows: int) -> Tensor:
+        """A DTensor ``Shard(0)`` of ``full_rows`` rows whose local tensor is ``local`` (shared, not copied)."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        shape = (full_rows, *local.shape[1:])
+        return DTensor.from_local(
+            local, self.mesh, [Shard(0)], run_check=False, shape=shape, stride=_contiguous_stride(shape)
+        )
+
+    def merged(self, local: Tensor) -> Tensor:
+        return self.sharded(local, sum(self.full_sizes))
+
+    def input(self, x: Tensor) -> Tensor:
+        """The replicated input as a local tensor whose gradient is summed over the ranks (each rank's
+        matmul gives only its rows' share of it), as transformers' column-parallel layers do."""
+        if is_sharded(x):
+            from torch.distributed.tensor import Partial, Replicate
+
+            return x.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _SumGradient.apply(x, self.mesh.get_group())
+        return x
+
+
+def colwise_shards(names: Sequence[str], linears: Sequence[torch.nn.Module]) -> ColwiseShards | None:
+    """The sharding of ``linears`` if all are column-parallel over one mesh, None if none is
+    sharded; raises ValueError (with the reason) for any other mix."""
+    sharded = [is_sharded(lin.weight) for lin in linears]
+    if not any(sharded):
+        return None
+    from torch.distributed.tensor import Shard
+
+    mesh = None
+    for name, lin, is_dt in zip(names, linears, sharded):
+        if not is_dt:
+            raise ValueError(f"{name}.weight is a plain tensor while other parts are DTensors.")
+        for tensor_name in ("weight", "bias"):
+            tensor = getattr(lin, tensor_name)
+            if tensor is None:
+                continue
+            if not is_sharded(tensor) or tuple(tensor.placements) != (Shard(0),) or tensor.device_mesh.ndim != 1:
+                placements = getattr(tensor, "placements", "a plain tensor")
+                raise ValueError(
+                    f"{name}.{tensor_name} is sharded as {placements}: only column-parallel parts (Shard(0) over "
+                    "one mesh dimension, tp_plan 'colwise') merge."
+                )
+            if mesh is None:
+                mesh = tensor.device_mesh
+            elif tensor.device_mesh != mesh:
+                raise ValueError(f"{name}.{tensor_name} is on another device mesh than {names[0]}.weight.")
+        if lin.weight.shape[0] % mesh.size():
+            raise ValueError(
+                f"{name} has {lin.weight.shape[0]} output features, not a multiple of the {mesh.size()} ranks: its "
+                "shards are uneven."
+            )
+    return ColwiseShards(mesh, tuple(int(lin.weight.shape[0]) for lin in linears))
+
+
+class _SumGradient(torch.autograd.Function):
+    """The identity forward; the backward sums the gradient over the process group."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= size
+    return tuple(reversed(stride))
