@@ -38,8 +38,11 @@ class AutoModelForCausalLM:
         follows transformers' logging (``transformers.logging.disable_progress_bar()`` hides the bars)."""
         from transformers import AutoModelForCausalLM as TransformersAuto
 
-        model = TransformersAuto.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
-        return _rewritten_or_stock(model, fusions, verify)
+        loaded = TransformersAuto.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        if kwargs.get("output_loading_info"):  # (model, loading info), as transformers returns it
+            model, info = loaded
+            return _rewritten_or_stock(model, fusions, verify), info
+        return _rewritten_or_stock(loaded, fusions, verify)
 
     @classmethod
     def from_config(cls, config, *, fusions: list[str] | None = None, verify: bool = True, **kwargs):

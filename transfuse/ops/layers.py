@@ -141,26 +141,29 @@ class LinearPart(nn.Linear):
         merged = getattr(self._merged, name)
         if merged is None:
             return None
+        source = _local(merged)
         cached = self._views.get(name)
-        if cached is not None and cached[0] is merged:
-            _, view, ptr = cached
+        # A view is current while the merged tensor keeps its storage (``model.half()`` and ``.to()``
+        # give it new storage: the view is then made again from it).
+        if cached is not None and cached[0] is merged and cached[1] == source.data_ptr():
+            view, ptr = cached[2], cached[3]
             if _local(view).data_ptr() == ptr:
                 return view
             # Someone replaced the view's data (PEFT's safe merge assigns ``weight.data``): write it back.
             with torch.no_grad():
-                _local(merged)[self._rows[0] : self._rows[1]].copy_(_local(view))
-        rows = _local(merged)[self._rows[0] : self._rows[1]]
+                source[self._rows[0] : self._rows[1]].copy_(_local(view))
+        rows = source[self._rows[0] : self._rows[1]]
         shards = self._merged.shards
         # Under tensor parallelism, this rank's rows of the part as the DTensor shard of the full part.
         view = shards.sharded(rows, self.out_features) if shards is not None else rows
-        self._views[name] = (merged, view, rows.data_ptr())
+        self._views[name] = (merged, source.data_ptr(), view, rows.data_ptr())
         return view
 
     def sync(self) -> None:
         """Write back into the merged tensors a view whose data was replaced since it was handed out
         (a no-op unless someone asked for the part's weight)."""
-        for name, (merged, view, ptr) in list(self._views.items()):
-            if _local(view).data_ptr() != ptr or getattr(self._merged, name) is not merged:
+        for name, (merged, _, view, ptr) in list(self._views.items()):
+            if _local(view).data_ptr() != ptr:
                 self._view(name)
 
     @property

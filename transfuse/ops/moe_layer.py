@@ -212,8 +212,26 @@ class MoE(nn.Module):
         self.plan = plan
         self.routing = routing
         self.expert_numbers = experts or ExpertNumbers()
+        # transformers' experts implementation (config._experts_implementation) when the layer was
+        # made: it computes the experts with moe_experts instead, and refuses to run once another
+        # implementation has been chosen (``set_experts_implementation``) rather than ignore it.
+        self._experts_config = None
+        self.experts_implementation = None
+        for child in children.values():
+            implementation = getattr(getattr(child, "config", None), "_experts_implementation", None)
+            if implementation is not None:
+                self._experts_config, self.experts_implementation = child.config, implementation
+                break
 
     def forward(self, hidden_states: Tensor, *unused, **unused_kwargs):
+        config = self._experts_config
+        if config is not None and config._experts_implementation != self.experts_implementation:
+            raise RuntimeError(
+                f"The experts implementation is now {config._experts_implementation!r} (set_experts_implementation), "
+                f"but this fused mixture-of-experts layer computes the experts with transfuse's moe_experts, which "
+                f"took the place of {self.experts_implementation!r} when the model was rewritten. Set it back, or "
+                "rewrite the model without the 'moe' fusion to choose the experts implementation."
+            )
         return _block_forward(self, hidden_states, self.plan, self.routing, self.expert_numbers)
 
     def _forward(self, hidden_states: Tensor):

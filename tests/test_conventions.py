@@ -1,0 +1,135 @@
+"""transformers' conventions on rewritten models: dtype casts, tied weights, resized embeddings,
+sharded checkpoints, the experts implementation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import transfuse
+from transfuse.ops import LinearPart, MergedProjection, MoE
+from transfuse.tiny import tiny_model
+
+FAMILIES = ["llama", "qwen3", "gemma2", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"]
+
+
+def _ids(model, seed=0):
+    return torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(seed))
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_dtype_casts_carry_the_parts_with_them(model_type):
+    """``model.to(dtype)`` and ``.half()`` give the merged tensors new storage; the parts under the
+    original names are views of it afterwards (not of the tensors from before the cast)."""
+    stock, model = tiny_model(model_type), transfuse.rewrite(tiny_model(model_type))
+    parts = [(n, m) for n, m in model.named_modules() if isinstance(m, LinearPart)]
+    assert parts
+    for name, part in parts:
+        part.weight  # noqa: B018 - hand the views out before the cast, as a tool reading them would
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.float()):
+        cast(model), cast(stock)
+        stock_params = dict(stock.named_parameters())
+        for name, part in parts:
+            assert part.weight.dtype == stock_params[f"{name}.weight"].dtype
+            assert torch.equal(part.weight, stock_params[f"{name}.weight"])
+            merged = part._merged.weight
+            assert part.weight.data_ptr() >= merged.data_ptr()  # a view into the merged storage
+            assert part.weight.untyped_storage().data_ptr() == merged.untyped_storage().data_ptr()
+    ids = _ids(model)
+    model.to(torch.bfloat16), stock.to(torch.bfloat16)
+    assert (_logits(model, ids).float() - _logits(stock, ids).float()).abs().max().item() <= 0.1
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "qwen3"])
+def test_tied_weights_stay_tied_and_reload_without_missing_keys(model_type, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model(model_type, tie_word_embeddings=True)
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    transfuse.rewrite(model)
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    model.save_pretrained(tmp_path)
+    reloaded, info = transfuse.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert transfuse.report(reloaded).fusions  # output_loading_info: the model is still rewritten
+    assert reloaded.lm_head.weight is reloaded.get_input_embeddings().weight
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = _ids(model)
+    assert torch.equal(_logits(reloaded, ids), _logits(stock, ids))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_resize_token_embeddings_after_a_rewrite(model_type):
+    model = transfuse.rewrite(tiny_model(model_type))
+    stock = tiny_model(model_type)
+    for m in (model, stock):
+        torch.manual_seed(5)
+        m.resize_token_embeddings(300)
+    ids = torch.randint(0, 300, (1, 7), generator=torch.Generator().manual_seed(1))
+    out = _logits(model, ids)
+    assert out.shape[-1] == 300
+    assert (out - _logits(stock, ids)).abs().max().item() <= 1e-5
+    assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), stock.generate(ids, max_new_tokens=4, do_sample=False))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mixtral"])
+def test_sharded_safetensors_save_loads_in_stock_transformers_bit_for_bit(model_type, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    original = tiny_model(model_type)
+    model = transfuse.rewrite(tiny_model(model_type))
+    model.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="100KB")
+    shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert len(shards) > 1 and (tmp_path / "model.safetensors.index.json").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert loaded.state_dict().keys() == original.state_dict().keys()
+    for key, value in original.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    assert not any(isinstance(m, MergedProjection) for m in loaded.modules())
+
+
+def test_changing_the_experts_implementation_after_a_rewrite_is_refused_with_the_way_out():
+    model = transfuse.rewrite(tiny_model("qwen3_moe"))
+    ids = _ids(model)
+    before = _logits(model, ids)
+    layer = next(m for m in model.modules() if isinstance(m, MoE))
+    assert layer.experts_implementation == model.config._experts_implementation
+    other = "eager" if layer.experts_implementation != "eager" else "batched_mm"
+    model.set_experts_implementation(other)
+    with pytest.raises(RuntimeError, match=rf"experts implementation is now '{other}'.*without the 'moe' fusion"):
+        _logits(model, ids)
+    model.set_experts_implementation(layer.experts_implementation)
+    assert torch.equal(_logits(model, ids), before)
+    # Without the MoE fusion, the choice is the model's own.
+    unfused = transfuse.rewrite(tiny_model("qwen3_moe"), fusions=["rms_norm", "qkv"])
+    unfused.set_experts_implementation(other)
+    assert (_logits(unfused, ids) - before).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_every_tp_plan_entry_still_names_a_module_or_parameter(model_type):
+    """transformers' own check of a plan (each entry matches a parameter or a module), on the
+    rewritten model: merged parts stay under their names, packed experts keep their tensors.
+    Entries the stock model does not use either (dense MLPs of an all-MoE tiny model) are left out."""
+    import re
+
+    def names(model):
+        found = {n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()}
+        return found | {n.rsplit(".", 1)[0] for n, _ in model.named_parameters()}
+
+    def used(plan, model):
+        present = names(model)
+        regexes = {p: re.compile(re.escape(p).replace(r"\*", r"\d+")) for p in plan}
+        return {p for p, r in regexes.items() if any(r.fullmatch(n) for n in present)}
+
+    stock, model = tiny_model(model_type), transfuse.rewrite(tiny_model(model_type))
+    assert transfuse.report(model).fusions
+    plan = getattr(model, "tp_plan", None) or model._tp_plan
+    if not plan:
+        pytest.skip(f"{model_type} has no tensor-parallel plan")
+    assert used(plan, stock) and used(plan, model) == used(plan, stock)
