@@ -123,3 +123,61 @@ def test_a_lora_variant_is_a_clear_error():
     model = get_peft_model(fused, LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
     with pytest.raises(NotImplementedError, match="DoRA"):
         model(input_ids=_ids())
+
+
+def _train_step_grads(model, ids, seed):
+    model.train()
+    torch.manual_seed(seed)  # the adapters' dropout masks: drawn in the same order on both models
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def test_adapters_with_dropout_train_like_the_stock_models():
+    stock, fused = _pair("llama", LoraConfig(r=4, target_modules=TARGETS, lora_dropout=0.3))
+    ids = _ids()
+    stock_loss, stock_grads = _train_step_grads(stock, ids, seed=5)
+    fused_loss, fused_grads = _train_step_grads(fused, ids, seed=5)
+    torch.testing.assert_close(fused_loss, stock_loss, rtol=1e-6, atol=0)
+    for name, want in stock_grads.items():
+        assert ((fused_grads[name] - want).norm() / want.norm()).item() <= 1e-5, name
+    _, other = _train_step_grads(fused, ids, seed=6)  # other masks: the dropout is real
+    assert not torch.allclose(other["base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"],
+                              fused_grads["base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"])  # fmt: skip
+
+
+def test_two_active_adapters_on_one_part_add_up_like_the_stock_models():
+    config = LoraConfig(r=4, target_modules=["q_proj", "up_proj"])
+    stock, fused = _pair("llama", config)
+    for model in (stock, fused):
+        model.add_adapter("second", LoraConfig(r=2, lora_alpha=8, target_modules=["q_proj", "gate_proj"]))
+        model.base_model.set_adapter(["default", "second"])
+        _randomise_adapters(model, seed=3)
+    ids = _ids()
+    _, stock_grads = _train_step_grads(stock, ids, seed=0)
+    _, fused_grads = _train_step_grads(fused, ids, seed=0)
+    assert stock_grads.keys() == fused_grads.keys() and any(".second." in n for n in fused_grads)
+    for name, want in stock_grads.items():
+        assert ((fused_grads[name] - want).norm() / want.norm()).item() <= 1e-5, name
+
+
+def test_under_autocast_adapters_train_like_the_stock_models():
+    stock, fused = _pair("llama", LoraConfig(r=4, target_modules=TARGETS))
+    ids = _ids()
+    results = []
+    for model in (stock, fused):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            results.append(_train_step_grads(model, ids, seed=0))
+    (stock_loss, stock_grads), (fused_loss, fused_grads) = results
+    torch.testing.assert_close(fused_loss, stock_loss, rtol=2e-2, atol=0)
+    for name, want in stock_grads.items():
+        assert ((fused_grads[name] - want).norm() / want.norm()).item() <= 5e-2, name
+
+
+def test_a_hook_on_a_wrapped_part_is_a_clear_error():
+    _, fused = _pair("llama", LoraConfig(r=4, target_modules=["k_proj"]))
+    fused.base_model.model.model.layers[0].self_attn.k_proj.register_forward_hook(lambda *args: None)
+    with pytest.raises(NotImplementedError, match="would not run"):
+        fused(input_ids=_ids())

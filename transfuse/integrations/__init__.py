@@ -8,14 +8,14 @@ wrapping a projection that transfuse merged).
 from __future__ import annotations
 
 from ..ops.layers import MergedProjection
-from .peft import lora_part_delta
+from .peft import lora_adapters
 
 __all__ = ["install"]
 
 
 def install() -> None:
     """Register every integration's hooks (cheap: nothing is imported)."""
-    MergedProjection.part_hook = staticmethod(lora_part_delta)
+    MergedProjection.part_hook = staticmethod(lora_adapters)
 
 
 install()

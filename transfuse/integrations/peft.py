@@ -3,13 +3,15 @@
 A rewrite keeps each merged projection under its name as a ``LinearPart`` (an ``nn.Linear``
 view of its rows), so ``get_peft_model(model, LoraConfig(target_modules=[...]))`` finds
 ``q_proj`` and ``gate_proj`` as on the stock model (``all-linear`` too, and the model type's
-default targets) and wraps them. The merged projection still runs one matmul for all its parts
-and adds each wrapped part's adapter output to that part's columns (``lora_part_delta``), so
-training updates the adapters, ``save_pretrained`` writes PEFT's own keys
+default targets) and wraps them. The merged projection still runs one matmul for all its parts;
+``lora_adapters`` hands it each wrapped part's adapters, which ``ops.low_rank`` adds to that
+part's columns (the adapters sharing one cast of the input and one matmul), so training
+updates the adapters, ``save_pretrained`` writes PEFT's own keys
 (``...q_proj.lora_A.weight``), which stock PEFT loads onto the stock model, and
 ``merge_and_unload`` merges each adapter into its part's rows of the merged weight.
 
-Plain LoRA only: DoRA and PEFT's other variants, and mixed-adapter batches, raise a clear error.
+Plain LoRA only: DoRA and PEFT's other variants, mixed-adapter batches and hooks on a wrapped part
+(which would not run) raise a clear error.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["lora_part_delta"]
+from ..ops.low_rank import Adapter
+
+__all__ = ["lora_adapters"]
 
 
 def _lora_linear_class() -> type | None:
@@ -29,17 +33,31 @@ def _lora_linear_class() -> type | None:
     return Linear
 
 
-def lora_part_delta(wrapper: Any, x: torch.Tensor) -> torch.Tensor | None | Any:
-    """What a PEFT LoRA layer wrapping a merged part adds to the part's output for input ``x``
-    (None when it adds nothing: adapters disabled or merged); NotImplemented for anything else."""
+def _passes_through(dropout) -> bool:
+    return isinstance(dropout, torch.nn.Identity) or (
+        isinstance(dropout, torch.nn.Dropout) and (dropout.p == 0 or not dropout.training)
+    )
+
+
+def lora_adapters(wrapper: Any, x: torch.Tensor, start: int) -> list[Adapter] | Any:
+    """The active adapters of a PEFT LoRA layer wrapping the merged part whose columns start at
+    ``start``, for input ``x`` (none when adapters are disabled or merged); NotImplemented for
+    anything that is not a PEFT LoRA layer."""
     if not type(wrapper).__module__.startswith("peft."):
         return NotImplemented
     lora_linear = _lora_linear_class()
     if lora_linear is None or not isinstance(wrapper, lora_linear):
         return NotImplemented
+    if wrapper._forward_pre_hooks or wrapper._forward_hooks:
+        # PEFT's mixed-adapter batches (``adapter_names=...``) pass their arguments through such hooks.
+        raise NotImplementedError(
+            "A forward hook is registered on a LoRA layer whose projection transfuse merged: the merged "
+            "projection computes it without calling it, so the hook would not run (PEFT's mixed-adapter "
+            "batches, adapter_names=..., work this way). Rewrite the model without the qkv and gate_up fusions."
+        )
     if wrapper.disable_adapters or wrapper.merged:
-        return None
-    delta = None
+        return []
+    adapters = []
     for name in wrapper.active_adapters:
         if name not in wrapper.lora_A.keys():
             continue
@@ -50,7 +68,15 @@ def lora_part_delta(wrapper: Any, x: torch.Tensor) -> torch.Tensor | None | Any:
                 "model without the qkv and gate_up fusions."
             )
         lora_a, lora_b = wrapper.lora_A[name], wrapper.lora_B[name]
-        inputs = wrapper._cast_input_dtype(x, lora_a.weight.dtype)
-        out = lora_b(lora_a(wrapper.lora_dropout[name](inputs))) * wrapper.scaling[name]
-        delta = out if delta is None else delta + out
-    return delta
+        if type(lora_a) is not torch.nn.Linear or type(lora_b) is not torch.nn.Linear or lora_a.bias is not None:
+            raise NotImplementedError(
+                f"The adapter {name!r} is not a pair of plain linear layers ({type(lora_a).__name__}, "
+                f"{type(lora_b).__name__}); transfuse's merged projections support plain LoRA only."
+            )
+        dropout = wrapper.lora_dropout[name]
+        inputs = None
+        cast = wrapper._cast_input_dtype(x, lora_a.weight.dtype)
+        if not _passes_through(dropout) or cast.dtype != lora_a.weight.dtype:
+            inputs = dropout(cast)  # the adapter's own input (a dropout mask of its own), as PEFT computes it
+        adapters.append(Adapter(start, lora_a.weight, lora_b.weight, wrapper.scaling[name], lora_b.bias, inputs))
+    return adapters

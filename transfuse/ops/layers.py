@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .low_rank import linear_with_adapters
 from .moe_layer import MoE
 from .rms_norm import RMSNormSpec, rms_norm
 from .sharding import ColwiseShards, is_sharded
@@ -30,13 +31,13 @@ class MergedProjection(nn.Module):
     It computes ``F.linear`` like ``nn.Linear`` but is not one (nor named like one): tools that
     find linear layers by class (PEFT's ``all-linear``) find the original projections instead,
     which stay under their names as ``LinearPart`` views of this weight. When such a tool wraps a
-    part (a LoRA adapter), ``part_hook`` is asked for the wrapper's contribution, which is added
-    to that part's columns of the output: the merged matmul runs once, adapters or not.
+    part (a LoRA adapter), ``part_hook`` is asked for the wrapper's adapters, which
+    ``linear_with_adapters`` adds to that part's columns: the merged matmul runs once, adapters or not.
     """
 
     __transfuse_layer__ = True
-    # (wrapper, x) -> the wrapper's addition to its part's output, or None when it adds nothing.
-    # Set by an integration (``transfuse.integrations.peft``); None: a wrapped part is an error.
+    # (wrapper, x, first column of its part) -> the wrapper's ``low_rank.Adapter``s (none when it adds
+    # nothing). Set by an integration (``transfuse.integrations.peft``); None: a wrapped part is an error.
     part_hook = None
 
     def __init__(
@@ -70,35 +71,36 @@ class MergedProjection(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for part in self._part_modules:
             part.sync()
+        adapters = self._adapters(x)
         if self.shards is not None:
+            if adapters:
+                raise NotImplementedError(
+                    "LoRA adapters on a tensor-parallel merged projection are not supported; rewrite the model "
+                    "without the qkv and gate_up fusions to train adapters under tensor parallelism."
+                )
             x = self.shards.input(x)
-            out = F.linear(x, self.weight.to_local(), self.bias.to_local() if self.bias is not None else None)
-        else:
-            out = F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.weight.to_local(), self.bias.to_local() if self.bias is not None else None)
+        return linear_with_adapters(x, self.weight, self.bias, adapters)
+
+    def _adapters(self, x: torch.Tensor) -> list:
+        """The adapters of the parts that a tool wrapped (PEFT's LoRA), each on its part's columns."""
         owner = self._owner() if self._owner is not None else None
         if owner is None:
-            return out
-        start = 0
+            return []
+        adapters, start = [], 0
         for name, size, part in zip(self.parts, self.split_sizes, self._part_modules):
             slot = owner._modules.get(name)
             if slot is not part and slot is not None:
-                out = self._add_wrapped(out, slot, name, start, size, x)
+                hook = type(self).part_hook
+                found = hook(slot, x, start) if hook is not None else NotImplemented
+                if found is NotImplemented:
+                    raise TypeError(
+                        f"{name} is now a {type(slot).__name__}, which wraps a projection that transfuse merged "
+                        f"into {type(self).__name__}; only PEFT's LoRA adapters on merged projections are supported."
+                    )
+                adapters += found
             start += size
-        return out
-
-    def _add_wrapped(self, out, slot, name, start, size, x):
-        hook = type(self).part_hook
-        delta = hook(slot, x) if hook is not None else NotImplemented
-        if delta is NotImplemented:
-            raise TypeError(
-                f"{name} is now a {type(slot).__name__}, which wraps a projection that transfuse merged into "
-                f"{type(self).__name__}; only PEFT's LoRA adapters on merged projections are supported."
-            )
-        if delta is None:
-            return out
-        # Added in the wider of the two dtypes (PEFT keeps adapters in float32), then rounded, as PEFT adds.
-        part = (out[..., start : start + size] + delta).to(out.dtype)
-        return torch.cat([out[..., :start], part, out[..., start + size :]], dim=-1)
+        return adapters
 
     def __getstate__(self):
         state = self.__dict__.copy()
