@@ -18,8 +18,9 @@ included). Variants:
 - ``*+peft``: the same with LoRA r=16 on q/k/v/o/gate/up/down (only the adapters train); on the
   dense model only (PEFT wraps packed experts too, which the fused MoE layer does not compute).
 
-The FLOP floor counts the matmuls of a step (6 x parameters touched per token x tokens, the
-attention's scores and values causally) over the bf16 matmul rate measured in the same run.
+The FLOP floor counts the matmuls of a step (6 x parameters touched per token x tokens, 4 x for
+frozen ones, the attention's scores and values causally) over the bf16 matmul rate measured in
+the same run.
 Writes ``DIR/bench_train.md`` and ``DIR/bench_train.json``.
 """
 
@@ -69,22 +70,20 @@ def _config(name: str, smoke: bool):
 
 
 def _flops(model, config, batch: int, seq: int) -> float:
-    """Matmul FLOPs of one forward + backward: 6 per weight touched per token, plus causal attention."""
+    """Matmul FLOPs of one forward + backward: per weight touched per token, 2 forward, 2 for the
+    input's gradient and, if it trains, 2 for its own (frozen weights under LoRA: 4, not 6), plus
+    causal attention (forward and both backward matmuls)."""
     tokens = batch * seq
-    per_token = 0
+    total = 0.0
     for name, p in model.named_parameters():
         if p.dim() < 2 or "embed" in name:
             continue
-        if p.dim() == 3:  # packed experts: a token touches k of them
-            per_token += p[0].numel() * config.num_experts_per_tok
-        elif "gate.weight" in name and p.shape[0] == getattr(config, "num_experts", -1):
-            per_token += p.numel()
-        else:
-            per_token += p.numel()
+        touched = p[0].numel() * config.num_experts_per_tok if p.dim() == 3 else p.numel()  # packed experts: k of them
+        total += (6 if p.requires_grad else 4) * touched * tokens
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     attention = config.num_hidden_layers * 2 * 2 * batch * seq * seq * heads * head_dim / 2  # causal: half
-    return 3 * (2 * per_token * tokens + attention)
+    return total + 3 * attention
 
 
 def _matmul_rate(device) -> float:

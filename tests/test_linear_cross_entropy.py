@@ -67,7 +67,7 @@ def _fused(transform=None, **kwargs):
 TRANSFORMS = {"none": None, "softcap": lambda z: torch.tanh(z / 3.0) * 3.0, "scale": lambda z: z * 0.25}
 
 
-@pytest.mark.parametrize("chunk_rows", [None, 7], ids=["one-chunk", "chunks-of-7"])
+@pytest.mark.parametrize("chunk_rows", [None, 7, (5, 3)], ids=["one-block", "blocks-of-7", "blocks-of-5-in-chunks-of-3"])
 @pytest.mark.parametrize("transform", list(TRANSFORMS))
 @pytest.mark.parametrize("reduction", ["mean", "num_items_in_batch", "shift_labels"])
 def test_loss_and_gradients_equal_transformers_loss_in_float32(monkeypatch, reduction, transform, chunk_rows):
@@ -78,10 +78,41 @@ def test_loss_and_gradients_equal_transformers_loss_in_float32(monkeypatch, redu
     if reduction == "shift_labels":
         kwargs["shift_labels"] = torch.roll(labels, 3, dims=1)
     if chunk_rows is not None:
-        monkeypatch.setattr(lce_module, "_chunk_rows", lambda rows, vocab: chunk_rows)
+        block, chunk = chunk_rows if isinstance(chunk_rows, tuple) else (chunk_rows, chunk_rows)
+        monkeypatch.setattr(lce_module, "_block_rows", lambda rows, vocab, size: block)
+        monkeypatch.setattr(lce_module, "_chunk_rows", lambda rows, vocab: chunk)
     fn = TRANSFORMS[transform]
     want_loss, want = _grads(lambda *t: _stock(fn, **kwargs)(*t, labels), h, weight, bias, torch.float32)
     got_loss, got = _grads(lambda *t: _fused(fn, **kwargs)(*t, labels), h, weight, bias, torch.float32)
+    assert abs(got_loss.item() - want_loss.item()) <= 1e-6 * abs(want_loss.item())
+    for g, w in zip(got, want):
+        assert ((g - w).norm() / w.norm()).item() <= 1e-5
+
+
+@pytest.fixture
+def triton_cross_entropy():
+    """The loss's kernel (under Triton's interpreter without a GPU) in place of the native definition."""
+    from transfuse import ops
+
+    if not ops.get_op("cross_entropy_grad").is_supported(ops.get_op("cross_entropy_grad").providers["triton"]):
+        pytest.skip("Triton is not installed")
+    ops.set_priority(["triton"], op="cross_entropy_grad")
+    try:
+        with ops.trace() as calls:
+            yield calls
+    finally:
+        ops.set_priority(None, op="cross_entropy_grad")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "num_items_in_batch"])
+def test_the_triton_kernel_gives_transformers_loss_and_gradients(monkeypatch, triton_cross_entropy, reduction):
+    monkeypatch.setattr(lce_module, "_block_rows", lambda rows, vocab, size: 16)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs the kernel on CPU tensors
+    h, weight, bias, labels = (t.to(device) for t in _loss_case(vocab=300))
+    kwargs = {"num_items_in_batch": torch.tensor(41, device=device)} if reduction == "num_items_in_batch" else {}
+    want_loss, want = _grads(lambda *t: _stock(**kwargs)(*t, labels), h, weight, bias, torch.float32)
+    got_loss, got = _grads(lambda *t: _fused(**kwargs)(*t, labels), h, weight, bias, torch.float32)
+    assert {call.provider for call in triton_cross_entropy if call.op == "cross_entropy_grad"} == {"triton"}
     assert abs(got_loss.item() - want_loss.item()) <= 1e-6 * abs(want_loss.item())
     for g, w in zip(got, want):
         assert ((g - w).norm() / w.norm()).item() <= 1e-5
@@ -91,6 +122,7 @@ def test_loss_and_gradients_equal_transformers_loss_in_float32(monkeypatch, redu
 def test_low_precision_gradients_are_as_accurate_as_the_unfused_ones(monkeypatch, dtype):
     """Against a float64 run: the fused loss's gradients err no more than the unfused model's own
     (1.5x), in many chunks, and its loss agrees."""
+    monkeypatch.setattr(lce_module, "_block_rows", lambda rows, vocab, size: 16)  # 8 blocks: 7 roundings
     monkeypatch.setattr(lce_module, "_chunk_rows", lambda rows, vocab: 8)
     h, weight, bias, labels = _loss_case(vocab=300, hidden=64, seq=61)
     loss = lambda fn: (lambda *t: fn(*t, labels))  # noqa: E731
@@ -143,7 +175,8 @@ def _step(model, ids, labels, **kwargs):
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma2", "cohere", "granite", "qwen3_moe"])
 def test_fused_loss_trains_like_the_stock_model(monkeypatch, model_type):
-    monkeypatch.setattr(lce_module, "_chunk_rows", lambda rows, vocab: 5)  # many chunks
+    monkeypatch.setattr(lce_module, "_block_rows", lambda rows, vocab, size: 9)  # many blocks
+    monkeypatch.setattr(lce_module, "_chunk_rows", lambda rows, vocab: 5)  # in chunks
     stock, fused = tiny_model(model_type).train(), tiny_model(model_type).train()
     transfuse.rewrite(fused, fusions=ALL_KINDS)
     assert transfuse.report(fused).counts().get("linear_cross_entropy") == 1

@@ -5,16 +5,16 @@ it (labels shifted by one with a pad of ``ignore_index``, or ``shift_labels`` as
 over the labels that count, or the sum over ``num_items_in_batch``), with ``t`` the model's own
 elementwise transform of its logits (Gemma 2's soft-capping, Cohere's and Granite's scales) or
 none. A full ``[tokens, vocab]`` logits tensor, its float32 copy and their gradients are the
-largest tensors of a training step (4 GiB each for Llama 3's vocabulary at 8k tokens); here rows
-are taken ``chunk_rows`` at a time: each chunk's logits are computed, transformed, turned into
-the loss and differentiated there (autograd through ``t`` and the float32 cross-entropy, so the
-gradient rounds where the unfused model's does) into one ``[tokens, vocab]`` tensor of logit
-gradients in the logits' dtype, the only full-size tensor held (the unfused model holds it too,
-beside the logits, their float32 copy and its log-softmax). The hidden states' and the weight's
-gradients are then one matmul each, rounded once as the unfused model's are (a weight gradient
-summed chunk by chunk would instead round once per chunk in bf16, or read and write a float32
-copy of the weight once per chunk), and the logit gradients are freed before the forward
-returns: backward only scales the results.
+largest tensors of a training step (4 GiB each for Llama 3's vocabulary at 8k tokens). Here rows
+are taken a block at a time (``BLOCK_BYTES`` of logits): a block's logits are computed, turned
+into its loss, and overwritten in place by their gradient, by the ``cross_entropy_grad`` op (a
+Triton kernel on GPUs, which reads the logits twice and writes them once) or, with a transform,
+by autograd through ``t`` and the float32 cross-entropy; either way the gradient rounds where the
+unfused model's does. The block's share of the hidden states' gradient is then one matmul, and
+the weight's gradient is summed over blocks in the weight's dtype (one rounding per block after
+the first: a few at Llama 3's shapes, where the unfused model rounds once, and far fewer than a
+per-chunk sum; a float32 sum would hold a float32 weight gradient as large as all the logit
+gradients). Everything is computed in forward; backward only scales the results.
 """
 
 from __future__ import annotations
@@ -26,51 +26,94 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["causal_lm_loss", "linear_cross_entropy"]
+from .dispatch import Op
 
-# Rows per chunk: a chunk's logits, their float32 copy, its log-softmax and its float32 gradient
-# (about 14 bytes an element) stay under this many bytes (benchmarks may set it).
-CHUNK_BYTES = 512 << 20
+__all__ = ["CROSS_ENTROPY_GRAD", "causal_lm_loss", "cross_entropy_grad_native", "linear_cross_entropy"]
+
+# Rows per chunk of the native loss: a chunk's logits, their float32 copy, its log-softmax and its
+# float32 gradient (about 14 bytes an element) stay under this many bytes (benchmarks may set it).
+CHUNK_BYTES = 256 << 20
+# Rows per block of logit gradients (in the logits' dtype): the largest tensor held. The weight's
+# gradient is summed over blocks in its own dtype, one rounding per block after the first.
+BLOCK_BYTES = 256 << 20
+
+
+def _rows_under(rows: int, bytes_per_row: int, budget: int) -> int:
+    return max(1, min(rows, 2 ** int(math.log2(max(1, budget // bytes_per_row)))))
 
 
 def _chunk_rows(rows: int, vocab: int) -> int:
-    per_row = 14 * vocab
-    return max(1, min(rows, 2 ** int(math.log2(max(1, CHUNK_BYTES // per_row)))))
+    return _rows_under(rows, 14 * vocab, CHUNK_BYTES)
+
+
+def _block_rows(rows: int, vocab: int, element_size: int) -> int:
+    return _rows_under(rows, vocab * element_size, BLOCK_BYTES)
+
+
+def _row_losses(logits: Tensor, targets: Tensor, scale: Tensor, ignore_index: int, transform, differentiate: bool) -> Tensor:
+    """Each row's ``CE(transform(logits).float(), targets)`` (0 where the target is ``ignore_index``),
+    and, when ``differentiate``, ``logits`` overwritten by the gradient of ``scale * sum(losses)``:
+    autograd through the unfused model's arithmetic, a chunk of rows at a time."""
+    losses = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    step = _chunk_rows(logits.shape[0], logits.shape[1])
+    for start in range(0, logits.shape[0], step):
+        chunk = logits[start : start + step]
+        with torch.enable_grad():
+            leaf = chunk.detach().requires_grad_(differentiate)
+            shaped = transform(leaf) if transform is not None else leaf
+            loss = F.cross_entropy(shaped.float(), targets[start : start + step], ignore_index=ignore_index, reduction="none")
+        if differentiate:
+            # The gradient rounds to the logits' dtype after the scale, as the unfused model's does.
+            (grad,) = torch.autograd.grad(loss, leaf, scale.expand_as(loss))
+            chunk.copy_(grad)
+        losses[start : start + step] = loss.detach()
+    return losses
+
+
+def cross_entropy_grad_native(logits: Tensor, targets: Tensor, scale: Tensor, ignore_index: int) -> Tensor:
+    """Each row's loss ``CE(logits.float(), targets)`` (0 where ``targets`` is ``ignore_index``), with
+    ``logits [N, V]`` overwritten by the gradient of ``scale * sum(losses)`` in their dtype, rounded
+    once from float32 as autograd rounds the unfused model's. The definition, and the CPU path."""
+    return _row_losses(logits, targets, scale, ignore_index, None, True)
+
+
+CROSS_ENTROPY_GRAD = Op("cross_entropy_grad", cross_entropy_grad_native)
+
+
+def _block_loss(logits: Tensor, targets: Tensor, scale: Tensor, ignore_index: int, transform, differentiate: bool) -> Tensor:
+    """A block of rows' summed, scaled loss; their logits overwritten by its gradient when ``differentiate``."""
+    if transform is None and differentiate and not torch.compiler.is_compiling():
+        losses = CROSS_ENTROPY_GRAD(logits, targets, scale, ignore_index)  # a kernel where there is one
+    else:
+        losses = _row_losses(logits, targets, scale, ignore_index, transform, differentiate)
+    return losses.sum() * scale
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, ignore_index, scale, transform, chunk_rows):
+    def forward(ctx, hidden, weight, bias, targets, ignore_index, scale, transform, block_rows):
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         differentiate = needs_hidden or needs_weight or needs_bias
-        rows, vocab = hidden.shape[0], weight.shape[0]
-        # The logits' gradient for every row, in the logits' dtype (as the unfused model holds it):
-        # the chunks fill it, then the hidden states' and the weight's gradients are one matmul each,
-        # rounded once as the unfused model's are. It is the one [tokens, vocab] tensor held.
-        grad_logits = torch.empty((rows, vocab), dtype=torch.result_type(hidden, weight), device=hidden.device) if differentiate else None
+        rows = hidden.shape[0]
+        grad_hidden = torch.empty_like(hidden) if needs_hidden else None
+        grad_weight = grad_bias = None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, rows, chunk_rows):
-            h = hidden[start : start + chunk_rows]
-            with torch.enable_grad():
-                logits = F.linear(h, weight, bias).detach().requires_grad_(differentiate)
-                shaped = transform(logits) if transform is not None else logits
-                loss = F.cross_entropy(
-                    shaped.float(), targets[start : start + chunk_rows], ignore_index=ignore_index, reduction="sum"
-                )
-                scaled = loss * scale  # the gradient rounds to the logits' dtype after the scale, as unfused
-            total += scaled.detach()
-            if differentiate:
-                (grad_logits[start : start + chunk_rows],) = torch.autograd.grad(scaled, logits)
-            del logits, shaped, loss, scaled
-        grads = (None, None, None)
-        if differentiate:
-            grads = (
-                grad_logits @ weight if needs_hidden else None,
-                grad_logits.t() @ hidden if needs_weight else None,
-                grad_logits.sum(0, dtype=torch.float32).to(bias.dtype) if needs_bias else None,
-            )
-            del grad_logits
-        ctx.save_for_backward(*grads)
+        for start in range(0, rows, block_rows):
+            h = hidden[start : start + block_rows]
+            # This block's logits, then (in place) their gradient: the one [rows, vocab] tensor held.
+            logits = F.linear(h, weight, bias)
+            total += _block_loss(logits, targets[start : start + block_rows], scale, ignore_index, transform, differentiate)
+            if needs_hidden:
+                torch.mm(logits, weight, out=grad_hidden[start : start + block_rows])
+            if needs_weight:
+                grad_weight = logits.t() @ h if grad_weight is None else grad_weight.addmm_(logits.t(), h)
+            if needs_bias:
+                block_sum = logits.sum(0, dtype=torch.float32)
+                grad_bias = block_sum if grad_bias is None else grad_bias + block_sum
+            del logits
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(bias.dtype)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         return total
 
     @staticmethod
@@ -88,7 +131,7 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     num_items_in_batch: Tensor | int | float | None = None,
     transform: Callable[[Tensor], Tensor] | None = None,
-    chunk_rows: int | None = None,
+    block_rows: int | None = None,
 ) -> Tensor:
     """``CE(transform(hidden @ weightᵀ + bias).float(), targets)`` for ``hidden [N, H]``, ``targets [N]``:
     the mean over targets other than ``ignore_index``, or the sum over ``num_items_in_batch``."""
@@ -104,8 +147,8 @@ def linear_cross_entropy(
         count = num_items_in_batch.to(device=hidden.device, dtype=torch.float32)
     else:
         count = torch.tensor(float(num_items_in_batch), device=hidden.device)
-    chunk = chunk_rows or _chunk_rows(hidden.shape[0], weight.shape[0])
-    return _LinearCrossEntropy.apply(hidden, weight, bias, targets, ignore_index, 1.0 / count, transform, chunk)
+    block = block_rows or _block_rows(hidden.shape[0], weight.shape[0], hidden.element_size())
+    return _LinearCrossEntropy.apply(hidden, weight, bias, targets, ignore_index, 1.0 / count, transform, block)
 
 
 def causal_lm_loss(

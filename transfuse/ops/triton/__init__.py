@@ -4,8 +4,9 @@ Providers backed by these kernels are registered eagerly (below) with a ``suppor
 that only looks for the package; the kernel module is imported on first call. Under
 ``TRITON_INTERPRET=1`` (set before Triton is imported) the kernels run on CPU tensors,
 which is how CI tests their logic without a GPU. Kernels live in one module per op family:
-``rms_norm.py`` (rms_norm, fused_add_rms_norm) and ``act_and_mul.py``, each with its backward
-kernels and the ``torch.autograd.Function`` that pairs them (the provider's ``autograd``).
+``rms_norm.py`` (rms_norm, fused_add_rms_norm), ``act_and_mul.py`` (each with its backward
+kernels and the ``torch.autograd.Function`` that pairs them: the provider's ``autograd``) and
+``cross_entropy.py`` (a loss and its gradient in one kernel, for ``linear_cross_entropy``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..act_and_mul import GELU_AND_MUL, SILU_AND_MUL
 from ..checks import rows_fit, same_rows, weight_fits
 from ..dispatch import Provider
 from ..fused_add_rms_norm import FUSED_ADD_RMS_NORM
+from ..linear_cross_entropy import CROSS_ENTROPY_GRAD
 from ..platform import current_platform
 from ..rms_norm import RMS_NORM
 
@@ -91,6 +93,15 @@ def _act_and_mul_args(x, approximate: str = "none") -> bool:
     return on_device(x) and rows_fit(x, _MAX_ACT_WIDTH) and x.shape[-1] % 2 == 0 and approximate in ("none", "tanh")
 
 
+def _cross_entropy_grad_args(logits, targets, scale, ignore_index) -> bool:
+    return (
+        on_device(logits, targets, scale)
+        and logits.dim() == 2
+        and logits.stride(1) == 1
+        and logits.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    )
+
+
 def _provider(op, module: str, name: str, supports_args) -> None:
     """Register ``name`` of ``module`` as the op's triton provider, with ``name_autograd`` (the same
     kernels with their backward) for calls that need a backward."""
@@ -105,3 +116,4 @@ _provider(RMS_NORM, "rms_norm", "rms_norm", _rms_norm_args)
 _provider(FUSED_ADD_RMS_NORM, "rms_norm", "fused_add_rms_norm", _fused_add_rms_norm_args)
 _provider(SILU_AND_MUL, "act_and_mul", "silu_and_mul", _act_and_mul_args)
 _provider(GELU_AND_MUL, "act_and_mul", "gelu_and_mul", _act_and_mul_args)
+CROSS_ENTROPY_GRAD.register(Provider("triton", _lazy("cross_entropy", "cross_entropy_grad"), available, _cross_entropy_grad_args))

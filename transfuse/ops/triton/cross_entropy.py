@@ -1,0 +1,73 @@
+"""Triton kernel for cross_entropy_grad: each row's loss, and its logits overwritten by their gradient.
+
+One program per row, two passes over it. The first keeps a running maximum and sum of
+exponentials in float32 (the log-sum-exp); the second writes ``scale * (softmax - onehot)`` over
+the logits, rounded to their dtype once, which is what the unfused model's gradient of
+``scale * CE(logits.float(), targets, reduction="sum")`` is before autograd casts it back to the
+logits' dtype. A row whose target is ``ignore_index`` gets a zero loss and zero gradient. The
+logits are read twice and written once in their own dtype; the unfused model also writes a
+float32 copy, its log-softmax and a float32 gradient, each as large as the logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from . import device_of
+from .launch import Kernel
+
+__all__ = ["cross_entropy_grad"]
+
+# Elements per block and warps (a vocabulary row is read in blocks of this many).
+TUNING: dict = {}
+_BLOCK, _WARPS = 4096, 8
+
+
+@Kernel
+@triton.jit
+def _cross_entropy_grad_kernel(
+    logits_ptr, targets_ptr, scale_ptr, losses_ptr, row_stride, V, ignore_index, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    start = logits_ptr + row * row_stride
+    dtype = logits_ptr.dtype.element_ty
+    target = tl.load(targets_ptr + row).to(tl.int64)
+    ignored = target == ignore_index
+    running_max = tl.full((), float("-inf"), tl.float32)
+    running_sum = tl.full((), 0.0, tl.float32)
+    for offset in range(0, V, BLOCK):
+        cols = offset + tl.arange(0, BLOCK)
+        x = tl.load(start + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        block_max = tl.maximum(running_max, tl.max(x, 0))
+        running_sum = running_sum * tl.exp(running_max - block_max) + tl.sum(tl.exp(x - block_max), 0)
+        running_max = block_max
+    lse = running_max + tl.log(running_sum)
+    safe_target = tl.where(ignored, 0, target)
+    target_logit = tl.load(start + safe_target).to(tl.float32)
+    tl.store(losses_ptr + row, tl.where(ignored, 0.0, lse - target_logit))
+    scale = tl.where(ignored, 0.0, tl.load(scale_ptr).to(tl.float32))
+    for offset in range(0, V, BLOCK):
+        cols = offset + tl.arange(0, BLOCK)
+        mask = cols < V
+        x = tl.load(start + cols, mask=mask, other=0.0).to(tl.float32)
+        grad = tl.exp(x - lse) * scale
+        grad = tl.where(cols == safe_target, grad - scale, grad)
+        tl.store(start + cols, grad.to(dtype), mask=mask)
+
+
+def cross_entropy_grad(logits: Tensor, targets: Tensor, scale: Tensor, ignore_index: int) -> Tensor:
+    """The triton provider of ``cross_entropy_grad``."""
+    rows, vocab = logits.shape
+    losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows == 0:
+        return losses
+    block = min(TUNING.get("block", _BLOCK), triton.next_power_of_2(vocab))
+    with device_of(logits):
+        _cross_entropy_grad_kernel[(rows,)](
+            logits, targets, scale, losses, logits.stride(0), vocab, ignore_index,
+            BLOCK=block, num_warps=TUNING.get("num_warps", _WARPS),
+        )  # fmt: skip
+    return losses
