@@ -4,11 +4,12 @@
 # printing each step's time and status; later steps run even if one fails. Exit: the first failure's.
 #
 #   bash benchmarks/gpu_run.sh "python -m pytest -q tests/test_low_rank.py" "python benchmarks/bench_train.py --out \$OUT/train"
-set -u
+set -u -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if ls .whl/*.whl >/dev/null 2>&1; then
-    pip install --no-deps -q .whl/*.whl 2>&1 | tail -n 2
+    # ``python -m pip``: the machine's ``pip`` may belong to another interpreter.
+    python -m pip install --no-deps -q --root-user-action=ignore .whl/*.whl
 fi
 python -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 status=0
