@@ -12,7 +12,8 @@ included). Variants:
 
 - ``transformers``: stock eager; ``transformers-compiled``: ``torch.compile(model)``;
 - ``transfuse``: ``transfuse.rewrite`` with the default fusions; ``transfuse-lce``: plus the
-  opt-in ``linear_cross_entropy``; ``transfuse-compiled``: ``-lce`` under ``torch.compile``;
+  opt-in ``linear_cross_entropy``; ``transfuse-compiled`` and ``transfuse-lce-compiled``: the same
+  under ``torch.compile`` (the table counts the graph breaks of compiled variants);
 - ``liger``: ``apply_liger_kernel_to_<family>`` (its fused linear cross-entropy included), run in a
   process of its own, since it patches transformers' classes for the whole process;
 - ``*+peft``: the same with LoRA r=16 on q/k/v/o/gate/up/down (only the adapters train); on the
@@ -53,6 +54,7 @@ MODELS = {
 SMOKE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              vocab_size=512, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, batch=2, seq=32)  # fmt: skip
 VARIANTS = ["transformers", "transfuse", "transfuse-lce", "liger", "transformers-compiled", "transfuse-compiled",
+            "transfuse-lce-compiled",
             "transformers+peft", "transfuse+peft", "liger+peft"]  # fmt: skip
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ALL_KINDS = ["rms_norm", "qkv", "gate_up", "moe", "linear_cross_entropy"]
@@ -116,7 +118,7 @@ def _build(variant: str, name: str, smoke: bool, device: str):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     started = time.perf_counter()
     if variant.startswith("transfuse"):
-        kinds = ALL_KINDS if ("lce" in variant or "compiled" in variant or "peft" in variant) else None
+        kinds = ALL_KINDS if ("lce" in variant or "peft" in variant) else None
         transfuse.rewrite(model, fusions=kinds)
     rewrite_s = time.perf_counter() - started
     if variant.endswith("+peft"):
@@ -179,7 +181,11 @@ def run_variant(variant: str, name: str, steps: int, smoke: bool, device: str, p
             result["fusions"] = transfuse.report(base).counts()
         result["flops"] = _flops(getattr(model, "_orig_mod", model), config, *ids.shape)
         started = time.perf_counter()
+        if "compiled" in variant:
+            torch._dynamo.utils.counters.clear()
         times, peak, loss = _time_steps(model, ids, steps, None, device)
+        if "compiled" in variant:
+            result["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
         result.update(step_ms=1000 * statistics.median(times), step_min_ms=1000 * min(times), peak_gib=peak, loss=loss)
         result["first_steps_s"] = time.perf_counter() - started - sum(times)
         if variant in profile and device == "cuda":
@@ -224,7 +230,7 @@ def _table(results: list[dict], rate: float) -> list[str]:
         lines.append(
             f"| {r['model']} | {r['variant']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {speedup} | {floor} | "
             f"{r['peak_gib']:.2f} | {r['adamw_step_ms']:.1f} | {r['adamw_peak_gib']:.2f} | {r['loss']:.4f} | "
-            f"{r.get('fusions', '')} |"
+            f"{r.get('fusions', '')}{' graph breaks: %d' % r['graph_breaks'] if 'graph_breaks' in r else ''} |"
         )
     return lines
 
@@ -268,7 +274,7 @@ def main() -> int:
         os.makedirs(args.out, exist_ok=True)
         for r in results:
             if "profile" in r:
-                with open(os.path.join(args.out, f"profile_{r['model']}_{r['variant']}.txt"), "w") as f:
+                with open(os.path.join(args.out, f"profile_{r['model']}_{r['variant'].replace('+', '_')}.txt"), "w") as f:
                     f.write(r.pop("profile"))
         with open(os.path.join(args.out, "bench_train.md"), "w") as f:
             f.write("\n".join(lines) + "\n")

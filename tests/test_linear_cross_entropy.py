@@ -283,3 +283,16 @@ def test_a_wrong_fused_loss_is_caught_by_the_training_check(monkeypatch):
     assert "linear_cross_entropy" not in report.counts() and report.counts().get("qkv") == 2
     refused = [s for s in report.skipped if s.kind == "linear_cross_entropy"]
     assert [s.tag for s in refused] == ["verify.mismatch"] and "training mode" in refused[0].reason
+
+
+def test_under_torch_compile_the_loss_is_one_op_with_the_same_numbers():
+    import torch._dynamo
+
+    h, weight, bias, labels = _loss_case()
+    want_loss, want = _grads(lambda *t: _stock()(*t, labels), h, weight, bias, torch.float32)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *t: _fused()(*t, labels), fullgraph=True)  # fullgraph: a break is an error
+    got_loss, got = _grads(compiled, h, weight, bias, torch.float32)
+    assert abs(got_loss.item() - want_loss.item()) <= 1e-6 * abs(want_loss.item())
+    for g, w in zip(got, want):
+        assert ((g - w).norm() / w.norm()).item() <= 1e-5

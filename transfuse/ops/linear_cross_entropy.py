@@ -72,9 +72,24 @@ def _row_losses(logits: Tensor, targets: Tensor, scale: Tensor, ignore_index: in
 
 def cross_entropy_grad_native(logits: Tensor, targets: Tensor, scale: Tensor, ignore_index: int) -> Tensor:
     """Each row's loss ``CE(logits.float(), targets)`` (0 where ``targets`` is ``ignore_index``), with
-    ``logits [N, V]`` overwritten by the gradient of ``scale * sum(losses)`` in their dtype, rounded
-    once from float32 as autograd rounds the unfused model's. The definition, and the CPU path."""
-    return _row_losses(logits, targets, scale, ignore_index, None, True)
+    ``logits [N, V]`` overwritten by the gradient of ``scale * sum(losses)``, ``scale * (softmax -
+    onehot)`` computed in float32 and rounded once to their dtype, as autograd rounds the unfused
+    model's. The definition, and the CPU path; written out rather than differentiated, so that it
+    also runs where autograd is off (inside the op that ``torch.compile`` sees)."""
+    losses = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    step = _chunk_rows(logits.shape[0], logits.shape[1])
+    for start in range(0, logits.shape[0], step):
+        chunk, target = logits[start : start + step], targets[start : start + step]
+        x = chunk.float()
+        ignored = target == ignore_index
+        safe = target.masked_fill(ignored, 0).unsqueeze(1)
+        lse = torch.logsumexp(x, dim=1, keepdim=True)
+        losses[start : start + step] = (lse - x.gather(1, safe)).squeeze(1).masked_fill(ignored, 0.0)
+        row_scale = scale.float().expand(x.shape[0], 1).masked_fill(ignored.unsqueeze(1), 0.0)
+        grad = x.sub_(lse).exp_().mul_(row_scale)
+        grad.scatter_add_(1, safe, -row_scale)
+        chunk.copy_(grad)
+    return losses
 
 
 CROSS_ENTROPY_GRAD = Op("cross_entropy_grad", cross_entropy_grad_native)
@@ -89,37 +104,80 @@ def _block_loss(logits: Tensor, targets: Tensor, scale: Tensor, ignore_index: in
     return losses.sum() * scale
 
 
+def _loss_and_grads(hidden, weight, bias, targets, ignore_index, scale, transform, block_rows, needs):
+    """The summed, scaled loss and the gradients that ``needs`` (hidden, weight, bias) asks for."""
+    needs_hidden, needs_weight, needs_bias = needs
+    differentiate = needs_hidden or needs_weight or needs_bias
+    rows = hidden.shape[0]
+    grad_hidden = torch.empty_like(hidden) if needs_hidden else None
+    grad_weight = grad_bias = None
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, rows, block_rows):
+        h = hidden[start : start + block_rows]
+        # This block's logits, then (in place) their gradient: the one [rows, vocab] tensor held.
+        logits = F.linear(h, weight, bias)
+        total += _block_loss(logits, targets[start : start + block_rows], scale, ignore_index, transform, differentiate)
+        if needs_hidden:
+            torch.mm(logits, weight, out=grad_hidden[start : start + block_rows])
+        if needs_weight:
+            grad_weight = logits.t() @ h if grad_weight is None else grad_weight.addmm_(logits.t(), h)
+        if needs_bias:
+            block_sum = logits.sum(0, dtype=torch.float32)
+            grad_bias = block_sum if grad_bias is None else grad_bias + block_sum
+        del logits
+    if grad_bias is not None:
+        grad_bias = grad_bias.to(bias.dtype)
+    return total, grad_hidden, grad_weight, grad_bias
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, ignore_index, scale, transform, block_rows):
-        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        differentiate = needs_hidden or needs_weight or needs_bias
-        rows = hidden.shape[0]
-        grad_hidden = torch.empty_like(hidden) if needs_hidden else None
-        grad_weight = grad_bias = None
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, rows, block_rows):
-            h = hidden[start : start + block_rows]
-            # This block's logits, then (in place) their gradient: the one [rows, vocab] tensor held.
-            logits = F.linear(h, weight, bias)
-            total += _block_loss(logits, targets[start : start + block_rows], scale, ignore_index, transform, differentiate)
-            if needs_hidden:
-                torch.mm(logits, weight, out=grad_hidden[start : start + block_rows])
-            if needs_weight:
-                grad_weight = logits.t() @ h if grad_weight is None else grad_weight.addmm_(logits.t(), h)
-            if needs_bias:
-                block_sum = logits.sum(0, dtype=torch.float32)
-                grad_bias = block_sum if grad_bias is None else grad_bias + block_sum
-            del logits
-        if grad_bias is not None:
-            grad_bias = grad_bias.to(bias.dtype)
-        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        total, *grads = _loss_and_grads(
+            hidden, weight, bias, targets, ignore_index, scale, transform, block_rows, ctx.needs_input_grad[:3]
+        )
+        ctx.save_for_backward(*grads)
         return total
 
     @staticmethod
     def backward(ctx, grad_loss):
         grads = [g * grad_loss.to(g.dtype) if g is not None else None for g in ctx.saved_tensors]
         return (*grads, None, None, None, None, None)
+
+
+# Under torch.compile, the loss (without a transform) is one opaque op: Dynamo cannot trace a loop
+# that differentiates inside a forward, and would break the graph around it. Gradients not asked
+# for come back empty.
+@torch.library.custom_op("transfuse::linear_cross_entropy", mutates_args=())
+def _linear_cross_entropy_op(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, ignore_index: int, scale: Tensor,
+    block_rows: int, needs_hidden: bool, needs_weight: bool, needs_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    needs = (needs_hidden, needs_weight, needs_bias and bias is not None)
+    total, *grads = _loss_and_grads(hidden, weight, bias, targets, ignore_index, scale, None, block_rows, needs)
+    return (total, *(g if g is not None else hidden.new_empty(0) for g in grads))
+
+
+@_linear_cross_entropy_op.register_fake
+def _(hidden, weight, bias, targets, ignore_index, scale, block_rows, needs_hidden, needs_weight, needs_bias):
+    def grad(needed, like):
+        return torch.empty_like(like) if needed and like is not None else hidden.new_empty(0)
+
+    total = hidden.new_empty((), dtype=torch.float32)
+    return total, grad(needs_hidden, hidden), grad(needs_weight, weight), grad(needs_bias, bias)
+
+
+def _linear_cross_entropy_setup(ctx, inputs, output):
+    ctx.save_for_backward(*output[1:])
+    ctx.needs = inputs[7:10]
+
+
+def _linear_cross_entropy_backward(ctx, grad_loss, *unused):
+    grads = [g * grad_loss.to(g.dtype) if needed else None for g, needed in zip(ctx.saved_tensors, ctx.needs)]
+    return (*grads, None, None, None, None, None, None, None)
+
+
+_linear_cross_entropy_op.register_autograd(_linear_cross_entropy_backward, setup_context=_linear_cross_entropy_setup)
 
 
 def linear_cross_entropy(
@@ -148,7 +206,11 @@ def linear_cross_entropy(
     else:
         count = torch.tensor(float(num_items_in_batch), device=hidden.device)
     block = block_rows or _block_rows(hidden.shape[0], weight.shape[0], hidden.element_size())
-    return _LinearCrossEntropy.apply(hidden, weight, bias, targets, ignore_index, 1.0 / count, transform, block)
+    scale = 1.0 / count
+    if transform is None and torch.compiler.is_compiling():
+        needs = [t is not None and t.requires_grad and torch.is_grad_enabled() for t in (hidden, weight, bias)]
+        return torch.ops.transfuse.linear_cross_entropy(hidden, weight, bias, targets, ignore_index, scale, block, *needs)[0]
+    return _LinearCrossEntropy.apply(hidden, weight, bias, targets, ignore_index, scale, transform, block)
 
 
 def causal_lm_loss(
