@@ -108,23 +108,35 @@ def test_a_larger_batch_runs_eagerly(layer):
     assert _captured(layer) == 0
 
 
-def test_changing_providers_recaptures_and_uncapturable_code_runs_eagerly(layer):
+def test_changing_providers_recaptures_and_uncapturable_code_runs_eagerly(layer, monkeypatch):
     from transfuse import ops
+    from transfuse.ops import moe_experts_native
 
+    op = ops.get_op("moe_experts")
+
+    def syncing(*args):  # reads the experts' ids on the host first: a capture of it fails
+        args[2].max().item()
+        return moe_experts_native(*args)
+
+    monkeypatch.setitem(op._providers, "syncing", ops.Provider("syncing", syncing))
     x = torch.randn(1, 1, 256, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         layer(x)
         triton_out = layer(x)
-        ops.set_priority(["native"], "moe_experts")  # the native experts read group sizes on the host
+        assert _captured(layer) == 1
         try:
+            ops.set_priority(["native"], "moe_experts")  # grouped matmuls on device offsets: capturable
             native_out = layer(x)  # a new dispatch generation: seen once, run eagerly
+            assert torch.equal(layer(x), native_out) and _captured(layer) == 1  # captured, the old graph dropped
+            ops.set_priority(["syncing"], "moe_experts")
+            layer(x)
             with pytest.warns(UserWarning, match="runs eagerly"):
                 assert torch.equal(layer(x), native_out)  # the capture fails: eager
             with ops.trace() as calls:
-                layer(x)  # eager from now on at this shape: the native provider runs every call
+                layer(x)  # eager from now on at this shape: the provider runs every call
         finally:
             ops.set_priority(None, "moe_experts")
-        assert [c.provider for c in calls if c.op == "moe_experts"] == ["native"]
+        assert [c.provider for c in calls if c.op == "moe_experts"] == ["syncing"]
         torch.testing.assert_close(native_out, triton_out, rtol=2e-2, atol=2e-2)
         layer(x)
         assert torch.equal(layer(x), triton_out)  # the default providers again, in a new graph

@@ -71,9 +71,20 @@ def suspended() -> Iterator[None]:
 
 
 def _pool(device: int, stream: int) -> Any:
-    if (device, stream) not in _POOLS:
-        _POOLS[(device, stream)] = torch.cuda.graph_pool_handle()
-    return _POOLS[(device, stream)]
+    """The pool id that graphs of this device and stream are captured into. A ``MemPool`` holds a
+    reference to its pool while it lives (kept here for the process), so the pool outlives the
+    graphs captured into it: a bare ``graph_pool_handle``'s pool is released with its last graph
+    (a layer's graphs go when the layer does), and the next capture into that handle then fails
+    the caching allocator's assertion (``use_count > 0``)."""
+    key = (device, stream)
+    if key not in _POOLS:
+        if hasattr(torch.cuda, "MemPool"):
+            with torch.cuda.device(device):
+                _POOLS[key] = torch.cuda.MemPool()
+        else:
+            _POOLS[key] = torch.cuda.graph_pool_handle()
+    pool = _POOLS[key]
+    return pool.id if hasattr(pool, "id") else pool
 
 
 def _copy_out(value: Any) -> Any:
