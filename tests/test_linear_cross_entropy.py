@@ -296,3 +296,18 @@ def test_under_torch_compile_the_loss_is_one_op_with_the_same_numbers():
     assert abs(got_loss.item() - want_loss.item()) <= 1e-6 * abs(want_loss.item())
     for g, w in zip(got, want):
         assert ((g - w).norm() / w.norm()).item() <= 1e-5
+
+
+def test_under_autocast_the_loss_and_gradients_are_the_unfused_models():
+    """A float32 model trained under bf16 autocast (Trainer's bf16=True): the head's matmul in bf16
+    as autocast runs it, every gradient back in its parameter's dtype."""
+    h, weight, bias, labels = _loss_case(vocab=300)
+    results = []
+    for fn in (_stock(), _fused()):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            results.append(_grads(lambda *t: fn(*t, labels), h, weight, bias, torch.float32))
+    (want_loss, want), (got_loss, got) = results
+    assert abs(got_loss.item() - want_loss.item()) <= 1e-3 * abs(want_loss.item())
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype == torch.float32
+        assert ((g - w).norm() / w.norm()).item() <= 1e-2

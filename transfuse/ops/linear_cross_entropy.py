@@ -205,8 +205,22 @@ def linear_cross_entropy(
         count = num_items_in_batch.to(device=hidden.device, dtype=torch.float32)
     else:
         count = torch.tensor(float(num_items_in_batch), device=hidden.device)
-    block = block_rows or _block_rows(hidden.shape[0], weight.shape[0], hidden.element_size())
     scale = 1.0 / count
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        # The logits in autocast's dtype, as the head's matmul under autocast gives them; the casts are
+        # differentiated outside (each gradient arrives in its input's dtype), the loss computed inside
+        # with autocast off, so that its matmuls and in-place sums see one dtype.
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+        with torch.autocast(device_type, enabled=False):
+            return _linear_cross_entropy(hidden, weight, bias, targets, ignore_index, scale, transform, block_rows)
+    return _linear_cross_entropy(hidden, weight, bias, targets, ignore_index, scale, transform, block_rows)
+
+
+def _linear_cross_entropy(hidden, weight, bias, targets, ignore_index, scale, transform, block_rows):
+    block = block_rows or _block_rows(hidden.shape[0], weight.shape[0], hidden.element_size())
     if transform is None and torch.compiler.is_compiling():
         needs = [t is not None and t.requires_grad and torch.is_grad_enabled() for t in (hidden, weight, bias)]
         return torch.ops.transfuse.linear_cross_entropy(hidden, weight, bias, targets, ignore_index, scale, block, *needs)[0]
