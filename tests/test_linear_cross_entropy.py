@@ -311,3 +311,15 @@ def test_under_autocast_the_loss_and_gradients_are_the_unfused_models():
     for g, w in zip(got, want):
         assert g.dtype == w.dtype == torch.float32
         assert ((g - w).norm() / w.norm()).item() <= 1e-2
+
+
+def test_a_second_backward_through_the_fused_loss_is_an_error_not_a_doubled_gradient():
+    h, weight, bias, labels = _loss_case()
+    h, weight = h.requires_grad_(), weight.requires_grad_()
+    loss = _fused()(h, weight, None, labels) * 0.5  # a scale, as gradient accumulation gives
+    loss.backward(retain_graph=True)
+    once = weight.grad.clone()
+    want = torch.autograd.grad(_stock()(h, weight, None, labels) * 0.5, weight)[0]
+    assert ((once - want).norm() / want.norm()).item() <= 1e-5
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

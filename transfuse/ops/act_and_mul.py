@@ -30,8 +30,10 @@ ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
 
 def _halves(x: Tensor) -> tuple[Tensor, Tensor]:
-    d = x.shape[-1] // 2
-    return x[..., :d], x[..., d:]
+    # ``chunk``, not two slices: its backward writes both halves' gradients into one tensor (a
+    # concatenation), where two slices' backward zero-fill a full-size tensor each and add them.
+    gate, up = x.chunk(2, dim=-1)
+    return gate, up
 
 
 def silu_and_mul_native(x: Tensor) -> Tensor:

@@ -141,7 +141,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grads = [g * grad_loss.to(g.dtype) if g is not None else None for g in ctx.saved_tensors]
+        # Scaled in place: a scaled copy would hold a second weight gradient (1 GiB for Llama 3's
+        # head) beside the saved one at the step's peak. A second backward through the same graph
+        # (retain_graph=True) then fails autograd's version check instead of scaling twice.
+        grads = [g.mul_(grad_loss.to(g.dtype)) if g is not None else None for g in ctx.saved_tensors]
         return (*grads, None, None, None, None, None)
 
 
