@@ -155,3 +155,33 @@ def test_a_provider_without_backward_is_skipped_when_autograd_needs_one():
     finally:
         ops.set_priority(None, op="silu_and_mul")
         op._providers.pop("forward_only")
+
+
+def test_a_consumable_input_takes_its_gradient_in_place_and_others_are_untouched(triton_first):
+    from transfuse.ops.act_and_mul import CONSUMABLE
+
+    op = ops.get_op("silu_and_mul")
+    leaf = torch.randn(6, 2 * 40, device=DEVICE, requires_grad=True)
+    dy = torch.randn(6, 40, device=DEVICE)
+    results = []
+    for consumable in (False, True):
+        x = leaf * 1.0  # a temporary, as a projection's output is
+        kept = x.detach().clone()
+        if consumable:
+            setattr(x, CONSUMABLE, True)
+        (grad,) = torch.autograd.grad(op(x), x, dy)
+        results.append(grad)
+        if consumable:
+            assert torch.equal(x.detach(), grad)  # written over the input
+        else:
+            assert torch.equal(x.detach(), kept)
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+    y = op(leaf)  # a leaf is never consumable
+    y.backward(dy)
+    assert leaf.grad is not None and not torch.equal(leaf.detach(), leaf.grad)
+    x = leaf * 1.0
+    setattr(x, CONSUMABLE, True)
+    out = op(x)
+    out.backward(dy, retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward(dy)  # a second backward would read the gradient: autograd refuses it

@@ -25,6 +25,10 @@ __all__ = [
     "silu_and_mul_native",
 ]
 
+# The attribute that marks an input nothing but act_and_mul reads (``MergedProjection`` sets it on a
+# gate/up output when no hook can see it): a backward kernel may then overwrite it with its gradient.
+CONSUMABLE = "_transfuse_consumable"
+
 # Activation names act_and_mul accepts, as F.gelu's ``approximate`` names them for gelu.
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 

@@ -12,7 +12,9 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as module_globals
 
+from .act_and_mul import CONSUMABLE
 from .low_rank import linear_with_adapters
 from .moe_layer import MoE
 from .rms_norm import RMSNormSpec, rms_norm
@@ -80,7 +82,11 @@ class MergedProjection(nn.Module):
                 )
             x = self.shards.input(x)
             return F.linear(x, self.weight.to_local(), self.bias.to_local() if self.bias is not None else None)
-        return linear_with_adapters(x, self.weight, self.bias, adapters)
+        out = linear_with_adapters(x, self.weight, self.bias, adapters)
+        if self.activation is not None and not (self._forward_hooks or module_globals._global_forward_hooks):
+            # Only the GLU reads a gate/up output (the fusion proved it): its backward may reuse it.
+            setattr(out, CONSUMABLE, True)
+        return out
 
     def _adapters(self, x: torch.Tensor) -> list:
         """The adapters of the parts that a tool wrapped (PEFT's LoRA), each on its part's columns."""

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..act_and_mul import CONSUMABLE
 from . import device_of
 from .launch import Kernel
 
@@ -158,12 +159,14 @@ def _act_and_mul_backward_kernel(
     tl.store(dx_ptr + start + D + cols, (dy * act).to(dtype), mask=mask)
 
 
-def act_and_mul_backward(dy: Tensor, x: Tensor, activation: int) -> Tensor:
-    """The gradient ``[dgate | dup]`` of ``act_and_mul`` at ``x``, given the output's gradient ``dy``."""
+def act_and_mul_backward(dy: Tensor, x: Tensor, activation: int, in_place: bool = False) -> Tensor:
+    """The gradient ``[dgate | dup]`` of ``act_and_mul`` at ``x``, given the output's gradient ``dy``;
+    with ``in_place`` (``x`` contiguous), written over ``x`` (each program reads its elements of
+    ``x`` before it writes the same elements)."""
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * d).contiguous()
     dy2 = dy.reshape(-1, d).contiguous()
-    dx = torch.empty_like(x2)
+    dx = x2 if in_place and x2.data_ptr() == x.data_ptr() else torch.empty_like(x2)
     n_rows = x2.shape[0]
     if n_rows:
         block = min(_BLOCK, triton.next_power_of_2(d))
@@ -182,12 +185,22 @@ class _ActAndMulFunction(torch.autograd.Function):
     def forward(ctx, x, activation):
         ctx.save_for_backward(x)
         ctx.activation = activation
+        # An input that nothing else reads (a merged gate/up projection's output, marked by it) may
+        # take its gradient in place.
+        ctx.consumable = getattr(x, CONSUMABLE, False) and x.is_contiguous()
         return _act_and_mul(x, activation)
 
     @staticmethod
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
-        return act_and_mul_backward(dy, x, ctx.activation), None
+        # A consumable input takes its gradient in place: one [tokens, 2 x width] tensor less at the
+        # step's peak. Its version is bumped, so a later autograd use of it (a second backward
+        # through the graph) fails autograd's check rather than read the gradient.
+        in_place = ctx.consumable
+        grad = act_and_mul_backward(dy, x, ctx.activation, in_place=in_place)
+        if in_place:
+            torch.autograd.graph.increment_version(x)
+        return grad, None
 
 
 def silu_and_mul_autograd(x: Tensor) -> Tensor:
