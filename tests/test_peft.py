@@ -181,3 +181,18 @@ def test_a_hook_on_a_wrapped_part_is_a_clear_error():
     fused.base_model.model.model.layers[0].self_attn.k_proj.register_forward_hook(lambda *args: None)
     with pytest.raises(NotImplementedError, match="would not run"):
         fused(input_ids=_ids())
+
+
+def test_a_gate_up_output_is_consumable_only_without_adapters_or_hooks():
+    from transfuse.ops.act_and_mul import CONSUMABLE
+
+    fused = tiny_model("llama")
+    transfuse.rewrite(fused)
+    mlp = fused.model.layers[0].mlp
+    x = torch.randn(2, 3, fused.config.hidden_size)
+    assert getattr(mlp.gate_up_proj(x), CONSUMABLE, False)
+    handle = mlp.gate_up_proj.register_forward_hook(lambda *args: None)  # a hook sees the output
+    assert not getattr(mlp.gate_up_proj(x), CONSUMABLE, False)
+    handle.remove()
+    model = get_peft_model(fused, LoraConfig(r=4, target_modules=["up_proj"]))
+    assert not getattr(model.base_model.model.model.layers[0].mlp.gate_up_proj(x), CONSUMABLE, False)
