@@ -83,10 +83,12 @@ class MergedProjection(nn.Module):
             x = self.shards.input(x)
             return F.linear(x, self.weight.to_local(), self.bias.to_local() if self.bias is not None else None)
         out = linear_with_adapters(x, self.weight, self.bias, adapters)
-        if self.activation is not None and not adapters and not (self._forward_hooks or module_globals._global_forward_hooks):
+        hooked = self._forward_hooks or module_globals._global_forward_hooks
+        if self.activation is not None and not adapters and not hooked and not torch.compiler.is_compiling():
             # Only the GLU reads a gate/up output (the fusion proved it): its backward may reuse it.
-            # Not with adapters: measured on the H200, LoRA's peak grew by 3.6 GiB with it (not
-            # understood yet), and without it LoRA's peak is already below Liger + PEFT's.
+            # Compiled code runs the GLU's native definition, which never does. Not with adapters:
+            # measured on the H200, LoRA's peak grew by 3.6 GiB with it (not understood yet), and
+            # without it LoRA's peak is already below Liger + PEFT's.
             setattr(out, CONSUMABLE, True)
         return out
 
