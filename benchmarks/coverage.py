@@ -1,0 +1,328 @@
+"""Coverage of every causal LM in transformers: what transfuse fuses, refuses, and whether it is exact.
+
+    python benchmarks/coverage.py --out DIR                  # every type, in parallel subprocesses
+    python benchmarks/coverage.py --out DIR --types llama qwen3_moe
+    python benchmarks/coverage.py --one llama                # one type, a JSON line (what the workers run)
+
+For each ``model_type`` in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: build the tiny random model
+(``transfuse.tiny``, float32, CPU), count the fusion opportunities *by structure* (the heuristics
+below, which know nothing of transfuse's fusers), rewrite a copy with the default fusions, and
+compare the copy with the stock model: logits on random token ids (a wrong answer: a difference
+beyond 1e-5 of the logits' scale) and 8 greedy tokens of ``generate`` (a wrong answer: any token
+different). Writes ``DIR/COVERAGE.md`` (a summary line, the totals per kind, one row per type) and
+``DIR/coverage.json``.
+
+Opportunities, counted per module instance while the stock model runs once:
+
+- ``rms_norm``: a module whose class name contains ``rmsnorm`` (any case), or one with a single
+  1-D ``weight`` whose forward source reads ``rsqrt``;
+- ``gate_up``: two ``nn.Linear`` children of one module called on the same tensor whose outputs
+  feed another linear child of that module as ``act(one) * other`` (checked on the values, for
+  silu, gelu, gelu-tanh, relu and sigmoid): a GLU;
+- ``qkv``: any other set of two or more ``nn.Linear`` children of one module called on the same
+  tensor (q, k and v; with a gate; k and v of cross-attention; MLA's low-rank pair; the input
+  projections of linear-attention blocks): what an n-way merge could fuse;
+- ``moe``: a module with a child named ``experts`` or whose class name ends with ``Experts``.
+
+"Fused" counts the report's fusions per kind; "complete" is a type where every opportunity was
+fused. A crash is an exception from ``transfuse.rewrite`` or from the rewritten model where the
+stock one ran (a refusal is not one), or a worker that died otherwise or ran past ``--timeout``;
+a worker the kernel killed for memory is counted apart (some composite configurations keep
+full-size sub-models: the table gives their parameter count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import copy
+import inspect
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections import Counter, defaultdict
+from pathlib import Path
+
+KINDS = ("rms_norm", "qkv", "gate_up", "moe")
+TOLERANCE = 1e-5
+NEW_TOKENS = 8
+
+# A fixed subset for CI (tests/test_coverage.py): dense, MoE, MLA, gated and composite families.
+CI_TYPES = [
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "cohere",
+    "granite", "starcoder2", "stablelm", "glm", "helium", "smollm3", "mixtral", "qwen2_moe", "qwen3_moe",
+    "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "granitemoe", "jetmoe", "dbrx", "phimoe", "gpt2",
+    "opt", "falcon",
+]  # fmt: skip
+
+
+def _rms_norm_like(module) -> bool:
+    name = type(module).__name__.lower()
+    if "rmsnorm" in name:
+        return True
+    params = dict(module.named_parameters(recurse=False))
+    if set(params) != {"weight"} or params["weight"].dim() != 1 or list(module.children()):
+        return False
+    try:
+        return "rsqrt" in inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return False
+
+
+def _feeds_a_glu(path: str, pair: list[str], seen: dict) -> bool:
+    """Another linear of the same module reads ``act(one) * other`` of the pair's outputs (a GLU)."""
+    import torch
+    import torch.nn.functional as F
+
+    acts = (F.silu, F.gelu, lambda t: F.gelu(t, approximate="tanh"), F.relu, torch.sigmoid)
+    a, b = (seen[(path, name)][1] for name in pair)
+    for (parent, name), (x, _) in seen.items():
+        if parent != path or name in pair or x.shape != a.shape or a.shape != b.shape:
+            continue
+        for act in acts:
+            for gate, up in ((a, b), (b, a)):
+                if torch.allclose(act(gate) * up, x, rtol=1e-4, atol=1e-5):
+                    return True
+    return False
+
+
+def count_opportunities(model, ids) -> tuple[dict[str, int], dict[str, list[str]]]:
+    """Opportunities per kind in one forward of the stock model, and the modules counted."""
+    import torch
+    from torch import nn
+
+    where: dict[str, list[str]] = defaultdict(list)
+    for path, module in model.named_modules():
+        if _rms_norm_like(module):
+            where["rms_norm"].append(path)
+        if "experts" in dict(module.named_children()) or type(module).__name__.endswith("Experts"):
+            if not type(module).__name__.endswith("Experts"):
+                where["moe"].append(path)
+    # Linears called on the same tensor, per parent module and call.
+    parent_of = {}
+    for path, module in model.named_modules():
+        for name, child in module.named_children():
+            if isinstance(child, nn.Linear):
+                parent_of[child] = (path, module, name)
+    calls: dict[tuple[str, int], set[str]] = defaultdict(set)
+    inputs = []  # kept alive through the forward, so that no two inputs share an id
+    seen: dict[tuple[str, str], tuple] = {}  # (parent, linear) -> (input, output) of its first call
+
+    def hook(child, args, output):
+        if args and torch.is_tensor(args[0]) and torch.is_tensor(output):
+            path, _, name = parent_of[child]
+            inputs.append(args[0])
+            calls[(path, id(args[0]))].add(name)
+            seen.setdefault((path, name), (args[0], output))
+
+    handles = [child.register_forward_hook(hook) for child in parent_of]
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    groups: dict[str, set[frozenset]] = defaultdict(set)
+    for (path, _), names in calls.items():
+        if len(names) >= 2:
+            groups[path].add(frozenset(names))
+    for path, sets in groups.items():
+        for names in sets:
+            kind = "gate_up" if len(names) == 2 and _feeds_a_glu(path, sorted(names), seen) else "qkv"
+            where[kind].append(f"{path}:{'+'.join(sorted(names))}")
+    return {kind: len(where[kind]) for kind in KINDS}, dict(where)
+
+
+def run_type(model_type: str, progress=None) -> dict:
+    """One row of the table (never raises: failures are the row's ``status``)."""
+    import torch
+
+    import transfuse
+    from transfuse.tiny import tiny_model
+
+    row: dict = {"model_type": model_type}
+    started = time.perf_counter()
+
+    def failed(status, exc):
+        row.update(status=status, error=f"{type(exc).__name__}: {str(exc)[:300]}", trace=traceback.format_exc()[-2000:])
+        return row
+
+    try:
+        stock = tiny_model(model_type)
+    except Exception as exc:  # noqa: BLE001 - a type that does not build is a row, not a failure
+        return failed("does not build", exc)
+    row["parameters"] = sum(p.numel() for p in stock.parameters())
+    if progress is not None:
+        progress(dict(row))  # what a worker that dies later (out of memory) still reports
+    try:
+        vocab = stock.config.get_text_config().vocab_size
+        ids = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
+        opportunities, where = count_opportunities(stock, ids)
+        with torch.no_grad():
+            want = stock(input_ids=ids, use_cache=False).logits
+    except Exception as exc:  # noqa: BLE001 - the stock model itself does not run on token ids alone
+        return failed("stock fails", exc)
+    row.update(opportunities=opportunities, where=where)
+    fused = copy.deepcopy(stock)
+    try:
+        transfuse.rewrite(fused)
+    except Exception as exc:  # noqa: BLE001 - recorded: a crash inside transfuse
+        return failed("crash", exc)
+    report = transfuse.report(fused)
+    row["fused"] = {kind: report.counts().get(kind, 0) for kind in KINDS}
+    row["refusals"] = sorted({s.tag for s in report.skipped})
+    row["not_rewritten"] = report.not_rewritten
+    try:
+        with torch.no_grad():
+            got = fused(input_ids=ids, use_cache=False).logits
+    except Exception as exc:  # noqa: BLE001 - the rewritten model failed where the stock one ran
+        return failed("crash", exc)
+    row["max_logit_diff"] = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
+    prompt = ids[:1, :6]
+    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    try:
+        with torch.no_grad():
+            expected = stock.generate(prompt, **kwargs)
+    except Exception:  # noqa: BLE001 - some stock models generate only without a cache here
+        kwargs["use_cache"] = False
+        try:
+            with torch.no_grad():
+                expected = stock.generate(prompt, **kwargs)
+        except Exception:  # noqa: BLE001 - nor without: logits alone are compared
+            expected = None
+    if expected is not None:
+        try:
+            with torch.no_grad():
+                row["generation_equal"] = bool(torch.equal(expected, fused.generate(prompt, **kwargs)))
+        except Exception as exc:  # noqa: BLE001
+            return failed("crash", exc)
+    else:
+        row["generation_equal"] = None  # the stock model does not generate
+    wrong = row["max_logit_diff"] > TOLERANCE or row["generation_equal"] is False
+    row["status"] = "wrong" if wrong else "ok"
+    row["seconds"] = round(time.perf_counter() - started, 1)
+    return row
+
+
+def _run_in_subprocess(model_type: str, timeout: float) -> dict:
+    command = [sys.executable, __file__, "--one", model_type]
+    env = {**os.environ, "TRANSFUSE_PROGRESS": "0"}
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"model_type": model_type, "status": "timeout", "error": f"over {timeout:.0f} s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    row = json.loads(lines[-1]) if lines else {"model_type": model_type}
+    if "status" not in row:  # the worker died after its first line, or printed none
+        killed = done.returncode == -9  # the kernel's out-of-memory killer
+        row["status"] = "killed (memory)" if killed else "crash"
+        row["error"] = f"worker exited with {done.returncode}: {(done.stderr or done.stdout)[-300:]}"
+    return row
+
+
+def summarise(rows: list[dict]) -> dict:
+    built = [r for r in rows if r["status"] != "does not build"]
+    compared = [r for r in rows if "fused" in r]
+    totals = {kind: [0, 0] for kind in KINDS}
+    for r in compared:
+        for kind in KINDS:
+            totals[kind][0] += min(r["fused"][kind], r["opportunities"][kind])
+            totals[kind][1] += r["opportunities"][kind]
+    complete = [r for r in compared if all(r["fused"][k] >= r["opportunities"][k] for k in KINDS)]
+    tags = Counter(tag for r in compared for tag in r["refusals"])
+    return {
+        "types": len(rows),
+        "built": len(built),
+        "compared": len(compared),
+        "wrong": sorted(r["model_type"] for r in rows if r["status"] == "wrong"),
+        "crashes": sorted(r["model_type"] for r in rows if r["status"] in ("crash", "timeout")),
+        "killed": sorted(r["model_type"] for r in rows if r["status"] == "killed (memory)"),
+        "complete": len(complete),
+        "totals": totals,
+        "refusal_tags": dict(tags.most_common()),
+    }
+
+
+def _markdown(rows: list[dict], summary: dict, command: str, versions: str) -> str:
+    totals = summary["totals"]
+
+    def share(kind):
+        fused, total = totals[kind]
+        return f"{kind} {fused}/{total} ({100 * fused / total:.0f}%)" if total else f"{kind} 0/0"
+
+    lines = [
+        f"`{command}`",
+        "",
+        versions,
+        "",
+        f"**{summary['types']} types, {summary['built']} build, {summary['compared']} run and were rewritten and "
+        "compared; "
+        f"wrong answers: {len(summary['wrong'])}; crashes: {len(summary['crashes'])}; killed for memory: "
+        f"{len(summary['killed'])}; every opportunity fused in "
+        f"{summary['complete']} types; {', '.join(share(k) for k in KINDS)}.**",
+        "",
+        "Opportunities are counted by structure (see the heuristics in `benchmarks/coverage.py`); a row's "
+        "cell is fused / opportunities. Max logit difference is relative to the logits' largest magnitude.",
+        "",
+        "Refusal tags over all types: " + ", ".join(f"`{t}` {n}" for t, n in summary["refusal_tags"].items()),
+        "",
+        "| type | status | " + " | ".join(KINDS) + " | max logit diff | greedy equal | refusal tags |",
+        "| --- | --- | " + " | ".join("---:" for _ in KINDS) + " | ---: | --- | --- |",
+    ]
+    for r in sorted(rows, key=lambda r: r["model_type"]):
+        if "fused" not in r:
+            size = f" ({r['parameters'] / 1e6:.0f}M parameters)" if "parameters" in r else ""
+            error = r.get("error", "").replace("|", "/").replace("\n", " ")[:120]
+            lines.append(f"| {r['model_type']} | {r['status']}{size}: {error} |" + " |" * (len(KINDS) + 3))
+            continue
+        cells = " | ".join(f"{r['fused'][k]}/{r['opportunities'][k]}" for k in KINDS)
+        lines.append(
+            f"| {r['model_type']} | {r['status']} | {cells} | {r['max_logit_diff']:.1e} | {r['generation_equal']} | "
+            f"{', '.join(r['refusals'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out")
+    parser.add_argument("--types", nargs="*", help="model types (default: every causal-LM type)")
+    parser.add_argument("--ci", action="store_true", help="the fixed subset CI runs")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(run_type(args.one, progress=lambda row: print(json.dumps(row), flush=True))))
+        return 0
+    import torch
+    import transformers
+
+    from transfuse.tiny import causal_lm_types
+
+    types = CI_TYPES if args.ci else (args.types or causal_lm_types())
+    rows = []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        futures = {pool.submit(_run_in_subprocess, t, args.timeout): t for t in types}
+        for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+            row = future.result()
+            rows.append(row)
+            print(f"[{done}/{len(types)}] {row['model_type']}: {row['status']}", file=sys.stderr, flush=True)
+    summary = summarise(rows)
+    command = "python benchmarks/coverage.py " + " ".join(sys.argv[1:])
+    versions = f"transformers {transformers.__version__}, torch {torch.__version__}, CPU, float32"
+    text = _markdown(rows, summary, command, versions)
+    print(text.splitlines()[4])
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "COVERAGE.md").write_text(text)
+        (out / "coverage.json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+    return 1 if summary["wrong"] or summary["crashes"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

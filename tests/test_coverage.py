@@ -1,0 +1,59 @@
+"""The coverage sweep on its fixed CI subset (``benchmarks/coverage.py --ci``): every type that builds
+and runs is rewritten, and none gives a wrong answer (logits beyond 1e-5 of their scale, or different
+greedy tokens) or crashes inside transfuse; the heuristics that count opportunities find them where
+the structure is known."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def coverage():
+    spec = importlib.util.spec_from_file_location("coverage_sweep", ROOT / "benchmarks" / "coverage.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["coverage_sweep"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def rows(coverage):
+    return {t: coverage.run_type(t) for t in coverage.CI_TYPES}
+
+
+def test_no_wrong_answer_and_no_crash_on_the_ci_subset(coverage, rows):
+    summary = coverage.summarise(list(rows.values()))
+    assert summary["compared"] >= 25, {t: r["status"] for t, r in rows.items()}
+    assert not summary["wrong"], {t: rows[t].get("max_logit_diff") for t in summary["wrong"]}
+    assert not summary["crashes"], {t: rows[t].get("error") for t in summary["crashes"]}
+
+
+def test_opportunities_are_counted_by_structure(rows):
+    # Two layers each: llama has two attention blocks with q/k/v and two GLU MLPs; mixtral's MLPs are
+    # MoE blocks; gpt2's attention is already one projection (nothing to merge).
+    assert rows["llama"]["opportunities"] == {"rms_norm": 5, "qkv": 2, "gate_up": 2, "moe": 0}
+    assert rows["mixtral"]["opportunities"]["moe"] == 2 and rows["mixtral"]["opportunities"]["gate_up"] == 0
+    assert rows["gpt2"]["opportunities"] == {"rms_norm": 0, "qkv": 0, "gate_up": 0, "moe": 0}
+    # MLA's low-rank pair (q_a_proj and kv_a_proj_with_mqa read the same hidden states) counts as qkv.
+    assert rows["deepseek_v3"]["opportunities"]["qkv"] == 2
+
+
+def test_every_opportunity_of_the_common_families_is_fused(rows):
+    for model_type in ("llama", "qwen3", "mixtral", "qwen3_moe"):
+        row = rows[model_type]
+        assert row["fused"] == row["opportunities"], (model_type, row["fused"], row["opportunities"], row["refusals"])
+
+
+def test_the_table_reports_every_row(coverage, rows):
+    summary = coverage.summarise(list(rows.values()))
+    text = coverage._markdown(list(rows.values()), summary, "python benchmarks/coverage.py --ci", "versions")
+    for model_type in rows:
+        assert f"| {model_type} |" in text
+    assert "wrong answers: 0; crashes: 0" in text
