@@ -74,9 +74,11 @@ def lora_adapters(wrapper: Any, x: torch.Tensor, start: int) -> list[Adapter] | 
                 f"{type(lora_b).__name__}); transfuse's merged projections support plain LoRA only."
             )
         dropout = wrapper.lora_dropout[name]
-        inputs = None
-        cast = wrapper._cast_input_dtype(x, lora_a.weight.dtype)
-        if not _passes_through(dropout) or cast.dtype != lora_a.weight.dtype:
-            inputs = dropout(cast)  # the adapter's own input (a dropout mask of its own), as PEFT computes it
+        dtype = lora_a.weight.dtype
+        uncast = not getattr(wrapper, "cast_input_dtype_enabled", True) and x.dtype != dtype
+        inputs = None  # x cast to the adapter's dtype: the op casts it once for all such adapters
+        if uncast or not _passes_through(dropout):
+            # The adapter's own input (a dropout mask of its own, or PEFT's casting turned off), as PEFT computes it.
+            inputs = dropout(wrapper._cast_input_dtype(x, dtype))
         adapters.append(Adapter(start, lora_a.weight, lora_b.weight, wrapper.scaling[name], lora_b.bias, inputs))
     return adapters
