@@ -196,3 +196,15 @@ def test_a_gate_up_output_is_consumable_only_without_adapters_or_hooks():
     handle.remove()
     model = get_peft_model(fused, LoraConfig(r=4, target_modules=["up_proj"]))
     assert not getattr(model.base_model.model.model.layers[0].mlp.gate_up_proj(x), CONSUMABLE, False)
+
+
+def test_adapters_under_torch_compile_train_like_the_stock_models():
+    stock, fused = _pair("llama", LoraConfig(r=4, target_modules=TARGETS, lora_dropout=0.0))
+    ids = _ids()
+    stock_loss, stock_grads = _train_step_grads(stock, ids, seed=0)
+    compiled = torch.compile(fused)
+    fused_loss, fused_grads = _train_step_grads(compiled, ids, seed=0)
+    torch.testing.assert_close(fused_loss, stock_loss, rtol=1e-6, atol=0)
+    for name, want in stock_grads.items():
+        got = fused_grads.get(name, fused_grads.get("_orig_mod." + name))  # compile's wrapper prefixes the names
+        assert ((got - want).norm() / want.norm()).item() <= 1e-5, name
