@@ -5,6 +5,7 @@
     print(transfuse.report(model))        # what was fused, what was refused and why
 
     model = transfuse.AutoModelForCausalLM.from_pretrained(path_or_id, dtype=torch.bfloat16)
+    model = transfuse.compile(model)      # inference: attention outside the graph, CUDA graphs
 """
 
 __version__ = "0.1.0"
@@ -12,6 +13,7 @@ __version__ = "0.1.0"
 from . import integrations  # registers the integrations' hooks; imports none of their libraries
 from .api import ExampleInputsError, RewriteError, diff, report, rewrite
 from .auto import AutoModelForCausalLM, from_pretrained
+from .compile import compile  # noqa: A004 - the function shadows its package, as the docstring there says
 from .rewriter.report import FusionRecord, RewriteReport, SkipRecord
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "RewriteReport",
     "SkipRecord",
     "__version__",
+    "compile",
     "diff",
     "from_pretrained",
     "report",

@@ -44,7 +44,7 @@ from torch.nn.modules import module as module_globals
 from . import dispatch
 from .platform import current_stream_handle as _raw_stream
 
-__all__ = ["SmallBatchGraphs", "enabled", "suspended"]
+__all__ = ["SmallBatchGraphs", "enabled", "graph_pool", "suspended"]
 
 # One memory pool per (device, stream).
 _POOLS: dict[tuple[int, int], Any] = {}
@@ -70,8 +70,9 @@ def suspended() -> Iterator[None]:
         _SUSPENDED -= 1
 
 
-def _pool(device: int, stream: int) -> Any:
-    """The pool id that graphs of this device and stream are captured into. A ``MemPool`` holds a
+def graph_pool(device: int, stream: int) -> Any:
+    """The pool id that graphs of this device and stream are captured into (these layer graphs
+    and the compile path's pieces alike). A ``MemPool`` holds a
     reference to its pool while it lives (kept here for the process), so the pool outlives the
     graphs captured into it: a bare ``graph_pool_handle``'s pool is released with its last graph
     (a layer's graphs go when the layer does), and the next capture into that handle then fails
@@ -199,6 +200,6 @@ class SmallBatchGraphs:
             torch.cuda.set_sync_debug_mode(sync_mode)
         current.wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=_pool(key[2], key[3])):
+        with torch.cuda.graph(graph, pool=graph_pool(key[2], key[3])):
             static_out = self.forward(static_x)
         return graph, static_x, static_out

@@ -1,0 +1,214 @@
+"""Decode time per token through ``generate``: transformers and transfuse side by side, one process.
+
+    python benchmarks/bench_decode.py --out DIR [--model llama|qwen3_moe] [--batch 1 32]
+        [--prompt 512] [--new 128] [--rounds 3] [--prefill 2048]
+
+A model of Llama-3-8B layer shapes (8 layers, vocab 32000) or Qwen3-MoE shapes (4 layers),
+random bf16 weights, greedy decoding with no end-of-sequence token. Variants:
+
+  transformers dynamic   stock model, the default DynamicCache
+  transformers static    stock model, cache_implementation="static" (transformers compiles it,
+                         CUDA graphs through torch.compile's "reduce-overhead")
+  transfuse eager        transfuse.rewrite, DynamicCache
+  transfuse compiled     transfuse.rewrite + transfuse.compile, DynamicCache
+
+Per-token time: (time of generate with --new tokens - time with 1 token) / (--new - 1), the
+median over --rounds rounds in which the variants take turns. Every variant's tokens are
+compared with transfuse eager's (the fraction of positions equal before the first difference:
+bf16 ties can flip a greedy choice, after which the texts part). The floor is the bytes of the
+weights one token reads (all but the input embedding table) over the copy bandwidth measured in
+the same run. With --prefill N: a forward over N tokens with no cache, transformers compiled
+(torch.compile's default) against transfuse compiled, and each compiled variant's compile and
+capture time (its first calls). Writes DIR/decode_<model>.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import transfuse  # noqa: E402
+
+SHAPES = {
+    "llama": (
+        "llama",
+        dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+             vocab_size=32000, max_position_embeddings=8192, num_hidden_layers=8),
+    ),
+    "qwen3_moe": (
+        "qwen3_moe",
+        dict(hidden_size=2048, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+             intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+             vocab_size=32000, max_position_embeddings=8192, num_hidden_layers=4),
+    ),
+    "tiny": ("llama", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                           vocab_size=256, num_hidden_layers=2)),
+}
+
+
+def build(name: str, device: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, shape = SHAPES[name]
+    config = AutoConfig.for_model(model_type, **shape)
+    config.eos_token_id = None
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    return model.eval()
+
+
+def copy_bandwidth(device: str) -> float:
+    if device != "cuda":
+        return float("nan")
+    src = torch.empty(2 * 2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 10 / (time.perf_counter() - start)
+
+
+def weight_bytes(model) -> int:
+    embed = model.get_input_embeddings().weight
+    tied = model.get_output_embeddings().weight is embed
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if tied or p is not embed)
+    return total
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def generate(model, ids, new: int, **extra):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                              min_new_tokens=new, do_sample=False, **extra)
+
+
+def timed(fn, device: str) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def agreement(got: torch.Tensor, want: torch.Tensor, prompt: int) -> float:
+    got, want = got[:, prompt:], want[:, prompt:]
+    equal = (got == want).int().cumprod(dim=1)  # 1 until the first difference in each row
+    return equal.sum().item() / want.numel()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--model", default="llama", choices=sorted(SHAPES))
+    parser.add_argument("--batch", type=int, nargs="+", default=[1])
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prefill", type=int, default=0)
+    parser.add_argument("--variants", nargs="+",
+                        default=["transformers dynamic", "transformers static", "transfuse eager", "transfuse compiled"])
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    os.makedirs(args.out, exist_ok=True)
+    command = "python benchmarks/bench_decode.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+
+    stock = build(args.model, device)
+    fused = transfuse.rewrite(copy.deepcopy(stock))
+    compiled = transfuse.rewrite(copy.deepcopy(stock))
+    transfuse.compile(compiled)
+    models = {
+        "transformers dynamic": (stock, {}),
+        "transformers static": (stock, {"cache_implementation": "static"}),
+        "transfuse eager": (fused, {}),
+        "transfuse compiled": (compiled, {}),
+    }
+    variants = [v for v in args.variants if v in models]
+    floor_ms = weight_bytes(stock) / copy_bandwidth(device) * 1e3
+    vocab = stock.config.vocab_size
+    result: dict = {"command": command, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                    "torch": torch.__version__, "floor_ms": floor_ms, "batches": {}}
+    first_call: dict[str, float] = {}
+    for batch in args.batch:
+        torch.manual_seed(batch)
+        ids = torch.randint(0, vocab, (batch, args.prompt), device=device)
+        tokens, times = {}, {v: [] for v in variants}
+        for variant in variants:  # first calls: compile and capture (for the compiled ones)
+            model, extra = models[variant]
+            seconds = timed(lambda: generate(model, ids, 2, **extra), device)
+            first_call.setdefault(variant, seconds)
+            tokens[variant] = generate(model, ids, args.new, **extra)
+            print(f"batch {batch} {variant}: first calls {seconds:.1f} s", flush=True)
+        for _ in range(args.rounds):
+            for variant in variants:
+                model, extra = models[variant]
+                short = timed(lambda: generate(model, ids, 1, **extra), device)
+                full = timed(lambda: generate(model, ids, args.new, **extra), device)
+                times[variant].append((full - short) / (args.new - 1) * 1e3)
+        want = tokens.get("transfuse eager", next(iter(tokens.values())))
+        rows = {}
+        for variant in variants:
+            rows[variant] = {
+                "ms_per_token": statistics.median(times[variant]),
+                "all_ms": times[variant],
+                "agreement_with_transfuse_eager": agreement(tokens[variant], want, args.prompt),
+            }
+            print(f"batch {batch} {variant}: {rows[variant]['ms_per_token']:.3f} ms/token", flush=True)
+        result["batches"][str(batch)] = rows
+    result["first_call_s"] = first_call
+    if args.prefill:
+        ids = torch.randint(0, vocab, (1, args.prefill), device=device)
+        stock_compiled = torch.compile(stock)
+        prefill = {}
+        for name, fn in (("transformers compiled", lambda: stock_compiled(ids, use_cache=False)),
+                         ("transfuse compiled", lambda: compiled(ids, use_cache=False))):
+            with torch.no_grad():
+                first = timed(fn, device)
+                fn()
+                runs = [timed(fn, device) * 1e3 for _ in range(10)]
+            prefill[name] = {"ms": statistics.median(runs), "first_call_s": first}
+            print(f"prefill {args.prefill} {name}: {prefill[name]['ms']:.2f} ms (first call {first:.1f} s)", flush=True)
+        result["prefill"] = prefill
+    from transfuse.compile import backend
+
+    result["backend_stats"] = backend.stats()
+    with open(os.path.join(args.out, f"decode_{args.model}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    lines = [f"# Decode per token, {args.model} shapes ({result['device']}, torch {result['torch']})", "",
+             f"`{command}`", "", f"Floor (weights one token reads / copy bandwidth): {floor_ms:.3f} ms", "",
+             "| batch | variant | ms per token | tokens equal to transfuse eager | first calls (s) |",
+             "|---|---|---|---|---|"]
+    for batch, rows in result["batches"].items():
+        for variant, row in rows.items():
+            lines.append(f"| {batch} | {variant} | {row['ms_per_token']:.3f} | "
+                         f"{row['agreement_with_transfuse_eager']:.3f} | {first_call.get(variant, float('nan')):.1f} |")
+    if args.prefill:
+        lines += ["", f"Prefill of {args.prefill} tokens (no cache): "
+                  + "; ".join(f"{k} {v['ms']:.2f} ms (first call {v['first_call_s']:.1f} s)" for k, v in result["prefill"].items())]
+    lines += ["", f"Backend counters: {result['backend_stats']}"]
+    with open(os.path.join(args.out, f"decode_{args.model}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

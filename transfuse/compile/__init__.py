@@ -1,0 +1,282 @@
+"""transfuse's compile path for inference: ``transfuse.compile(model)``.
+
+    model = transfuse.compile(model)          # in place, as model.compile(); returns the model
+    transfuse.compile.warm_up(model, batch_sizes=(1,))   # optional: compile and capture now
+    model.generate(input_ids, max_new_tokens=128)        # an ordinary DynamicCache
+
+What it does to the model (knowing no model family):
+* attention runs as one opaque op that writes the cache and attends
+  (``transfuse/compile/attention.py``); the model is called with no cache and no mask of its
+  own, so the graph Dynamo captures has the same shapes at every decode step;
+* the graph is split at those ops, each piece compiled by Inductor and, on CUDA, replayed
+  as a CUDA graph per shape (``transfuse/compile/backend.py``: the ``"transfuse"`` backend
+  of ``torch.compile``);
+* ``generate`` on CUDA reads its stop flag one step late, so the host queues the next token
+  while the GPU runs this one (``transfuse/compile/generate.py``).
+
+Calls the compiled path does not cover run the model's ordinary forward, unchanged: anything
+that records autograd or is in training mode, a cache other than transformers' dynamic one,
+a 4D mask, ``output_attentions``, positional arguments past ``input_ids``. The model does not
+have to be rewritten first, but it is the rewritten model (merged projections, fused ops)
+that this path is for.
+
+Unlike ``model.compile()``, this module's name ``transfuse.compile`` is the function; the
+package's parts are imported by their full names (``transfuse.compile.backend``).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import attention, backend, generate
+from .attention import IMPLEMENTATION
+
+__all__ = ["CompileError", "compile", "is_compiled", "warm_up"]
+
+
+class CompileError(ValueError):
+    """The model cannot take the compile path; the message says why."""
+
+
+def _register_backend() -> None:
+    from torch._dynamo import list_backends, register_backend
+
+    if "transfuse" not in list_backends(exclude_tags=()):
+        register_backend(name="transfuse")(backend.compile_graph)
+
+
+_register_backend()
+
+
+def _cache_layer_types() -> tuple[type, ...]:
+    from transformers import cache_utils
+
+    return tuple(
+        getattr(cache_utils, name) for name in ("DynamicLayer", "DynamicSlidingWindowLayer") if hasattr(cache_utils, name)
+    )
+
+
+def _check(model: nn.Module) -> list[Any]:
+    """The configs whose attention implementation the compiled calls switch; raises
+    ``CompileError`` where the path cannot hold."""
+    from transformers import DynamicCache, PretrainedConfig
+
+    config = getattr(model, "config", None)
+    if not isinstance(config, PretrainedConfig):
+        raise CompileError("transfuse.compile takes a transformers model (it has no config)")
+    if getattr(config, "is_encoder_decoder", False):
+        raise CompileError("transfuse.compile does not take encoder-decoder models (cross-attention has no cache layer of its own)")
+    configs: list[Any] = []
+    for module in model.modules():
+        sub = getattr(module, "config", None)
+        if isinstance(sub, PretrainedConfig) and all(sub is not c for c in configs):
+            configs.append(sub)
+    implementations = {c._attn_implementation for c in configs}
+    unsupported = implementations - {"sdpa", "eager", None, IMPLEMENTATION}
+    if unsupported:
+        raise CompileError(
+            f"transfuse.compile runs attention itself (SDPA) in place of the model's "
+            f"{', '.join(sorted(unsupported))}: load the model with attn_implementation='sdpa'"
+        )
+    try:
+        layers = DynamicCache(config=config).layers
+    except Exception as exc:  # noqa: BLE001 - a config DynamicCache cannot build a cache for
+        raise CompileError(f"transfuse.compile: transformers builds no dynamic cache for this config ({exc})") from exc
+    kinds = _cache_layer_types()
+    odd = sorted({type(layer).__name__ for layer in layers if type(layer) not in kinds})
+    if odd:
+        raise CompileError(
+            f"transfuse.compile: the model's cache has layers that are not attention key/value "
+            f"layers ({', '.join(odd)}); only attention is kept outside the graph"
+        )
+    return configs
+
+
+class _Compiled:
+    """What ``transfuse.compile`` installs as the model's ``_compiled_call_impl``."""
+
+    def __init__(self, model: nn.Module, configs: list[Any], options: dict[str, Any]):
+        self.model_ref = _WeakModel(model)
+        self.configs = configs
+        self.options = options
+        self.cache_name = "cache" if "cache" in _forward_parameters(model) else "past_key_values"
+        graph_backend = functools.partial(
+            backend.compile_graph,
+            inductor=options["inductor"],
+            cuda_graphs=options["cuda_graphs"],
+            static_pointers=self.static_pointers,
+        )
+        self.compiled = torch.compile(model._call_impl, backend=graph_backend, dynamic=options["dynamic"])
+        self.calls = {"compiled": 0, "eager": 0}
+
+    def static_pointers(self) -> set[int]:
+        model = self.model_ref()
+        if model is None:
+            return set()
+        return {t.data_ptr() for t in (*model.parameters(), *model.buffers())}
+
+    def _eager(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
+        self.calls["eager"] += 1
+        return model._call_impl(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from transformers import DynamicCache
+
+        model = self.model_ref()
+        if not self._covers(model, args, kwargs):
+            return self._eager(model, args, kwargs)
+        kwargs = dict(kwargs)
+        if args:
+            kwargs["input_ids"] = args[0]
+        cache = kwargs.pop("cache", None)
+        legacy = kwargs.pop("past_key_values", None)
+        cache = cache if cache is not None else legacy
+        use_cache = kwargs.pop("use_cache", None)
+        if use_cache is None:
+            use_cache = getattr(model.config, "use_cache", True)
+        if cache is None and use_cache:
+            cache = DynamicCache(config=model.config)
+        if cache is not None and not self._dynamic(cache):
+            return self._eager(model, args, {**kwargs, self.cache_name: cache, "use_cache": use_cache})
+        padding = kwargs.pop("attention_mask", None)
+        inputs = kwargs.get("input_ids")
+        if inputs is None:
+            inputs = kwargs.get("inputs_embeds")
+        if kwargs.get("position_ids") is None:
+            seen = cache.get_seq_length() if cache is not None else 0
+            positions = torch.arange(seen, seen + inputs.shape[1], device=inputs.device)
+            kwargs["position_ids"] = positions.unsqueeze(0).expand(inputs.shape[0], -1)
+        self.calls["compiled"] += 1
+        with attention.step(cache, padding), _implementation(self.configs, IMPLEMENTATION):
+            output = self.compiled(use_cache=False, **kwargs)
+        if use_cache and hasattr(output, "keys"):
+            output[self.cache_name] = cache
+        return output
+
+    def _covers(self, model: nn.Module, args: tuple, kwargs: dict) -> bool:
+        if model.training or len(args) > 1:
+            return False
+        if torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters()):
+            return False
+        if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+            return False
+        mask = kwargs.get("attention_mask")
+        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
+            return False
+        inputs = args[0] if args else kwargs.get("input_ids")
+        if inputs is None:
+            inputs = kwargs.get("inputs_embeds")
+        return isinstance(inputs, torch.Tensor)
+
+    @staticmethod
+    def _dynamic(cache: Any) -> bool:
+        from transformers import DynamicCache
+
+        kinds = _cache_layer_types()
+        return isinstance(cache, DynamicCache) and all(type(layer) in kinds for layer in cache.layers)
+
+
+class _WeakModel:
+    """A reference to the model that does not keep it alive from its own attribute."""
+
+    def __init__(self, model: nn.Module):
+        import weakref
+
+        self._ref = weakref.ref(model)
+
+    def __call__(self) -> nn.Module:
+        return self._ref()
+
+
+def _forward_parameters(model: nn.Module) -> set[str]:
+    import inspect
+
+    try:
+        return set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+class _implementation:
+    """Switch the attention implementation of the given configs for the duration of a call."""
+
+    def __init__(self, configs: list[Any], name: str):
+        self.configs = configs
+        self.name = name
+        self.saved: list[Any] = []
+
+    def __enter__(self) -> None:
+        self.saved = [c._attn_implementation_internal for c in self.configs]
+        for c in self.configs:
+            c._attn_implementation_internal = self.name
+
+    def __exit__(self, *exc: Any) -> None:
+        for c, saved in zip(self.configs, self.saved):
+            c._attn_implementation_internal = saved
+
+
+def _generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    with generate.deferred_stop_check():
+        return type(self).generate(self, *args, **kwargs)
+
+
+def compile(  # noqa: A001 - the name users call, as torch.compile
+    model: nn.Module,
+    *,
+    inductor: bool = True,
+    cuda_graphs: bool = True,
+    dynamic: bool | None = None,
+    deferred_stop: bool = True,
+) -> nn.Module:
+    """Compile ``model`` in place for inference and return it (see the module docstring).
+
+    ``inductor=False`` runs the pieces as traced (for tests of the split alone),
+    ``cuda_graphs=False`` runs them without CUDA graphs, ``dynamic`` is ``torch.compile``'s,
+    and ``deferred_stop=False`` keeps ``generate``'s stop check on every token."""
+    configs = _check(model)
+    attention.register()
+    compiled = _Compiled(
+        model, configs, {"inductor": inductor, "cuda_graphs": cuda_graphs, "dynamic": dynamic}
+    )
+    model._compiled_call_impl = compiled
+    model._transfuse_compiled = compiled
+    if deferred_stop and hasattr(model, "generate"):
+        model.generate = types.MethodType(_generate, model)
+    return model
+
+
+def is_compiled(model: nn.Module) -> bool:
+    return isinstance(getattr(model, "_transfuse_compiled", None), _Compiled)
+
+
+def warm_up(
+    model: nn.Module,
+    batch_sizes: tuple[int, ...] = (1,),
+    prompt_length: int = 16,
+    new_tokens: int = 4,
+) -> dict[int, float]:
+    """Compile and capture ahead of time: a short greedy ``generate`` per batch size, on random
+    tokens. Returns the seconds each batch size took (compile and capture included)."""
+    if not is_compiled(model):
+        raise CompileError("warm_up takes a model transfuse.compile compiled")
+    device = next(model.parameters()).device
+    vocab = model.config.get_text_config().vocab_size
+    seconds: dict[int, float] = {}
+    for batch in batch_sizes:
+        ids = torch.randint(0, vocab, (batch, prompt_length), device=device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens, do_sample=False,
+            )
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds[batch] = time.perf_counter() - start
+    return seconds

@@ -1,0 +1,252 @@
+"""The ``"transfuse"`` backend of ``torch.compile``: the graph split at attention, Inductor per
+piece, and on CUDA a graph per piece and shape.
+
+Dynamo hands the backend one FX graph per compiled frame. The backend cuts it before and
+after every ``transfuse::cached_attention`` node (``split_module``), so the pieces between
+two attention layers hold everything else: norms, the merged projections, RoPE, the MLP or
+MoE block, the residual adds. Each piece is compiled by Inductor with the fake inputs Dynamo
+traced it with (symbolic sizes stay symbolic); the attention nodes run as they are, eagerly,
+between the pieces.
+
+On CUDA a piece whose inputs all have static shapes (Dynamo specialises a decode step's
+token count of 1, so a decode step's pieces are static) is run through ``GraphedPiece``:
+captured as a CUDA graph the second time it runs at a shape and replayed afterwards. The
+graphs of one device share one memory pool, captured and replayed in order on one stream.
+A piece's weights are read by address: inputs that are the model's parameters or buffers
+are part of the graph's key, every other input is copied into the graph's own buffer.
+
+A graph that does not include the attention op (``torch.compile(model, backend="transfuse")``
+on a model ``transfuse.compile`` did not prepare) is one piece: Inductor, and a CUDA graph
+only where its shapes are static.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, fx
+
+from ..ops.graphs import graph_pool
+
+__all__ = ["ATTENTION_OP", "GraphedPiece", "compile_graph", "stats"]
+
+ATTENTION_OP = "transfuse.cached_attention"
+
+# Counters a test or a benchmark reads: graphs compiled by the backend, pieces, captures.
+_STATS = {"graphs": 0, "pieces": 0, "captures": 0, "replays": 0}
+
+
+def stats() -> dict[str, int]:
+    return dict(_STATS)
+
+
+def _is_attention(node: fx.Node) -> bool:
+    return node.op == "call_function" and ATTENTION_OP in str(node.target)
+
+
+def _static(value: Any) -> bool:
+    if isinstance(value, torch.SymInt):
+        return False
+    if isinstance(value, Tensor):
+        return all(isinstance(s, int) for s in value.shape)
+    return True
+
+
+def compile_graph(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    inductor: bool = True,
+    cuda_graphs: bool = True,
+    static_pointers: Callable[[], set[int]] | None = None,
+) -> Callable[..., Any]:
+    """Compile one Dynamo graph: split at attention, each piece compiled, graphed where static."""
+    from torch.fx.passes.split_module import split_module
+
+    _STATS["graphs"] += 1
+    fakes = [node.meta.get("example_value") for node in gm.graph.nodes if node.op == "placeholder"]
+    if any(f is None for f in fakes):  # not from Dynamo (a test's own graph): use what it was given
+        fakes = list(example_inputs)
+
+    partition = 0
+    owner: dict[fx.Node, int] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if _is_attention(node):
+            partition += 1
+            owner[node] = partition
+            partition += 1
+        else:
+            owner[node] = partition
+    split = split_module(gm, None, lambda node: owner[node], keep_original_order=True)
+
+    # Pieces whose results are (or are items of) the graph's own outputs.
+    reaching_output: set[str] = set()
+    for node in split.graph.nodes:
+        if node.op == "output":
+            for source in node.all_input_nodes:
+                while source.op == "call_function" and source.all_input_nodes and "getitem" in str(source.target):
+                    source = source.all_input_nodes[0]
+                if source.op == "call_module":
+                    reaching_output.add(source.target)
+
+    # The fake inputs each piece is called with, by running the split graph on fakes.
+    piece_inputs: dict[str, list[Any]] = {}
+    _record_piece_inputs(split, fakes, piece_inputs)
+
+    for node in split.graph.nodes:
+        if node.op != "call_module":
+            continue
+        piece = getattr(split, node.target)
+        if any(_is_attention(inner) for inner in piece.graph.nodes):
+            continue
+        inputs = piece_inputs[node.target]
+        compiled: Callable[..., Any] = piece
+        if inductor:
+            from torch._inductor.compile_fx import compile_fx
+
+            compiled = compile_fx(piece, inputs)
+        _STATS["pieces"] += 1
+        runner: Callable[..., Any] = compiled
+        if cuda_graphs and all(_static(v) for v in inputs) and _on_cuda(inputs):
+            leaves = node.target in reaching_output
+            runner = GraphedPiece(compiled, node.target, static_pointers, copy_outputs=leaves)
+        delattr(split, node.target)
+        setattr(split, node.target, _Call(runner))
+    split.recompile()
+    return split
+
+
+class _Call(torch.nn.Module):
+    """A compiled piece in the split module's place (call_module needs a module there)."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
+def _on_cuda(inputs: Sequence[Any]) -> bool:
+    return any(isinstance(v, Tensor) and v.device.type == "cuda" for v in inputs)
+
+
+def _record_piece_inputs(split: fx.GraphModule, fakes: Sequence[Any], into: dict[str, list[Any]]) -> None:
+    """Run the split graph on the fake inputs and note the arguments each piece gets."""
+    class Recorder(fx.Interpreter):
+        def call_module(self, target, args, kwargs):  # noqa: ANN001
+            into[target] = list(args)
+            return super().call_module(target, args, kwargs)
+
+    mode = next((f.fake_mode for f in fakes if hasattr(f, "fake_mode")), None)
+    if mode is None:
+        Recorder(split).run(*fakes)
+        return
+    with mode:
+        Recorder(split).run(*fakes)
+
+
+class GraphedPiece:
+    """A compiled piece replayed as a CUDA graph per input shape (the second time it runs at a
+    shape; the first run is its warm-up). Falls back to running the piece where a graph
+    cannot be used: autograd recording, inside another capture, a capture that failed."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        name: str,
+        static_pointers: Callable[[], set[int]] | None,
+        copy_outputs: bool,
+    ):
+        self.fn = fn
+        self.name = name
+        # Outputs that leave the compiled graph are copied out of the graph's buffers (the next
+        # replay overwrites them); the others are read by the next op of the same call.
+        self.copy_outputs = copy_outputs
+        self.static_pointers = static_pointers or (lambda: set())
+        self.failed: str | None = None
+        self._seen: set[tuple] = set()
+        self._failed: set[tuple] = set()
+        self._graphs: dict[tuple, _Graph] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        if torch.is_grad_enabled() or torch.cuda.is_current_stream_capturing():
+            return self.fn(*args)
+        key = tuple((a.shape, a.dtype) if isinstance(a, Tensor) else a for a in args)
+        graph = self._graphs.get(key)
+        if graph is not None and graph.matches(args):
+            _STATS["replays"] += 1
+            return graph.replay(args, self.copy_outputs)
+        if key in self._failed:
+            return self.fn(*args)
+        if key not in self._seen:
+            self._seen.add(key)
+            return self.fn(*args)
+        try:
+            graph = _Graph.capture(self.fn, args, self.static_pointers())
+        except Exception as exc:  # noqa: BLE001 - any failure means: run this shape eagerly
+            self._failed.add(key)
+            if self.failed is None:
+                self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                warnings.warn(
+                    f"transfuse.compile: piece {self.name} runs without a CUDA graph: capturing it "
+                    f"failed ({self.failed})",
+                    stacklevel=2,
+                )
+            return self.fn(*args)
+        _STATS["captures"] += 1
+        self._graphs[key] = graph
+        return graph.replay(args, self.copy_outputs)
+
+
+class _Graph:
+    """One capture: the graph, the buffers its copied inputs are read from, its outputs."""
+
+    def __init__(self, graph: Any, copied: list[int], buffers: list[Tensor], pinned: list[tuple[int, int]], outputs: Any):
+        self.graph = graph
+        self.copied = copied
+        self.buffers = buffers
+        self.pinned = pinned
+        self.outputs = outputs
+
+    @classmethod
+    def capture(cls, fn: Callable[..., Any], args: Sequence[Any], static: set[int]) -> "_Graph":
+        copied, buffers, pinned, inputs = [], [], [], list(args)
+        for index, arg in enumerate(args):
+            if not isinstance(arg, Tensor):
+                continue
+            if arg.data_ptr() in static:
+                pinned.append((index, arg.data_ptr()))
+            else:
+                buffer = arg.clone()
+                copied.append(index)
+                buffers.append(buffer)
+                inputs[index] = buffer
+        device = next(a.device for a in args if isinstance(a, Tensor))
+        current = torch.cuda.current_stream(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=graph_pool(device.index, current.cuda_stream)):
+            outputs = fn(*inputs)
+        return cls(graph, copied, buffers, pinned, outputs)
+
+    def matches(self, args: Sequence[Any]) -> bool:
+        return all(args[index].data_ptr() == pointer for index, pointer in self.pinned)
+
+    def replay(self, args: Sequence[Any], copy_outputs: bool) -> Any:
+        for index, buffer in zip(self.copied, self.buffers):
+            buffer.copy_(args[index])
+        self.graph.replay()
+        return _copied(self.outputs) if copy_outputs else self.outputs
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_copied(v) for v in value)
+    return value
