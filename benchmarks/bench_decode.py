@@ -115,6 +115,27 @@ def agreement(got: torch.Tensor, want: torch.Tensor, prompt: int) -> float:
     return equal.sum().item() / want.numel()
 
 
+def profile(fn, device: str, tokens: int) -> str:
+    """Host and device time of ``fn`` under the profiler: device busy time per token, then the
+    top operators by self host time and by device time."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    sync(device)
+    start = time.perf_counter()
+    with torch_profile(activities=activities) as prof:
+        fn()
+        sync(device)
+    wall = time.perf_counter() - start
+    events = prof.key_averages()
+    busy = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e3
+    head = (f"wall {wall * 1e3 / tokens:.3f} ms per token under the profiler; device busy "
+            f"{busy / tokens:.3f} ms per token (kernels' self time)")
+    by_host = events.table(sort_by="self_cpu_time_total", row_limit=30)
+    by_device = events.table(sort_by="self_device_time_total", row_limit=20) if device == "cuda" else ""
+    return f"{head}\n\n{by_host}\n\n{by_device}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -124,10 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prefill", type=int, default=0)
+    parser.add_argument("--profile", type=int, default=0,
+                        help="also profile N decode tokens of each variant at the first batch size")
     parser.add_argument("--variants", nargs="+",
                         default=["transformers dynamic", "transformers static", "transfuse eager", "transfuse compiled"])
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    # Both compiled variants compile the same transformers functions: give them room.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     os.makedirs(args.out, exist_ok=True)
     command = "python benchmarks/bench_decode.py " + shlex.join(argv if argv is not None else sys.argv[1:])
 
@@ -135,11 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     fused = transfuse.rewrite(copy.deepcopy(stock))
     compiled = transfuse.rewrite(copy.deepcopy(stock))
     transfuse.compile(compiled)
+    trusted = None
+    if "transfuse compiled, module guards off" in args.variants:
+        trusted = transfuse.compile(transfuse.rewrite(copy.deepcopy(stock)), trust_modules=True)
     models = {
         "transformers dynamic": (stock, {}),
         "transformers static": (stock, {"cache_implementation": "static"}),
         "transfuse eager": (fused, {}),
         "transfuse compiled": (compiled, {}),
+        "transfuse compiled, module guards off": (trusted, {}),
     }
     variants = [v for v in args.variants if v in models]
     floor_ms = weight_bytes(stock) / copy_bandwidth(device) * 1e3
@@ -174,6 +203,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"batch {batch} {variant}: {rows[variant]['ms_per_token']:.3f} ms/token", flush=True)
         result["batches"][str(batch)] = rows
     result["first_call_s"] = first_call
+    if args.profile:
+        ids = torch.randint(0, vocab, (args.batch[0], args.prompt), device=device)
+        for variant in variants:
+            model, extra = models[variant]
+            text = profile(lambda: generate(model, ids, args.profile, **extra), device, args.profile)
+            name = variant.replace(",", "").replace(" ", "_")
+            with open(os.path.join(args.out, f"profile_{args.model}_{name}.txt"), "w") as f:
+                f.write(f"{command}\n{variant}, batch {args.batch[0]}, {args.profile} tokens\n\n{text}")
+            print(f"profile {variant}: " + text.splitlines()[0], flush=True)
     if args.prefill:
         ids = torch.randint(0, vocab, (1, args.prefill), device=device)
         stock_compiled = torch.compile(stock)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["IMPLEMENTATION", "Step", "attention_forward", "current_step", "step"]
+__all__ = ["IMPLEMENTATION", "Step", "attention_forward", "cached_attention", "current_step", "step"]
 
 IMPLEMENTATION = "transfuse"
 
@@ -120,8 +120,7 @@ def attention_forward(
     return output, None
 
 
-@torch.library.custom_op("transfuse::cached_attention", mutates_args=())
-def _cached_attention(
+def cached_attention(
     query: Tensor,
     key: Tensor,
     value: Tensor,
@@ -151,7 +150,12 @@ def _cached_attention(
     return output.transpose(1, 2).contiguous()
 
 
-@_cached_attention.register_fake
+# The op the graph holds. The backend calls ``cached_attention`` directly in its place: the
+# dispatcher's custom-op path costs tens of microseconds a call, every layer, every token.
+_cached_attention_op = torch.library.custom_op("transfuse::cached_attention", mutates_args=())(cached_attention)
+
+
+@_cached_attention_op.register_fake
 def _(query, key, value, sinks, layer, scaling, sliding_window, softcap, causal):
     batch, heads, tokens, _ = query.shape
     return query.new_empty(batch, tokens, heads, value.shape[-1])
@@ -173,6 +177,15 @@ def _mask(
     key_ = (first_key, kv_length, seen, new, window, causal)
     if key_ in current.masks:
         return current.masks[key_], False
+    if new == 1 and not window_bites:
+        # A decode step: one query, which may attend to every key but padding. It always may
+        # attend to itself (a padding query's output is never read, and it must not be NaN).
+        allowed = current.padding[:, first_key : first_key + kv_length]
+        allowed = allowed.to(device=query.device, dtype=torch.bool, copy=True)
+        allowed[:, -1] = True
+        allowed = allowed[:, None, None, :]
+        current.masks[key_] = allowed
+        return allowed, False
     device = query.device
     keys = torch.arange(first_key, first_key + kv_length, device=device)
     queries = torch.arange(seen, seen + new, device=device)

@@ -103,6 +103,7 @@ def compile_graph(
             continue
         piece = getattr(split, node.target)
         if any(_is_attention(inner) for inner in piece.graph.nodes):
+            _call_attention_directly(piece)
             continue
         inputs = piece_inputs[node.target]
         compiled: Callable[..., Any] = piece
@@ -119,6 +120,17 @@ def compile_graph(
         setattr(split, node.target, _Call(runner))
     split.recompile()
     return split
+
+
+def _call_attention_directly(piece: fx.GraphModule) -> None:
+    """The attention piece calls the op's Python body, not the op (same arguments, same
+    result; none of the dispatcher's cost on a path that runs every layer of every token)."""
+    from .attention import cached_attention
+
+    for node in piece.graph.nodes:
+        if _is_attention(node):
+            node.target = cached_attention
+    piece.recompile()
 
 
 class _Call(torch.nn.Module):
@@ -173,11 +185,19 @@ class GraphedPiece:
         self._seen: set[tuple] = set()
         self._failed: set[tuple] = set()
         self._graphs: dict[tuple, _Graph] = {}
+        # Positions of the arguments that are not the model's tensors, found at the first call:
+        # the graph key holds their shapes (the model's tensors are checked by address).
+        self._moving: tuple[int, ...] | None = None
 
     def __call__(self, *args: Any) -> Any:
         if torch.is_grad_enabled() or torch.cuda.is_current_stream_capturing():
             return self.fn(*args)
-        key = tuple((a.shape, a.dtype) if isinstance(a, Tensor) else a for a in args)
+        if self._moving is None:
+            static = self.static_pointers()
+            self._moving = tuple(
+                i for i, a in enumerate(args) if not (isinstance(a, Tensor) and a.data_ptr() in static)
+            )
+        key = tuple(args[i].shape if isinstance(args[i], Tensor) else args[i] for i in self._moving)
         graph = self._graphs.get(key)
         if graph is not None and graph.matches(args):
             _STATS["replays"] += 1

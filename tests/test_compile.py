@@ -1,0 +1,188 @@
+"""transfuse.compile: attention with its cache outside the graph, the graph split there, pieces
+compiled; answers compared with the same model run eagerly.
+
+Most tests run the pieces as traced (``inductor=False``: the split and the attention op are
+what is under test, and Inductor on CPU takes seconds a piece); one runs Inductor. The CUDA
+graph tests run on a GPU only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import transfuse
+from transfuse.compile import CompileError, backend, generate, warm_up
+from transfuse.compile.attention import IMPLEMENTATION
+from transfuse.tiny import tiny_model
+
+
+def _model(model_type: str = "llama", device: str = "cpu", dtype=torch.float32, **overrides):
+    torch.manual_seed(0)
+    model = tiny_model(model_type, **overrides).to(device, dtype).eval()
+    return transfuse.rewrite(model)
+
+
+def _padded_batch(device: str = "cpu"):
+    torch.manual_seed(1)
+    ids = torch.randint(0, 256, (3, 11), device=device)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    mask[2, :1] = 0
+    return ids, mask
+
+
+def _generate(model, ids, mask, new=10, **extra):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                              do_sample=False, **extra)
+
+
+CASES = {
+    "llama": {},
+    "mistral, sliding window 4": ("mistral", {"sliding_window": 4}),
+    "gemma2, soft-capped, sliding window 4": ("gemma2", {"sliding_window": 4}),
+    "gpt_oss, sinks, sliding window 4": ("gpt_oss", {"sliding_window": 4}),
+    "qwen3_moe": ("qwen3_moe", {}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_generate_and_logits_match_the_eager_model(case):
+    spec = CASES[case]
+    model_type, overrides = (case, {}) if spec == {} else spec
+    model = _model(model_type, **overrides)
+    ids, mask = _padded_batch()
+    want_tokens = _generate(model, ids, mask)
+    with torch.no_grad():
+        want_logits = model(ids, attention_mask=mask).logits
+    transfuse.compile(model, inductor=False)
+    got_tokens = _generate(model, ids, mask)
+    with torch.no_grad():
+        got_logits = model(ids, attention_mask=mask).logits
+    assert model._transfuse_compiled.calls["compiled"] == 11 and model._transfuse_compiled.calls["eager"] == 0
+    assert torch.equal(got_tokens, want_tokens)
+    real = mask.bool()  # padding positions' logits are never read
+    torch.testing.assert_close(got_logits[real], want_logits[real], rtol=1e-5, atol=1e-5)
+
+
+def test_the_window_and_the_padding_change_the_answer():
+    """The cases above would pass with a mask that ignored them if these made no difference."""
+    ids, mask = _padded_batch()
+    windowed = _model("mistral", sliding_window=4)
+    full = _model("mistral")
+    with torch.no_grad():
+        assert not torch.allclose(windowed(ids).logits, full(ids).logits)
+        unpadded = full(ids).logits
+        padded = full(ids, attention_mask=mask).logits
+    assert not torch.allclose(unpadded[1, -1], padded[1, -1])
+
+
+def test_inductor_pieces_split_at_every_attention_layer():
+    model = _model("llama", num_hidden_layers=3)
+    ids, mask = _padded_batch()
+    want = _generate(model, ids, mask, new=4)
+    before = backend.stats()
+    transfuse.compile(model)
+    got = _generate(model, ids, mask, new=4)
+    after = backend.stats()
+    assert torch.equal(got, want)
+    graphs = after["graphs"] - before["graphs"]
+    assert graphs == 2  # the prompt, then the decode step
+    assert after["pieces"] - before["pieces"] == graphs * 4  # 3 layers: 4 pieces between and around
+
+
+def test_no_recompile_over_512_decode_steps():
+    model = _model("llama", num_hidden_layers=1, max_position_embeddings=1024)
+    transfuse.compile(model, inductor=False)
+    ids, mask = _padded_batch()
+    _generate(model, ids, mask, new=3)
+    before = backend.stats()["graphs"]
+    tokens = _generate(model, ids, mask, new=512)
+    assert tokens.shape[1] == ids.shape[1] + 512
+    assert backend.stats()["graphs"] == before
+
+
+def test_the_cache_generate_returns_holds_every_token():
+    model = _model("llama")
+    ids, mask = _padded_batch()
+    want = _generate(model, ids, mask, new=6, return_dict_in_generate=True)
+    transfuse.compile(model, inductor=False)
+    got = _generate(model, ids, mask, new=6, return_dict_in_generate=True)
+    assert torch.equal(got.sequences, want.sequences)
+    cache = getattr(got, "cache", None) or got.past_key_values
+    cache_want = getattr(want, "cache", None) or want.past_key_values
+    assert cache.get_seq_length() == cache_want.get_seq_length() == ids.shape[1] + 5
+    # Padding tokens' keys are never attended to (and their hidden states are whatever the
+    # masking makes of a query that may see nothing): compare the others.
+    real = torch.cat([mask, torch.ones(3, 5, dtype=mask.dtype)], dim=1).bool()
+    for layer, layer_want in zip(cache.layers, cache_want.layers):
+        for got_, want_ in ((layer.keys, layer_want.keys), (layer.values, layer_want.values)):
+            torch.testing.assert_close(got_.transpose(1, 2)[real], want_.transpose(1, 2)[real], rtol=1e-5, atol=1e-5)
+
+
+def test_calls_outside_the_path_run_the_eager_forward():
+    model = _model("llama")
+    ids, mask = _padded_batch()
+    transfuse.compile(model, inductor=False)
+    compiled = model._transfuse_compiled
+    logits = model(ids, attention_mask=mask).logits  # records autograd: eager
+    assert compiled.calls == {"compiled": 0, "eager": 1}
+    logits.sum().backward()
+    assert model.lm_head.weight.grad is not None
+    with torch.no_grad():
+        model(ids, attention_mask=mask, output_attentions=True)
+        model(ids, attention_mask=mask)
+    assert compiled.calls == {"compiled": 1, "eager": 2}
+    # The eager calls saw the model's own attention implementation, not the compile path's.
+    assert model.config._attn_implementation != IMPLEMENTATION
+
+
+def test_models_the_path_cannot_hold_are_refused_with_a_reason():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    t5 = T5ForConditionalGeneration(T5Config(d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8, vocab_size=64))
+    with pytest.raises(CompileError, match="encoder-decoder"):
+        transfuse.compile(t5)
+    with pytest.raises(CompileError, match="not attention key/value layers"):
+        transfuse.compile(tiny_model("qwen3_next"))
+    with pytest.raises(CompileError, match="warm_up takes"):
+        warm_up(tiny_model("llama"))
+
+
+def test_deferred_stop_check_is_turned_on_for_cuda_inside_compiled_generate_only():
+    if not generate.supported():
+        pytest.skip("this transformers has no DeferredStopCheck")
+    from transformers.generation.utils import DeferredStopCheck
+
+    cuda = torch.device("cuda")
+    with generate.deferred_stop_check():
+        assert DeferredStopCheck.is_supported(cuda, None, False, is_assistant=False)
+        assert not DeferredStopCheck.is_supported(cuda, None, False, is_assistant=True)
+    assert not DeferredStopCheck.is_supported(cuda, None, False, is_assistant=False)
+
+
+def test_the_backend_is_registered_for_torch_compile():
+    model = _model("llama")
+    ids = torch.randint(0, 256, (1, 5))
+    with torch.no_grad():
+        want = model(ids).logits
+        got = torch.compile(model, backend="transfuse")(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_cuda_graphs_replay_the_pieces_with_the_eager_answers(model_type):
+    model = _model(model_type, device="cuda")
+    ids, mask = _padded_batch("cuda")
+    want = _generate(model, ids, mask, new=16)
+    transfuse.compile(model)
+    before = backend.stats()
+    first = _generate(model, ids, mask, new=16)
+    second = _generate(model, ids, mask, new=16)
+    after = backend.stats()
+    assert torch.equal(first, want) and torch.equal(second, want)
+    assert after["captures"] > before["captures"]
+    assert after["replays"] - before["replays"] >= 2 * 14 * 3  # every piece of most decode steps
