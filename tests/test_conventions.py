@@ -93,22 +93,39 @@ def test_sharded_safetensors_save_loads_in_stock_transformers_bit_for_bit(model_
     assert not any(isinstance(m, MergedProjection) for m in loaded.modules())
 
 
-def test_changing_the_experts_implementation_after_a_rewrite_is_refused_with_the_way_out():
+def test_switching_between_transformers_experts_kernels_keeps_the_fused_layer():
+    """transformers' experts implementations are kernels for one function (generate switches
+    grouped_mm to batched_mm on GPUs by itself); the fused layer is one more, and stays."""
     model = transfuse.rewrite(tiny_model("qwen3_moe"))
     ids = _ids(model)
     before = _logits(model, ids)
     layer = next(m for m in model.modules() if isinstance(m, MoE))
     assert layer.experts_implementation == model.config._experts_implementation
-    other = "eager" if layer.experts_implementation != "eager" else "batched_mm"
-    model.set_experts_implementation(other)
-    with pytest.raises(RuntimeError, match=rf"experts implementation is now '{other}'.*without the 'moe' fusion"):
-        _logits(model, ids)
-    model.set_experts_implementation(layer.experts_implementation)
-    assert torch.equal(_logits(model, ids), before)
-    # Without the MoE fusion, the choice is the model's own.
+    for other in ("eager", "batched_mm", "grouped_mm"):
+        model.set_experts_implementation(other)
+        assert torch.equal(_logits(model, ids), before), other
+    # The unfused model gives the same function under each of them.
     unfused = transfuse.rewrite(tiny_model("qwen3_moe"), fusions=["rms_norm", "qkv"])
-    unfused.set_experts_implementation(other)
+    unfused.set_experts_implementation("eager")
     assert (_logits(unfused, ids) - before).abs().max().item() <= 1e-5
+
+
+def test_an_experts_implementation_from_outside_transformers_is_refused_with_the_way_out():
+    from transformers.integrations.moe import ExpertsInterface
+
+    model = transfuse.rewrite(tiny_model("qwen3_moe"))
+    ids = _ids(model)
+    before = _logits(model, ids)
+    layer = next(m for m in model.modules() if isinstance(m, MoE))
+    ExpertsInterface.register("user_kernel", ExpertsInterface._global_mapping["batched_mm"])
+    try:
+        model.set_experts_implementation("user_kernel")
+        with pytest.raises(RuntimeError, match=r"experts implementation is now 'user_kernel'.*without the 'moe' fusion"):
+            _logits(model, ids)
+    finally:
+        model.set_experts_implementation(layer.experts_implementation)
+        ExpertsInterface._global_mapping.pop("user_kernel", None)
+    assert torch.equal(_logits(model, ids), before)
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)

@@ -142,6 +142,8 @@ def cached_attention(
     mask, is_causal = _mask(current, query, key.shape[2], seen, new, sliding_window, causal)
     if softcap or sinks is not None:
         output = _attend_softmax(query, key, value, mask, is_causal, scaling, softcap, sinks)
+    elif new == 1 and mask is not None:
+        output = _attend_one(query, key, value, _additive(current, mask, query.dtype), scaling)
     else:
         output = F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling,
@@ -204,6 +206,29 @@ def _mask(
     allowed = allowed | ~allowed.any(dim=-1, keepdim=True)
     current.masks[key_] = allowed
     return allowed, False
+
+
+def _additive(current: Step, mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """The boolean mask as 0 / -inf in ``dtype``, made once a call for all layers."""
+    key_ = ("additive", mask.data_ptr(), dtype)
+    found = current.masks.get(key_)
+    if found is None:
+        found = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -math.inf)
+        current.masks[key_] = found
+    return found
+
+
+def _attend_one(query: Tensor, key: Tensor, value: Tensor, bias: Tensor, scaling: float) -> Tensor:
+    """Attention of one query per sequence, written as two matmuls and a float32 softmax:
+    SDPA with a mask picks kernels (cuDNN's on Hopper) whose host cost per call is several
+    times these three launches', at a decode step's size where the host is the bottleneck.
+    The query heads of one key/value head are one matrix (no repeat of the cache)."""
+    batch, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
+    scores = torch.matmul(grouped, key.transpose(2, 3)).mul_(scaling).add_(bias)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, value).reshape(batch, heads, 1, value.shape[-1])
 
 
 def _attend_softmax(

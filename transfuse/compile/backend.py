@@ -37,6 +37,9 @@ ATTENTION_OP = "transfuse.cached_attention"
 
 # Counters a test or a benchmark reads: graphs compiled by the backend, pieces, captures.
 _STATS = {"graphs": 0, "pieces": 0, "captures": 0, "replays": 0}
+# Addresses of captured graphs' outputs: they hold the same place at every replay, so a later
+# piece reads them where they are (checked at every replay) instead of copying them in.
+_GRAPH_OUTPUTS: set[int] = set()
 
 
 def stats() -> dict[str, int]:
@@ -116,8 +119,10 @@ def compile_graph(
         if cuda_graphs and all(_static(v) for v in inputs) and _on_cuda(inputs):
             leaves = node.target in reaching_output
             runner = GraphedPiece(compiled, node.target, static_pointers, copy_outputs=leaves)
+        # A plain callable, not a module: the split module calls ``self.<piece>(...)`` and a
+        # module's ``__call__`` would add its hook checks to every piece of every token.
         delattr(split, node.target)
-        setattr(split, node.target, _Call(runner))
+        object.__setattr__(split, node.target, runner)
     split.recompile()
     return split
 
@@ -131,17 +136,6 @@ def _call_attention_directly(piece: fx.GraphModule) -> None:
         if _is_attention(node):
             node.target = cached_attention
     piece.recompile()
-
-
-class _Call(torch.nn.Module):
-    """A compiled piece in the split module's place (call_module needs a module there)."""
-
-    def __init__(self, fn: Callable[..., Any]):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args: Any) -> Any:
-        return self.fn(*args)
 
 
 def _on_cuda(inputs: Sequence[Any]) -> bool:
@@ -208,7 +202,7 @@ class GraphedPiece:
             self._seen.add(key)
             return self.fn(*args)
         try:
-            graph = _Graph.capture(self.fn, args, self.static_pointers())
+            graph = _Graph.capture(self.fn, args, self.static_pointers() | _GRAPH_OUTPUTS)
         except Exception as exc:  # noqa: BLE001 - any failure means: run this shape eagerly
             self._failed.add(key)
             if self.failed is None:
@@ -252,6 +246,8 @@ class _Graph:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=graph_pool(device.index, current.cuda_stream)):
             outputs = fn(*inputs)
+        flat = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+        _GRAPH_OUTPUTS.update(o.data_ptr() for o in flat if isinstance(o, Tensor))
         return cls(graph, copied, buffers, pinned, outputs)
 
     def matches(self, args: Sequence[Any]) -> bool:

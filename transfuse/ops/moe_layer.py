@@ -190,6 +190,19 @@ class ExpertNumbers:
     limit: float = math.inf
 
 
+@functools.lru_cache(maxsize=1)
+def _transformers_experts_kernels() -> frozenset[str]:
+    """The experts implementations transformers ships (each computes the same function)."""
+    names = {"eager", "grouped_mm", "batched_mm"}
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+
+        names |= set(getattr(ExpertsInterface, "_global_mapping", {}))
+    except ImportError:
+        pass
+    return frozenset(names)
+
+
 class MoE(nn.Module):
     """A mixture-of-experts block computed with ``moe_route`` and ``moe_experts``.
 
@@ -213,10 +226,13 @@ class MoE(nn.Module):
         self.routing = routing
         self.expert_numbers = experts or ExpertNumbers()
         # transformers' experts implementation (config._experts_implementation) when the layer was
-        # made: it computes the experts with moe_experts instead, and refuses to run once another
-        # implementation has been chosen (``set_experts_implementation``) rather than ignore it.
+        # made. transformers' own implementations are kernels for one function, and the layer is
+        # another (moe_experts): a switch between them (generate itself switches grouped_mm to
+        # batched_mm for decoding on GPUs) keeps the layer's. One registered from outside
+        # transformers may compute something else, and the layer refuses to run under it.
         self._experts_config = None
         self.experts_implementation = None
+        self._kernels = _transformers_experts_kernels()
         for child in children.values():
             implementation = getattr(getattr(child, "config", None), "_experts_implementation", None)
             if implementation is not None:
@@ -225,13 +241,16 @@ class MoE(nn.Module):
 
     def forward(self, hidden_states: Tensor, *unused, **unused_kwargs):
         config = self._experts_config
-        if config is not None and config._experts_implementation != self.experts_implementation:
-            raise RuntimeError(
-                f"The experts implementation is now {config._experts_implementation!r} (set_experts_implementation), "
-                f"but this fused mixture-of-experts layer computes the experts with transfuse's moe_experts, which "
-                f"took the place of {self.experts_implementation!r} when the model was rewritten. Set it back, or "
-                "rewrite the model without the 'moe' fusion to choose the experts implementation."
-            )
+        if config is not None:
+            current = config._experts_implementation
+            if current != self.experts_implementation and current not in self._kernels:
+                raise RuntimeError(
+                    f"The experts implementation is now {current!r} (set_experts_implementation), which is "
+                    f"not one of transformers' own, but this fused mixture-of-experts layer computes the "
+                    f"experts with transfuse's moe_experts, which took the place of "
+                    f"{self.experts_implementation!r} when the model was rewritten. Set it back, or rewrite "
+                    "the model without the 'moe' fusion to choose the experts implementation."
+                )
         return _block_forward(self, hidden_states, self.plan, self.routing, self.expert_numbers)
 
     def _forward(self, hidden_states: Tensor):
