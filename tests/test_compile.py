@@ -103,6 +103,17 @@ def test_no_recompile_over_512_decode_steps():
     assert backend.stats()["graphs"] == before
 
 
+def test_compiled_models_do_not_share_dynamo_s_recompile_budget():
+    """Ten compiled models in one process, each compiled for its own shapes: none falls back
+    to running uncompiled (Dynamo allows 8 graphs per function it compiles)."""
+    ids, mask = _padded_batch()
+    for _ in range(10):
+        model = transfuse.compile(_model("llama", num_hidden_layers=1), inductor=False)
+        before = backend.stats()["graphs"]
+        _generate(model, ids, mask, new=2)
+        assert backend.stats()["graphs"] == before + 2
+
+
 def test_the_cache_generate_returns_holds_every_token():
     model = _model("llama")
     ids, mask = _padded_batch()

@@ -26,6 +26,7 @@ package's parts are imported by their full names (``transfuse.compile.backend``)
 
 from __future__ import annotations
 
+import builtins
 import functools
 import time
 import types
@@ -115,7 +116,9 @@ class _Compiled:
         extra: dict[str, Any] = {}
         if options["trust_modules"] and hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"):
             extra["options"] = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        self.compiled = torch.compile(model._call_impl, backend=graph_backend, dynamic=options["dynamic"], **extra)
+        self.compiled = torch.compile(
+            _entry(model._call_impl), backend=graph_backend, dynamic=options["dynamic"], **extra
+        )
         self.calls = {"compiled": 0, "eager": 0}
 
     def static_pointers(self) -> set[int]:
@@ -183,6 +186,17 @@ class _Compiled:
 
         kinds = _cache_layer_types()
         return isinstance(cache, DynamicCache) and all(type(layer) in kinds for layer in cache.layers)
+
+
+def _entry(call: Any) -> Any:
+    """A function of its own that calls ``call``. Dynamo keeps compiled graphs (and counts them
+    against its recompile limit, 8) per code object; every transformers model's forward goes
+    through the same few wrapper functions, so without this every compiled model in a process
+    would share one budget, and the ninth graph of any of them would run uncompiled."""
+    namespace = {"call": call}
+    source = "def transfuse_compiled_call(*args, **kwargs):\n    return call(*args, **kwargs)\n"
+    exec(builtins.compile(source, f"<transfuse.compile {id(call):x}>", "exec"), namespace)  # noqa: S102
+    return namespace["transfuse_compiled_call"]
 
 
 class _WeakModel:
