@@ -197,3 +197,31 @@ def test_cuda_graphs_replay_the_pieces_with_the_eager_answers(model_type):
     assert torch.equal(first, want) and torch.equal(second, want)
     assert after["captures"] > before["captures"]
     assert after["replays"] - before["replays"] >= 2 * 14 * 3  # every piece of most decode steps
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_generate_on_cuda_defers_its_stop_check_and_stops_where_eager_does(monkeypatch):
+    if not generate.supported():
+        pytest.skip("this transformers has no DeferredStopCheck")
+    from transformers.generation import utils
+
+    model = _model("llama", device="cuda")
+    ids, mask = _padded_batch("cuda")
+    eos = int(_generate(model, ids, mask, new=6)[0, ids.shape[1] + 3])  # a token the first row emits
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=eos,
+                          pad_token_id=0)
+    made = []
+    original = utils.DeferredStopCheck.__init__
+
+    def counting(self, *args, **kwargs):
+        made.append(self)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(utils.DeferredStopCheck, "__init__", counting)
+    transfuse.compile(model)
+    with torch.no_grad():
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=eos,
+                             pad_token_id=0)
+    assert made, "generate did not defer its stop check"
+    assert torch.equal(got, want)

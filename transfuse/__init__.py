@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 from . import integrations  # registers the integrations' hooks; imports none of their libraries
 from .api import ExampleInputsError, RewriteError, diff, report, rewrite
 from .auto import AutoModelForCausalLM, from_pretrained
-from .compile import compile  # noqa: A004 - the function shadows its package, as the docstring there says
+from . import compile  # noqa: A004 - a callable module: transfuse.compile(model)
 from .rewriter.report import FusionRecord, RewriteReport, SkipRecord
 
 __all__ = [

@@ -20,14 +20,16 @@ a 4D mask, ``output_attentions``, positional arguments past ``input_ids``. The m
 have to be rewritten first, but it is the rewritten model (merged projections, fused ops)
 that this path is for.
 
-Unlike ``model.compile()``, this module's name ``transfuse.compile`` is the function; the
-package's parts are imported by their full names (``transfuse.compile.backend``).
+``transfuse.compile`` is this package, and calling it calls ``compile`` (the module's class is
+made callable), so ``transfuse.compile(model)``, ``transfuse.compile.warm_up(model)`` and
+``import transfuse.compile.backend`` all work.
 """
 
 from __future__ import annotations
 
 import builtins
 import functools
+import sys
 import time
 import types
 from typing import Any
@@ -305,3 +307,13 @@ def warm_up(
             torch.cuda.synchronize(device)
         seconds[batch] = time.perf_counter() - start
     return seconds
+
+
+class _CallableModule(types.ModuleType):
+    """``transfuse.compile(model, ...)`` is ``transfuse.compile.compile(model, ...)``."""
+
+    def __call__(self, model: nn.Module, **options: Any) -> nn.Module:
+        return compile(model, **options)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -143,7 +143,7 @@ def cached_attention(
     if softcap or sinks is not None:
         output = _attend_softmax(query, key, value, mask, is_causal, scaling, softcap, sinks)
     elif new == 1 and mask is not None:
-        output = _attend_one(query, key, value, _additive(current, mask, query.dtype), scaling)
+        output = _attend_one(query, key, value, current, mask, scaling)
     else:
         output = F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling,
@@ -208,27 +208,36 @@ def _mask(
     return allowed, False
 
 
-def _additive(current: Step, mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """The boolean mask as 0 / -inf in ``dtype``, made once a call for all layers."""
-    key_ = ("additive", mask.data_ptr(), dtype)
+def _bias(current: Step, mask: Tensor, dtype: torch.dtype, kv_heads: int) -> Tensor:
+    """A decode step's boolean mask ``[batch, 1, 1, keys]`` as 0 / -inf in ``dtype``, one row per
+    (sequence, key/value head) as ``baddbmm`` takes it: made once a call for all layers."""
+    key_ = ("bias", mask.data_ptr(), dtype, kv_heads)
     found = current.masks.get(key_)
     if found is None:
-        found = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -math.inf)
+        batch, keys = mask.shape[0], mask.shape[-1]
+        found = torch.zeros((batch, kv_heads, 1, keys), dtype=dtype, device=mask.device)
+        found.masked_fill_(~mask.reshape(batch, 1, 1, keys), -math.inf)
+        found = found.reshape(batch * kv_heads, 1, keys)
         current.masks[key_] = found
     return found
 
 
-def _attend_one(query: Tensor, key: Tensor, value: Tensor, bias: Tensor, scaling: float) -> Tensor:
-    """Attention of one query per sequence, written as two matmuls and a float32 softmax:
-    SDPA with a mask picks kernels (cuDNN's on Hopper) whose host cost per call is several
-    times these three launches', at a decode step's size where the host is the bottleneck.
-    The query heads of one key/value head are one matrix (no repeat of the cache)."""
+def _attend_one(query: Tensor, key: Tensor, value: Tensor, current: Step, mask: Tensor, scaling: float) -> Tensor:
+    """Attention of one query per sequence in three kernels: scores with the mask added
+    (``baddbmm``), the softmax (float32 inside, one rounding to the query's dtype, as the
+    eager path's float32 softmax and cast), the weighted sum. SDPA with a mask picks kernels
+    (cuDNN's on Hopper) whose host cost per call is several times these three launches', at a
+    decode step's size where the host is the bottleneck. The query heads of one key/value
+    head are one matrix, so the cache is never repeated per query head."""
     batch, heads, _, dim = query.shape
-    kv_heads = key.shape[1]
-    grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
-    scores = torch.matmul(grouped, key.transpose(2, 3)).mul_(scaling).add_(bias)
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    return torch.matmul(weights, value).reshape(batch, heads, 1, value.shape[-1])
+    kv_heads, keys = key.shape[1], key.shape[2]
+    grouped = query.reshape(batch * kv_heads, heads // kv_heads, dim)
+    keys_t = key.reshape(batch * kv_heads, keys, dim).transpose(1, 2)
+    bias = _bias(current, mask, query.dtype, kv_heads)
+    scores = torch.baddbmm(bias, grouped, keys_t, alpha=scaling)
+    weights = torch.softmax(scores, dim=-1)
+    output = torch.bmm(weights, value.reshape(batch * kv_heads, keys, value.shape[-1]))
+    return output.reshape(batch, heads, 1, value.shape[-1])
 
 
 def _attend_softmax(
