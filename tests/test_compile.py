@@ -147,6 +147,13 @@ def test_calls_outside_the_path_run_the_eager_forward():
     assert compiled.calls == {"compiled": 1, "eager": 2}
     # The eager calls saw the model's own attention implementation, not the compile path's.
     assert model.config._attn_implementation != IMPLEMENTATION
+    # A hook on the model itself runs: that call is eager too.
+    seen = []
+    handle = model.register_forward_hook(lambda module, args, output: seen.append(output.logits.shape))
+    with torch.no_grad():
+        model(ids, attention_mask=mask)
+    handle.remove()
+    assert seen == [(3, 11, 256)] and compiled.calls == {"compiled": 1, "eager": 3}
 
 
 def test_models_the_path_cannot_hold_are_refused_with_a_reason():

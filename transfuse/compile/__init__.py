@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import builtins
 import functools
+import itertools
 import sys
 import time
 import types
@@ -118,8 +119,12 @@ class _Compiled:
         extra: dict[str, Any] = {}
         if options["trust_modules"] and hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"):
             extra["options"] = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        # ``forward``, not ``_call_impl``: some torch versions do not trace into nn.Module's own
+        # call and start at the model's forward wrapper instead, which every transformers model
+        # shares (see ``_entry``). The model's own hooks are honoured by running those calls
+        # eagerly (``_covers``); its submodules' hooks are traced as usual.
         self.compiled = torch.compile(
-            _entry(model._call_impl), backend=graph_backend, dynamic=options["dynamic"], **extra
+            _entry(model.forward), backend=graph_backend, dynamic=options["dynamic"], **extra
         )
         self.calls = {"compiled": 0, "eager": 0}
 
@@ -170,6 +175,8 @@ class _Compiled:
     def _covers(self, model: nn.Module, args: tuple, kwargs: dict) -> bool:
         if model.training or len(args) > 1:
             return False
+        if model._forward_hooks or model._forward_pre_hooks or _global_hooks():
+            return False
         if torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters()):
             return False
         if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
@@ -195,10 +202,25 @@ def _entry(call: Any) -> Any:
     against its recompile limit, 8) per code object; every transformers model's forward goes
     through the same few wrapper functions, so without this every compiled model in a process
     would share one budget, and the ninth graph of any of them would run uncompiled."""
+    import linecache
+
     namespace = {"call": call}
     source = "def transfuse_compiled_call(*args, **kwargs):\n    return call(*args, **kwargs)\n"
-    exec(builtins.compile(source, f"<transfuse.compile {id(call):x}>", "exec"), namespace)  # noqa: S102
+    filename = f"<transfuse.compile {next(_ENTRIES)}>"
+    # With its source known, Dynamo traces the function itself; a function whose source file it
+    # cannot find, some torch versions (2.11) wrap in a shared helper, whose budget is shared again.
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(builtins.compile(source, filename, "exec"), namespace)  # noqa: S102
     return namespace["transfuse_compiled_call"]
+
+
+_ENTRIES = itertools.count()
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as module_globals
+
+    return bool(module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks)
 
 
 class _WeakModel:
