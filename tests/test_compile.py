@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import transfuse
-from transfuse.compile import CompileError, backend, generate, warm_up
+from transfuse.compile import CompileError, backend, generate, is_compiled, warm_up
 from transfuse.compile.attention import IMPLEMENTATION
 from transfuse.tiny import tiny_model
 
@@ -168,16 +168,36 @@ def test_models_the_path_cannot_hold_are_refused_with_a_reason():
         warm_up(tiny_model("llama"))
 
 
-def test_deferred_stop_check_is_turned_on_for_cuda_inside_compiled_generate_only():
+def test_deferred_stop_check_is_turned_on_for_cuda_for_caches_a_compiled_model_served():
     if not generate.supported():
         pytest.skip("this transformers has no DeferredStopCheck")
+    from transformers import DynamicCache
     from transformers.generation.utils import DeferredStopCheck
 
+    model = transfuse.compile(_model("llama"), inductor=False)
     cuda = torch.device("cuda")
-    with generate.deferred_stop_check():
-        assert DeferredStopCheck.is_supported(cuda, None, False, is_assistant=False)
-        assert not DeferredStopCheck.is_supported(cuda, None, False, is_assistant=True)
-    assert not DeferredStopCheck.is_supported(cuda, None, False, is_assistant=False)
+    served, other = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.randint(0, 256, (1, 4)), past_key_values=served)
+    assert DeferredStopCheck.is_supported(cuda, served, False, is_assistant=False)
+    assert not DeferredStopCheck.is_supported(cuda, served, False, is_assistant=True)
+    assert not DeferredStopCheck.is_supported(cuda, other, False, is_assistant=False)
+    assert not DeferredStopCheck.is_supported(torch.device("cpu"), served, False, is_assistant=False)
+
+
+def test_a_copy_or_pickle_of_a_compiled_model_is_the_model_uncompiled(tmp_path):
+    import copy
+
+    model = transfuse.compile(_model("llama"), inductor=False)
+    ids, mask = _padded_batch()
+    want = _generate(model, ids, mask, new=4)
+    torch.save(model, tmp_path / "model.pt")
+    for twin in (copy.deepcopy(model), torch.load(tmp_path / "model.pt", weights_only=False)):
+        assert not is_compiled(twin) and twin._compiled_call_impl is None
+        assert torch.equal(_generate(twin, ids, mask, new=4), want)
+        transfuse.compile(twin, inductor=False)
+        assert torch.equal(_generate(twin, ids, mask, new=4), want) and is_compiled(twin)
+    assert is_compiled(model)
 
 
 def test_the_backend_is_registered_for_torch_compile():

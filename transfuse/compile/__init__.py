@@ -106,7 +106,7 @@ class _Compiled:
     """What ``transfuse.compile`` installs as the model's ``_compiled_call_impl``."""
 
     def __init__(self, model: nn.Module, configs: list[Any], options: dict[str, Any]):
-        self.model_ref = _WeakModel(model)
+        self.model = model
         self.configs = configs
         self.options = options
         self.cache_name = "cache" if "cache" in _forward_parameters(model) else "past_key_values"
@@ -129,10 +129,13 @@ class _Compiled:
         self.calls = {"compiled": 0, "eager": 0}
 
     def static_pointers(self) -> set[int]:
-        model = self.model_ref()
-        if model is None:
-            return set()
+        model = self.model
         return {t.data_ptr() for t in (*model.parameters(), *model.buffers())}
+
+    def __reduce__(self) -> tuple:
+        # A copy or a pickle of a compiled model is the model uncompiled (as nn.Module drops
+        # ``_compiled_call_impl`` from its state): compile the copy again to compile it.
+        return (_uncompiled, ())
 
     def _eager(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
         self.calls["eager"] += 1
@@ -141,7 +144,7 @@ class _Compiled:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from transformers import DynamicCache
 
-        model = self.model_ref()
+        model = self.model
         if not self._covers(model, args, kwargs):
             return self._eager(model, args, kwargs)
         kwargs = dict(kwargs)
@@ -170,6 +173,8 @@ class _Compiled:
             output = self.compiled(use_cache=False, **kwargs)
         if use_cache and hasattr(output, "keys"):
             output[self.cache_name] = cache
+        if cache is not None and self.options["deferred_stop"]:
+            generate.mark(cache)
         return output
 
     def _covers(self, model: nn.Module, args: tuple, kwargs: dict) -> bool:
@@ -223,16 +228,8 @@ def _global_hooks() -> bool:
     return bool(module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks)
 
 
-class _WeakModel:
-    """A reference to the model that does not keep it alive from its own attribute."""
-
-    def __init__(self, model: nn.Module):
-        import weakref
-
-        self._ref = weakref.ref(model)
-
-    def __call__(self) -> nn.Module:
-        return self._ref()
+def _uncompiled() -> None:
+    return None
 
 
 def _forward_parameters(model: nn.Module) -> set[str]:
@@ -262,11 +259,6 @@ class _implementation:
             c._attn_implementation_internal = saved
 
 
-def _generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    with generate.deferred_stop_check():
-        return type(self).generate(self, *args, **kwargs)
-
-
 def compile(  # noqa: A001 - the name users call, as torch.compile
     model: nn.Module,
     *,
@@ -291,12 +283,18 @@ def compile(  # noqa: A001 - the name users call, as torch.compile
     compiled = _Compiled(
         model,
         configs,
-        {"inductor": inductor, "cuda_graphs": cuda_graphs, "dynamic": dynamic, "trust_modules": trust_modules},
+        {
+            "inductor": inductor,
+            "cuda_graphs": cuda_graphs,
+            "dynamic": dynamic,
+            "trust_modules": trust_modules,
+            "deferred_stop": deferred_stop,
+        },
     )
     model._compiled_call_impl = compiled
     model._transfuse_compiled = compiled
-    if deferred_stop and hasattr(model, "generate"):
-        model.generate = types.MethodType(_generate, model)
+    if deferred_stop:
+        generate.install()
     return model
 
 

@@ -5,22 +5,19 @@ token, so the host cannot queue step t+1 before step t has finished on the GPU, 
 token costs the GPU time plus the host's. transformers has the way out: ``DeferredStopCheck``
 copies the flag asynchronously and reads it one step late, and undoes the one extra step at
 the end (the cache is cropped back, the extra token dropped), so the results are the same.
-transformers turns it on only on ``mps``. A compiled model's ``generate`` turns it on for
-CUDA as well, for its own calls only.
+transformers turns it on only on ``mps``. transfuse turns it on for CUDA as well, for the
+caches a compiled model has served (``mark``): transformers asks whether to defer right after
+the prompt's forward, with the cache that forward returned.
 
 Versions of transformers without ``DeferredStopCheck`` decode as they always do.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["deferred_stop_check", "supported"]
-
-_ACTIVE = 0
+__all__ = ["install", "mark", "supported"]
 
 
 def _check_class() -> Any:
@@ -35,7 +32,16 @@ def supported() -> bool:
     return _check_class() is not None
 
 
-def _install() -> None:
+def mark(cache: Any) -> None:
+    """``generate`` with this cache may defer its stop check on CUDA."""
+    try:
+        cache._transfuse_defer_stop = True
+    except AttributeError:  # a cache class with __slots__: no deferral
+        pass
+
+
+def install() -> None:
+    """Wrap ``DeferredStopCheck.is_supported`` (once) to say yes on CUDA for marked caches."""
     check = _check_class()
     if check is None or getattr(check.is_supported, "_transfuse", False):
         return
@@ -43,22 +49,11 @@ def _install() -> None:
 
     @functools.wraps(original)
     def is_supported(device: Any, cache: Any, cache_is_returned: bool, is_assistant: bool) -> bool:
-        if _ACTIVE and getattr(device, "type", None) == "cuda" and not is_assistant:
+        served = getattr(cache, "_transfuse_defer_stop", False)
+        if served and getattr(device, "type", None) == "cuda" and not is_assistant:
             # transformers' own conditions, with cuda where they say mps.
-            return cache is None or cache.is_croppable or not cache_is_returned
+            return cache.is_croppable or not cache_is_returned
         return original(device, cache, cache_is_returned, is_assistant)
 
     is_supported._transfuse = True  # type: ignore[attr-defined]
     check.is_supported = staticmethod(is_supported)
-
-
-@contextlib.contextmanager
-def deferred_stop_check() -> Iterator[None]:
-    """Inside, ``generate`` on CUDA defers its stop check by a step (where transformers can)."""
-    global _ACTIVE
-    _install()
-    _ACTIVE += 1
-    try:
-        yield
-    finally:
-        _ACTIVE -= 1
