@@ -84,7 +84,7 @@ def test_rewritten_instance_keeps_its_class_and_attributes():
     assert code.co_firstlineno == inspect.unwrap(cls.forward).__code__.co_firstlineno
     # The decorators of the original forward wrap the new one (transformers' @deprecate_kwarg
     # maps past_key_values to its new name where it has one).
-    assert hasattr(attention.forward, "__wrapped__") == hasattr(cls.forward, "__wrapped__")
+    assert hasattr(attention.forward.__func__, "__wrapped__") == hasattr(cls.forward, "__wrapped__")
     hidden = torch.randn(1, 3, 64)
     cos_sin = model.model.rotary_emb(hidden, torch.arange(3)[None])
     with torch.no_grad():
