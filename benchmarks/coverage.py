@@ -293,6 +293,11 @@ def main() -> int:
     parser.add_argument("--ci", action="store_true", help="the fixed subset CI runs")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument(
+        "--update",
+        metavar="DIR",
+        help="re-run only --types and put their rows into DIR's committed table (the others are kept)",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -311,8 +316,16 @@ def main() -> int:
             row = future.result()
             rows.append(row)
             print(f"[{done}/{len(types)}] {row['model_type']}: {row['status']}", file=sys.stderr, flush=True)
-    summary = summarise(rows)
     command = "python benchmarks/coverage.py " + " ".join(sys.argv[1:])
+    if args.update:
+        old = json.loads((Path(args.update) / "coverage.json").read_text())
+        first = (Path(args.update) / "COVERAGE.md").read_text().splitlines()[0].strip("`")
+        fresh = {row["model_type"] for row in rows}
+        rows = [row for row in old["rows"] if row["model_type"] not in fresh] + rows
+        rows.sort(key=lambda row: row["model_type"])
+        command = f"{first}`, then `{command}"
+        args.out = args.out or args.update
+    summary = summarise(rows)
     versions = f"transformers {transformers.__version__}, torch {torch.__version__}, CPU, float32"
     text = _markdown(rows, summary, command, versions)
     print(text.splitlines()[4])

@@ -119,6 +119,7 @@ def test_zero_argument_super_works_in_a_rewritten_forward():
 FUSING = [
     (toys.WqWkWvAttention, "qkv", ("wq", "wk", "wv")),
     (toys.QueryKeyValueAttention, "qkv", ("query", "key", "value")),
+    (toys.FourReaders, "qkv", ("q", "k", "v", "gate")),
     (toys.FunctionalSiluMLP, "gate_up", ("w1", "w3")),
     (toys.TorchMulGeluTanhMLP, "gate_up", ("gate", "up")),
 ]
@@ -142,7 +143,6 @@ REFUSED = [
     (toys.ProjectionUsedTwice, "qkv.called-twice"),
     (toys.InputMutatedBetween, "qkv.input-mutated"),
     (toys.AliasedInputs, "qkv.inputs-differ"),
-    (toys.FourReaders, "qkv.extra-reader"),
     (toys.make_closure_attention(0.5), "source.closure"),
     (toys.NameMangledAttention, "source.name-mangled"),
     (toys.ReluGLU, "gate_up.activation"),

@@ -385,7 +385,7 @@ class AliasedInputs(nn.Module):
 
 
 class FourReaders(nn.Module):
-    """A fourth linear reads the same input → refused (qkv.extra-reader)."""
+    """A fourth linear (a gate) reads the same input → all four merge (gated attention)."""
 
     def __init__(self, hidden=32):
         super().__init__()

@@ -1,10 +1,11 @@
 """QKV: ``self.q(x)``, ``self.k(x)``, ``self.v(x)`` → ``q, k, v = self.qkv_proj(x).split(sizes)``.
 
-Three linear projections that read the same value are one matrix multiply with their
+Three or more linear projections that read the same value are one matrix multiply with their
 weights concatenated. The graph finds them by dataflow (any names: ``wq/wk/wv``,
-``query/key/value``); q is the projection whose width differs (GQA), or the first
-called when all are equal, and k and v have equal widths. The split sizes are read from
-the merged module at run time, never written into the source.
+``query/key/value``); of three, q is the projection whose width differs (GQA), or the first
+called when all are equal, and k and v have equal widths; more than three (gated attention:
+q, k, v and a gate reading the same hidden states) merge in the order they are called. The
+split sizes are read from the merged module at run time, never written into the source.
 
 What one trace cannot show is proved on the source before the edit: each projection is
 called exactly once as ``self.<name>(<name>)`` and used nowhere else in the class; the
@@ -45,9 +46,9 @@ __all__ = ["QKVFuser", "QKVMatch", "linear_calls_by_input"]
 
 @dataclass(frozen=True)
 class QKVMatch:
-    """The projections in merged order (q, k, v), the merged child's name, every linear child."""
+    """The projections in merged order (q, k, v[, ...]), the merged child's name, every linear child."""
 
-    parts: tuple[str, str, str]
+    parts: tuple[str, ...]
     into: str
     linears: frozenset[str]
 
@@ -111,13 +112,7 @@ class QKVFuser(SourceFuser):
             twice = sorted({n for n in names if names.count(n) > 1})
             if twice:
                 raise NoMatch("qkv.called-twice", f"{twice[0]} is called more than once on the same input.", calls[0])
-            if len(calls) > 3:
-                raise NoMatch(
-                    "qkv.extra-reader",
-                    f"{len(calls)} linears read the same input ({', '.join(names)}), not three.",
-                    calls[3],
-                )
-            parts = _roles(calls, analysis)
+            parts = _roles(calls, analysis) if len(calls) == 3 else tuple(names)
         except NoMatch as refusal:
             return Refusal(refusal.tag, refusal.reason, analysis.where(refusal.node))
         return QKVMatch(parts, free_child_name(analysis, "qkv_proj"), frozenset(linear_children(analysis)))
@@ -198,7 +193,7 @@ def _common_input(calls: list[cst.Call]) -> str:
 
 
 def _sibling_statements(calls: list[cst.Call], parents: ParentMap) -> tuple[cst.IndentedBlock, int, int]:
-    """The block holding the three calls' statements, and the first and last statement's index."""
+    """The block holding the calls' statements, and the first and last statement's index."""
     placed = []
     for call in calls:
         if parents.in_nested_scope(call):
