@@ -146,6 +146,8 @@ REFUSED = [
     (toys.make_closure_attention(0.5), "source.closure"),
     (toys.NameMangledAttention, "source.name-mangled"),
     (toys.ReluGLU, "gate_up.activation"),
+    (toys.CastAroundGLU, "gate_up.extra-arithmetic"),
+    (toys.ScaledGateGLU, "gate_up.extra-arithmetic"),
 ]
 
 

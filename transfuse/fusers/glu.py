@@ -109,10 +109,10 @@ class GLUFuser(SourceFuser):
 
     def _match_product(self, analysis, linears, act_side, up_side) -> GLUMatch | Refusal | None:
         if not (_is_linear_call(up_side, linears) and isinstance(act_side, fx.Node)):
-            return None
+            return _near_miss(analysis, linears, act_side, up_side)
         gate = operand(act_side, 0)
         if not _is_linear_call(gate, linears) or gate.target == up_side.target:
-            return None
+            return _near_miss(analysis, linears, act_side, up_side)
         adapters = adapter_refusal(analysis, self.kind, [gate.target, up_side.target])
         if adapters is not None:
             return adapters
@@ -186,6 +186,55 @@ def _is_linear_call(node, linears: set[str]) -> bool:
 
 
 _FUNCTIONS = {"silu", "gelu"}
+# Functions that are activations, for naming a GLU the fused op does not take.
+_ACTIVATION_NAMES = {"silu", "gelu", "relu", "sigmoid", "tanh", "mish", "softplus", "elu", "leaky_relu", "relu6"}
+
+
+def _back_to_linear(node, linears: set[str]) -> tuple[fx.Node | None, list[fx.Node]]:
+    """The linear call ``node`` is computed from through one-input steps (casts, a factor
+    that is the module's attribute, an activation), and those steps, nearest the product
+    first; (None, steps) when the chain meets a node of two inputs or an input of the forward
+    first."""
+    steps = []
+    while isinstance(node, fx.Node) and not _is_linear_call(node, linears):
+        # The module's own attributes (a multiplier read as ``self.gate_multiplier``) are factors
+        # here, not a second input.
+        inputs = [n for n in node.all_input_nodes if n.op != "get_attr"]
+        if node.op == "placeholder" or len(inputs) != 1 or len(steps) > 6:
+            return None, steps
+        steps.append(node)
+        node = inputs[0]
+    return (node if isinstance(node, fx.Node) else None), steps
+
+
+def _near_miss(analysis: ClassAnalysis, linears: set[str], act_side, up_side) -> Refusal | None:
+    """A product of two projections of one value, one through an activation, with more than
+    the activation between them and the product (casts to float32 around it, a scalar factor
+    on the gate): a GLU the fused op does not compute, refused with what is in the way rather
+    than passed over in silence."""
+    gate, gate_steps = _back_to_linear(act_side, linears)
+    up, up_steps = _back_to_linear(up_side, linears)
+    if gate is None or up is None or gate.target == up.target or gate.args[0] is not up.args[0]:
+        return None
+
+    def is_activation(node: fx.Node) -> bool:
+        if node.op == "call_module":
+            return node.target not in linears
+        return op_name(node) in _ACTIVATION_NAMES
+
+    if not any(is_activation(n) for n in gate_steps):
+        return None
+    described = [
+        f"{name}: {', '.join(op_name(n) or str(n.target) for n in reversed(steps))}"
+        for name, steps in ((gate.target, gate_steps), (up.target, up_steps))
+        if steps
+    ]
+    return Refusal(
+        "gate_up.extra-arithmetic",
+        f"between the projections and their product there is more than one activation ({'; '.join(described)}); "
+        "the fused op computes act(gate) * up with nothing else.",
+        analysis.where(act_side),
+    )
 
 
 def _product(tree: cst.FunctionDef, gate_call: cst.Call, up_call: cst.Call, found: GLUMatch) -> cst.CSTNode:
