@@ -252,3 +252,13 @@ def test_compiled_generate_on_cuda_defers_its_stop_check_and_stops_where_eager_d
                              pad_token_id=0)
     assert made, "generate did not defer its stop check"
     assert torch.equal(got, want)
+
+
+def test_warm_up_compiles_ahead_of_the_first_generate():
+    model = transfuse.compile(_model("llama", num_hidden_layers=1), inductor=False)
+    seconds = warm_up(model, batch_sizes=(1, 2), prompt_length=6, new_tokens=3)
+    assert sorted(seconds) == [1, 2] and all(s > 0 for s in seconds.values())
+    before = backend.stats()["graphs"]
+    ids = torch.randint(0, 256, (2, 6))
+    _generate(model, ids, torch.ones_like(ids), new=5)
+    assert backend.stats()["graphs"] == before  # the prompt and decode graphs were made
