@@ -147,13 +147,21 @@ def test_calls_outside_the_path_run_the_eager_forward():
     assert compiled.calls == {"compiled": 1, "eager": 2}
     # The eager calls saw the model's own attention implementation, not the compile path's.
     assert model.config._attn_implementation != IMPLEMENTATION
+    # A cache other than the dynamic one (here a static cache, positional input ids) is eager.
+    from transformers import StaticCache
+
+    with torch.no_grad():
+        want = transfuse.rewrite(_model("llama"))(ids, past_key_values=StaticCache(config=model.config, max_cache_len=16))
+        got = model(ids, past_key_values=StaticCache(config=model.config, max_cache_len=16))
+    torch.testing.assert_close(got.logits, want.logits)
+    assert compiled.calls == {"compiled": 1, "eager": 3}
     # A hook on the model itself runs: that call is eager too.
     seen = []
     handle = model.register_forward_hook(lambda module, args, output: seen.append(output.logits.shape))
     with torch.no_grad():
         model(ids, attention_mask=mask)
     handle.remove()
-    assert seen == [(3, 11, 256)] and compiled.calls == {"compiled": 1, "eager": 3}
+    assert seen == [(3, 11, 256)] and compiled.calls == {"compiled": 1, "eager": 4}
 
 
 def test_models_the_path_cannot_hold_are_refused_with_a_reason():

@@ -158,8 +158,8 @@ class _Compiled:
             use_cache = getattr(model.config, "use_cache", True)
         if cache is None and use_cache:
             cache = DynamicCache(config=model.config)
-        if cache is not None and not self._dynamic(cache):
-            return self._eager(model, args, {**kwargs, self.cache_name: cache, "use_cache": use_cache})
+        if cache is not None and not self._dynamic(cache):  # (input_ids is in kwargs now)
+            return self._eager(model, (), {**kwargs, self.cache_name: cache, "use_cache": use_cache})
         padding = kwargs.pop("attention_mask", None)
         inputs = kwargs.get("input_ids")
         if inputs is None:
