@@ -14,8 +14,10 @@ random bf16 weights, greedy decoding with no end-of-sequence token. Variants:
 
 Per-token time: (time of generate with --new tokens - time with 1 token) / (--new - 1), the
 median over --rounds rounds in which the variants take turns. Every variant's tokens are
-compared with transfuse eager's (the fraction of positions equal before the first difference:
-bf16 ties can flip a greedy choice, after which the texts part). The floor is the bytes of the
+compared with transfuse eager's twice: the fraction of positions equal before the first
+difference (bf16 near-ties flip a greedy choice, after which the texts part), and the fraction
+of steps whose greedy choice is transfuse eager's token when that text is fed back at every
+step (a logits processor records the choice and forces the token). The floor is the bytes of the
 weights one token reads (all but the input embedding table) over the copy bandwidth measured in
 the same run. With --prefill N: a forward over N tokens with no cache, transformers compiled
 (torch.compile's default) against transfuse compiled, and each compiled variant's compile and
@@ -118,6 +120,34 @@ def timed(fn, device: str) -> float:
     return time.perf_counter() - start
 
 
+class ForcedTokens:
+    """A logits processor that records each step's greedy choice, then forces ``tokens``' next
+    token: every step of every variant decodes the same text (teacher forcing), so one flipped
+    near-tie does not part the texts, and agreement counts steps, not prefixes."""
+
+    def __init__(self, tokens: torch.Tensor, prompt: int):
+        self.tokens, self.prompt, self.choices = tokens, prompt, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.choices.append(scores.argmax(dim=-1))
+        forced = self.tokens[:, input_ids.shape[1]]
+        out = torch.full_like(scores, -float("inf"))
+        return out.scatter_(1, forced[:, None], 0.0)
+
+
+def forced_agreement(model, ids, want: torch.Tensor, new: int, **extra) -> float:
+    """The fraction of steps at which the model's greedy choice is ``want``'s token, with
+    ``want``'s tokens fed back at every step."""
+    from transformers import LogitsProcessorList
+
+    forced = ForcedTokens(want, ids.shape[1])
+    fed = generate(model, ids, new, logits_processor=LogitsProcessorList([forced]), **extra)
+    if not torch.equal(fed, want[:, : fed.shape[1]]):
+        raise RuntimeError("the forced tokens were not the ones decoded")
+    choices = torch.stack(forced.choices, dim=1)
+    return (choices == want[:, ids.shape[1] : ids.shape[1] + choices.shape[1]]).float().mean().item()
+
+
 def agreement(got: torch.Tensor, want: torch.Tensor, prompt: int) -> float:
     got, want = got[:, prompt:], want[:, prompt:]
     equal = (got == want).int().cumprod(dim=1)  # 1 until the first difference in each row
@@ -214,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
                 "min_ms_per_token": min(times[variant]),
                 "all_ms": times[variant],
                 "agreement_with_transfuse_eager": agreement(tokens[variant], want, args.prompt),
+                "forced_agreement_with_transfuse_eager": forced_agreement(
+                    models[variant][0], ids, want, args.new, **models[variant][1]
+                ),
             }
             print(f"batch {batch} {variant}: {rows[variant]['ms_per_token']:.3f} ms/token", flush=True)
         result["batches"][str(batch)] = rows
@@ -247,12 +280,14 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(result, f, indent=1)
     lines = [f"# Decode per token, {args.model} shapes ({result['device']}, torch {result['torch']})", "",
              f"`{command}`", "", f"Floor at batch 1 (weights one token reads / copy bandwidth): {floor_ms:.3f} ms", "",
-             "| batch | variant | ms per token (median of rounds) | fastest round | tokens equal to transfuse eager | first calls (s) |",
-             "|---|---|---|---|---|---|"]
+             "| batch | variant | ms per token (median of rounds) | fastest round | tokens equal to transfuse eager "
+             "(before the first difference) | greedy choice equal, its tokens fed back | first calls (s) |",
+             "|---|---|---|---|---|---|---|"]
     for batch, rows in result["batches"].items():
         for variant, row in rows.items():
             lines.append(f"| {batch} | {variant} | {row['ms_per_token']:.3f} | {row['min_ms_per_token']:.3f} | "
-                         f"{row['agreement_with_transfuse_eager']:.3f} | {first_call.get(variant, float('nan')):.1f} |")
+                         f"{row['agreement_with_transfuse_eager']:.3f} | {row['forced_agreement_with_transfuse_eager']:.3f} | "
+                         f"{first_call.get(variant, float('nan')):.1f} |")
     if args.prefill:
         lines += ["", f"Prefill of {args.prefill} tokens (no cache): "
                   + "; ".join(f"{k} {v['ms']:.2f} ms (first call {v['first_call_s']:.1f} s)" for k, v in result["prefill"].items())]
