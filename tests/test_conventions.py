@@ -128,25 +128,37 @@ def test_an_experts_implementation_from_outside_transformers_is_refused_with_the
     assert torch.equal(_logits(model, ids), before)
 
 
+def _plan_entries_used(plan, model):
+    """The entries of a parallel plan that match a module or parameter name of ``model``."""
+    import re
+
+    found = {n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()}
+    found |= {n.rsplit(".", 1)[0] for n, _ in model.named_parameters()}
+    regexes = {p: re.compile(re.escape(p).replace(r"\*", r"\d+")) for p in plan}
+    return {p for p, r in regexes.items() if any(r.fullmatch(n) for n in found)}
+
+
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_every_tp_plan_entry_still_names_a_module_or_parameter(model_type):
     """transformers' own check of a plan (each entry matches a parameter or a module), on the
     rewritten model: merged parts stay under their names, packed experts keep their tensors.
     Entries the stock model does not use either (dense MLPs of an all-MoE tiny model) are left out."""
-    import re
-
-    def names(model):
-        found = {n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()}
-        return found | {n.rsplit(".", 1)[0] for n, _ in model.named_parameters()}
-
-    def used(plan, model):
-        present = names(model)
-        regexes = {p: re.compile(re.escape(p).replace(r"\*", r"\d+")) for p in plan}
-        return {p for p, r in regexes.items() if any(r.fullmatch(n) for n in present)}
-
     stock, model = tiny_model(model_type), transfuse.rewrite(tiny_model(model_type))
     assert transfuse.report(model).fusions
     plan = getattr(model, "tp_plan", None) or model._tp_plan
     if not plan:
         pytest.skip(f"{model_type} has no tensor-parallel plan")
-    assert used(plan, stock) and used(plan, model) == used(plan, stock)
+    assert _plan_entries_used(plan, stock) and _plan_entries_used(plan, model) == _plan_entries_used(plan, stock)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"])
+def test_every_ep_plan_entry_still_names_a_module_or_parameter(model_type):
+    """The same for the expert-parallel plan: the fused MoE block keeps its experts module and
+    the packed tensors under their names. (Names only: no expert-parallel run.)"""
+    stock, model = tiny_model(model_type), transfuse.rewrite(tiny_model(model_type))
+    assert any(f.kind == "moe" for f in transfuse.report(model).fusions)
+    plan = getattr(model, "ep_plan", None) or getattr(model, "_ep_plan", None)
+    if not plan:
+        pytest.skip(f"{model_type} has no expert-parallel plan in this transformers")
+    assert _plan_entries_used(plan, stock) == set(plan)
+    assert _plan_entries_used(plan, model) == set(plan)
