@@ -11,7 +11,8 @@ import transfuse
 from transfuse import ops
 from transfuse.tiny import tiny_model
 
-FAMILIES = ["llama", "qwen3", "gemma2", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"]
+# laguna: gated attention, whose q, k, v and gate merge four ways.
+FAMILIES = ["llama", "qwen3", "gemma2", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "laguna"]
 
 
 def grad_state(model) -> dict[str, torch.Tensor]:
@@ -59,6 +60,17 @@ def test_loss_and_every_gradient_equal_the_stock_models(model_type):
     transfuse.rewrite(fused)
     assert transfuse.report(fused).fusions
     _compare(stock, fused, *_batch())
+
+
+@pytest.mark.slow
+def test_a_four_way_merged_projection_trains_like_stock_under_torch_compile():
+    from transfuse.ops.layers import MergedProjection
+
+    torch._dynamo.reset()
+    stock, fused = tiny_model("laguna").train(), tiny_model("laguna").train()
+    transfuse.rewrite(fused)
+    assert any(isinstance(m, MergedProjection) and len(m.parts) == 4 for m in fused.modules())
+    _compare(torch.compile(stock), torch.compile(fused), *_batch())
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
