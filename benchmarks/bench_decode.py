@@ -40,6 +40,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import transfuse  # noqa: E402
+from bench_e2e import copy_bandwidth  # noqa: E402 (this directory is on the path of a script run from it)
 
 SHAPES = {
     "llama": (
@@ -68,21 +69,6 @@ def build(name: str, device: str):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     return model.eval()
-
-
-def copy_bandwidth(device: str) -> float:
-    if device != "cuda":
-        return float("nan")
-    src = torch.empty(2 * 2**30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(10):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return 2 * src.numel() * 10 / (time.perf_counter() - start)
 
 
 def weight_bytes(model) -> float:

@@ -84,7 +84,7 @@ def main() -> int:
                     ("key", lambda: table._key(x)),
                     ("copy in", lambda: static_x.copy_(x)),
                     ("replay", graph.replay),
-                    ("copy out", lambda: graphs._copy_out(static_out)),
+                    ("copy out", lambda: graphs.copy_out(static_out)),
                 ):
                     print(f"  part {name}: {host_us(fn):.1f} us", flush=True)
         # The capture steps by hand, with the traceback, should the table have failed.

@@ -805,29 +805,26 @@ class ReadsChildWeightModel(nn.Module):
         return self.attn(x) * self.attn.wq._parameters["weight"].norm()
 
 
-class CastAroundGLU(nn.Module):
-    """The activation and product in float32, cast back → refused (gate_up.extra-arithmetic)."""
-
+class _GLUProjections(nn.Module):
     def __init__(self, hidden=32):
         super().__init__()
         self.gate = nn.Linear(hidden, 64)
         self.up = nn.Linear(hidden, 64)
         self.down = nn.Linear(64, hidden)
+
+
+class CastAroundGLU(_GLUProjections):
+    """The activation and product in float32, cast back → refused (gate_up.extra-arithmetic)."""
 
     def forward(self, x):
         gate = self.gate(x)
         return self.down((F.silu(gate.float()) * self.up(x).float()).to(gate.dtype))
 
 
-class ScaledGateGLU(nn.Module):
+class ScaledGateGLU(_GLUProjections):
     """A scalar factor on the gate before the activation → refused (gate_up.extra-arithmetic)."""
 
-    def __init__(self, hidden=32):
-        super().__init__()
-        self.gate = nn.Linear(hidden, 64)
-        self.up = nn.Linear(hidden, 64)
-        self.down = nn.Linear(64, hidden)
-        self.gate_multiplier = 0.5
+    gate_multiplier = 0.5
 
     def forward(self, x):
         return self.down(self.up(x) * F.silu(self.gate(x) * self.gate_multiplier))

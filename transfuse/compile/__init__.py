@@ -58,6 +58,13 @@ def _register_backend() -> None:
 _register_backend()
 
 
+def _dynamic_cache() -> type:
+    from transformers import DynamicCache
+
+    return DynamicCache
+
+
+@functools.lru_cache(maxsize=1)
 def _cache_layer_types() -> tuple[type, ...]:
     from transformers import cache_utils
 
@@ -142,8 +149,6 @@ class _Compiled:
         return model._call_impl(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from transformers import DynamicCache
-
         model = self.model
         if not self._covers(model, args, kwargs):
             return self._eager(model, args, kwargs)
@@ -157,7 +162,7 @@ class _Compiled:
         if use_cache is None:
             use_cache = getattr(model.config, "use_cache", True)
         if cache is None and use_cache:
-            cache = DynamicCache(config=model.config)
+            cache = _dynamic_cache()(config=model.config)
         if cache is not None and not self._dynamic(cache):  # (input_ids is in kwargs now)
             return self._eager(model, (), {**kwargs, self.cache_name: cache, "use_cache": use_cache})
         padding = kwargs.pop("attention_mask", None)
@@ -196,10 +201,8 @@ class _Compiled:
 
     @staticmethod
     def _dynamic(cache: Any) -> bool:
-        from transformers import DynamicCache
-
         kinds = _cache_layer_types()
-        return isinstance(cache, DynamicCache) and all(type(layer) in kinds for layer in cache.layers)
+        return isinstance(cache, _dynamic_cache()) and all(type(layer) in kinds for layer in cache.layers)
 
 
 def _entry(call: Any) -> Any:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, fx
 
-from ..ops.graphs import graph_pool
+from ..ops.graphs import copy_out, graph_pool
 
 __all__ = ["ATTENTION_OP", "GraphedPiece", "compile_graph", "stats"]
 
@@ -257,12 +257,4 @@ class _Graph:
         for index, buffer in zip(self.copied, self.buffers):
             buffer.copy_(args[index])
         self.graph.replay()
-        return _copied(self.outputs) if copy_outputs else self.outputs
-
-
-def _copied(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.clone()
-    if isinstance(value, (tuple, list)):
-        return type(value)(_copied(v) for v in value)
-    return value
+        return copy_out(self.outputs) if copy_outputs else self.outputs

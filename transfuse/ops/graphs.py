@@ -44,7 +44,7 @@ from torch.nn.modules import module as module_globals
 from . import dispatch
 from .platform import current_stream_handle as _raw_stream
 
-__all__ = ["SmallBatchGraphs", "enabled", "graph_pool", "suspended"]
+__all__ = ["SmallBatchGraphs", "copy_out", "enabled", "graph_pool", "suspended"]
 
 # One memory pool per (device, stream).
 _POOLS: dict[tuple[int, int], Any] = {}
@@ -88,11 +88,13 @@ def graph_pool(device: int, stream: int) -> Any:
     return pool.id if hasattr(pool, "id") else pool
 
 
-def _copy_out(value: Any) -> Any:
+def copy_out(value: Any) -> Any:
+    """``value`` with its tensors cloned (out of a graph's buffers, which the next replay
+    overwrites), through tuples and lists."""
     if isinstance(value, Tensor):
         return value.clone()
-    if isinstance(value, tuple):
-        return tuple(_copy_out(v) for v in value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(copy_out(v) for v in value)
     return value
 
 
@@ -156,7 +158,7 @@ class SmallBatchGraphs:
         graph, static_x, static_out = entry
         static_x.copy_(x)
         graph.replay()
-        return _copy_out(static_out)
+        return copy_out(static_out)
 
     def _remember(self, key: tuple) -> None:
         self._seen[key] = None
