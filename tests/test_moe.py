@@ -266,3 +266,23 @@ def test_fused_blocks_run_the_triton_kernels_with_the_same_numbers(model_type):
         kernels if isinstance(kernels, tuple) else (kernels,), native if isinstance(native, tuple) else (native,)
     ):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_experts_whose_forward_is_replaced_on_the_instance_are_refused():
+    """A parallel plan's token dispatch (transformers' expert parallelism installs one as the experts'
+    instance ``forward``) or any other wrapper would be bypassed by the fused layer: refused."""
+    model = tiny_model("qwen3_moe")
+    experts = model.model.layers[0].mlp.experts
+    plain = experts.forward
+
+    def dispatched(*args, **kwargs):
+        return plain(*args, **kwargs) * 0.5  # what the fused layer must not skip
+
+    experts.forward = dispatched
+    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(8))
+    expected = _logits(model, ids)
+    transfuse.rewrite(model, fusions=["moe"])
+    (skip,) = [s for s in transfuse.report(model).skipped if s.kind == "moe"]
+    assert skip.tag == "moe.wrapped" and "experts.forward" in skip.reason and "dispatched" in skip.reason
+    assert isinstance(model.model.layers[1].mlp, MoE) and not isinstance(model.model.layers[0].mlp, MoE)
+    assert torch.equal(_logits(model, ids), expected)

@@ -37,6 +37,28 @@ def test_tp_over_two_processes_keeps_the_fusions_with_stock_tp_numbers(tmp_path)
     assert passed == FAMILIES, done.stdout
 
 
+EXPERT_PARALLEL_FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss"]
+
+
+@pytest.mark.slow
+def test_expert_parallelism_over_two_processes_refuses_the_fused_moe_and_keeps_stock_numbers(tmp_path):
+    """Under ``ep_size=2`` each rank holds half of the experts, and transformers dispatches tokens to
+    them: the fused MoE layer, which computes every expert itself, is refused, and the answers stay
+    stock EP's."""
+    for family in EXPERT_PARALLEL_FAMILIES:
+        tiny_model(family).save_pretrained(tmp_path / family)
+    worker = os.path.join(os.path.dirname(__file__), "tp_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFUSE_PROGRESS": "0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", worker,
+         str(tmp_path), "--ep", *EXPERT_PARALLEL_FAMILIES],
+        capture_output=True, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    passed = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("ok ")]
+    assert passed == EXPERT_PARALLEL_FAMILIES, done.stdout
+
+
 def test_merging_refuses_row_parallel_parts_and_mixed_parts_with_reasons(monkeypatch):
     """The rules, on a one-rank gloo mesh in this process: column-parallel parts merge; a row-parallel
     (Shard(1)) part or a plain part among DTensors is refused with its reason."""

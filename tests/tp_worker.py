@@ -1,11 +1,13 @@
 """One rank of the tensor-parallel checks (``tests/test_tensor_parallel.py`` launches two over gloo).
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/tp_worker.py DIR FAMILY ...
+    python -m torch.distributed.run --nproc-per-node 2 tests/tp_worker.py DIR [--ep] FAMILY ...
 
 DIR holds, per FAMILY, a tiny checkpoint ``DIR/FAMILY`` and its emitted form ``DIR/FAMILY-emitted``.
 Each rank loads the checkpoint three ways (one process, stock TP, transfuse's drop-in with TP),
 checks fusions, logits, a training step's gradients, ``save_pretrained`` and the emitted form,
-and prints ``ok FAMILY`` (rank 0) when all hold; any failure raises.
+and prints ``ok FAMILY`` (rank 0) when all hold; any failure raises. With ``--ep`` each MoE
+FAMILY is loaded with expert parallelism over the two ranks instead (``ep_size=2``): every MoE
+block is refused with its reason and the logits are stock EP's.
 """
 
 from __future__ import annotations
@@ -104,10 +106,37 @@ def _check(root: str, family: str) -> None:
         print(f"ok {family} {counts} (fused - stock TP logits: {fused_error:.1e})", flush=True)
 
 
+def _check_expert_parallel(root: str, family: str) -> None:
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed.configuration_utils import DistributedConfig
+
+    path = f"{root}/{family}"
+    single = AutoModelForCausalLM.from_pretrained(path).eval()
+    stock = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(ep_size=2, tp_plan="auto"))
+    fused = transfuse.from_pretrained(path, distributed_config=DistributedConfig(ep_size=2, tp_plan="auto"))
+    report = transfuse.report(fused)
+    blocks = transfuse.report(transfuse.rewrite(AutoModelForCausalLM.from_pretrained(path).eval())).counts()["moe"]
+    refused = [s for s in report.skipped if s.kind == "moe"]
+    # Each rank holds some experts: the fused layer, which computes whole experts on one device, must not run.
+    assert "moe" not in report.counts() and len(refused) == blocks, (family, report.counts(), report.skipped)
+    assert all(s.tag in ("moe.sharded", "moe.wrapped") for s in refused), (family, refused)
+    ids = torch.randint(0, single.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(3))
+    ep_logits = _logits(stock.eval(), ids)
+    assert (ep_logits - _logits(single, ids)).abs().max().item() <= 1e-5, family
+    error = (_logits(fused.eval(), ids) - ep_logits).abs().max().item()
+    assert error <= 1e-6, (family, error)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        print(f"ok {family} {report.counts()} (fused - stock EP logits: {error:.1e})", flush=True)
+
+
 def main() -> int:
     root, families = sys.argv[1], sys.argv[2:]
+    check = _check
+    if families[:1] == ["--ep"]:
+        check, families = _check_expert_parallel, families[1:]
     for family in families:
-        _check(root, family)
+        check(root, family)
     return 0
 
 

@@ -52,7 +52,7 @@ from ..rewriter.analysis import ClassAnalysis
 from ..rewriter.fusion import Fused, Fuser, Refusal
 from ..rewriter.graph import NoMatch, is_op, operand, operands, peel_casts, value
 from ..rewriter.inline import call_inputs, inline_calls
-from ..rewriter.source import EditContext, method_source
+from ..rewriter.source import BoundRewrite, EditContext, method_source
 from ..rewriter.syntax import comment_line, dataclass_literal
 from ..rewriter.tracer import Trace, unwrapped_forward
 from .moe_experts import GLUMember, LoopMatch, match_glu_member, match_loop
@@ -627,6 +627,15 @@ def _validate(module: nn.Module, found: MoEMatch) -> None:
             f"{sharded} is a DTensor (tensor or expert parallelism): the fused layer computes whole experts on one "
             "device, not shards of them.",
         )
+    wrapped = next((name for name, m in module.named_modules() if _forward_replaced(m)), None)
+    if wrapped is not None:
+        forward = module.get_submodule(wrapped).__dict__["forward"]
+        raise NoMatch(
+            "moe.wrapped",
+            f"{wrapped or 'the block'}.forward is replaced on the instance by "
+            f"{getattr(forward, '__qualname__', type(forward).__name__)} (a parallel plan's dispatch, a hook or another "
+            "wrapper): the fused layer would compute around it, not through it.",
+        )
     if found.member is not None:
         experts = _check_members(module.get_submodule(found.experts_child), found.member)
     else:
@@ -639,6 +648,12 @@ def _validate(module: nn.Module, found: MoEMatch) -> None:
             raise NoMatch(
                 "moe.loop-form", f"the experts loop skips expert id {skipped!r}, which is a real expert of {experts}."
             )
+
+
+def _forward_replaced(module: nn.Module) -> bool:
+    """Whether something other than transfuse replaced the instance's forward."""
+    forward = module.__dict__.get("forward")
+    return forward is not None and not isinstance(forward, BoundRewrite)
 
 
 def _tensor(module: nn.Module, path: str) -> torch.Tensor:
