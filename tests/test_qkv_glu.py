@@ -139,10 +139,44 @@ def test_toy_idioms_fuse_by_dataflow_whatever_the_names(cls, kind, parts):
         torch.testing.assert_close(model(x), before, rtol=0, atol=1e-6)
 
 
+def test_a_self_or_cross_attention_class_fuses_on_the_self_attention_path_and_keeps_the_other():
+    """bart's idiom: with ``memory`` None the forward is specialised (the flag, its branches and the
+    selected source fold) and q, k, v merge there. The merged instance still runs the cross path as
+    written, through views of the merged weights; the instance traced on that path merges k and v."""
+    torch.manual_seed(0)
+    model = toys.SelfThenCross()
+    stock = toys.SelfOrCrossAttention()
+    stock.load_state_dict(model.self_attn.state_dict())
+    x = torch.randn(2, 7, 32)
+    with torch.no_grad():
+        before = model(x)
+    transfuse.rewrite(model, example_inputs=(x,))
+    report = transfuse.report(model)
+    fused = sorted((f.path, f.replaced) for f in report.fusions)
+    assert fused == [("cross_attn", ("k", "v")), ("self_attn", ("q", "k", "v"))], report
+    assert report.skipped == []
+    diff = transfuse.diff(model)
+    assert "if memory is None:" in diff and "self.qkv_proj(x)" in diff and "source = x" in diff
+    assert "pass" not in diff  # a branch left empty by the folds, on a test with no effect, goes
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), before, rtol=0, atol=1e-6)
+        memory = torch.randn(2, 3, 32)
+        reuse = {"reuse": True, "k": torch.randn(2, 4, 3, 8), "v": torch.randn(2, 4, 3, 8)}
+        for kwargs in ({}, {"cache": {}}, {"memory": memory}, {"memory": memory, "cache": {}},
+                       {"memory": memory, "cache": reuse}):  # fmt: skip
+            torch.testing.assert_close(model.self_attn(x, **kwargs), stock(x, **kwargs), rtol=0, atol=1e-6)
+    # Gradients through the specialised path are the stock ones, the merged weight's by its parts.
+    model.self_attn(x).sum().backward()
+    stock(x).sum().backward()
+    merged = model.self_attn.qkv_proj.weight.grad
+    torch.testing.assert_close(merged, torch.cat([stock.q.weight.grad, stock.k.weight.grad, stock.v.weight.grad]))
+
+
 REFUSED = [
     (toys.ProjectionUsedTwice, "qkv.called-twice"),
     (toys.InputMutatedBetween, "qkv.input-mutated"),
     (toys.AliasedInputs, "qkv.inputs-differ"),
+    (toys.RebindsOptionalArgument, "qkv.inputs-differ"),
     (toys.make_closure_attention(0.5), "source.closure"),
     (toys.NameMangledAttention, "source.name-mangled"),
     (toys.ReluGLU, "gate_up.activation"),

@@ -398,6 +398,64 @@ class FourReaders(nn.Module):
         return _attend(self.q(x), self.k(x), self.v(x), 4) * torch.sigmoid(self.gate(x))
 
 
+class SelfOrCrossAttention(nn.Module):
+    """One class for self- and cross-attention, as bart's is: k and v read ``memory if is_cross else
+    x``. With ``memory`` None, q, k and v provably read x → fuses on that path; the cross path is kept."""
+
+    def __init__(self, hidden=32):
+        super().__init__()
+        self.q = nn.Linear(hidden, hidden)
+        self.k = nn.Linear(hidden, hidden)
+        self.v = nn.Linear(hidden, hidden)
+
+    def forward(self, x, memory=None, cache=None):
+        is_cross = memory is not None
+        q = self.q(x).view(*x.shape[:-1], 4, 8).transpose(1, 2)
+        scale = 1.0
+        if cache is not None:
+            if is_cross:
+                scale = 0.5
+        source = memory if is_cross else x
+        if is_cross and cache is not None and cache.get("reuse"):
+            k, v = cache["k"], cache["v"]
+        else:
+            k = self.k(source).view(*source.shape[:-1], 4, 8).transpose(1, 2)
+            v = self.v(source).view(*source.shape[:-1], 4, 8).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=not is_cross)
+        return out.transpose(1, 2).reshape(*x.shape) * scale
+
+
+class SelfThenCross(nn.Module):
+    """A decoder layer of one self- and one cross-attention of the same class."""
+
+    def __init__(self, hidden=32):
+        super().__init__()
+        self.self_attn = SelfOrCrossAttention(hidden)
+        self.cross_attn = SelfOrCrossAttention(hidden)
+        self.memory = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        h = self.self_attn(x) + x
+        memory = self.memory(x[:, :3])  # a shorter sequence: the cross path really is another path
+        return self.cross_attn(h, memory=memory, cache={}) + h
+
+
+class RebindsOptionalArgument(nn.Module):
+    """``memory = x`` when it is None: the argument is rebound, so no path is specialised → refused
+    (qkv.inputs-differ)."""
+
+    def __init__(self, hidden=32):
+        super().__init__()
+        self.q = nn.Linear(hidden, hidden)
+        self.k = nn.Linear(hidden, hidden)
+        self.v = nn.Linear(hidden, hidden)
+
+    def forward(self, x, memory=None):
+        if memory is None:
+            memory = x
+        return _attend(self.q(x), self.k(memory), self.v(memory), 4)
+
+
 def make_closure_attention(scale):
     """A class made in a factory: its forward closes over ``scale`` → refused (source.closure)."""
 

@@ -1,18 +1,27 @@
 """QKV: ``self.q(x)``, ``self.k(x)``, ``self.v(x)`` → ``q, k, v = self.qkv_proj(x).split(sizes)``.
 
-Three or more linear projections that read the same value are one matrix multiply with their
+Two or more linear projections that read the same value are one matrix multiply with their
 weights concatenated. The graph finds them by dataflow (any names: ``wq/wk/wv``,
-``query/key/value``); of three, q is the projection whose width differs (GQA), or the first
-called when all are equal, and k and v have equal widths; more than three (gated attention:
-q, k, v and a gate reading the same hidden states) merge in the order they are called. The
-split sizes are read from the merged module at run time, never written into the source.
+``query/key/value``); of three, q is the projection whose width differs (GQA), else they keep
+their call order; more than three (gated attention: q, k, v and a gate) merge in call order.
+Two merge when three do not read one value (MLA's ``q_a_proj`` and ``kv_a_proj_with_mqa``, k
+and v of cross-attention, the input projections of linear attention), into ``pair_proj``,
+unless they are a GLU (their outputs multiplied, each through ops of that value alone), which
+is the gate/up fuser's. The split sizes are read from the merged module at run time, never
+written into the source.
 
 What one trace cannot show is proved on the source before the edit: each projection is
 called exactly once as ``self.<name>(<name>)`` and used nowhere else in the class; the
-three calls read the same variable; the calls sit in sibling statements, and between the
-first and the last nothing rebinds that variable, writes a tensor in place, or hands the
-variable to another call; no other linear reads it there. The merged call goes right
-before the first of the three statements, so it dominates every use.
+calls read the same variable; the calls sit in sibling statements, and between the first and
+the last nothing rebinds that variable, writes a tensor in place, or hands the variable to
+another call; no other linear reads it there. The merged call goes right before the first of
+the statements, so it dominates every use.
+
+A forward with two paths is proved on one (``rewriter/specialise.py``): where the proof fails
+on the whole body, it is tried again on the body specialised to an optional argument being
+None (bart's ``key_value_states``: q, k and v then read ``hidden_states``) or to an attribute
+compared with None being None or not (MLA's ``self.q_lora_rank``), and the forward runs that
+body under that test and the original otherwise.
 """
 
 from __future__ import annotations
@@ -26,8 +35,9 @@ from torch import nn
 
 from ..rewriter.analysis import ClassAnalysis
 from ..rewriter.fusion import Fused, Refusal, SourceFuser
-from ..rewriter.graph import NoMatch, ancestors, value
+from ..rewriter.graph import NoMatch, ancestors, is_op, operands, value
 from ..rewriter.source import EditContext
+from ..rewriter.specialise import cases, guarded, specialise
 from ..rewriter.syntax import (
     ParentMap,
     assigned_names,
@@ -42,6 +52,10 @@ from ..rewriter.weights import Merge, MergeError
 from .projections import adapter_refusal, free_child_name, linear_children, single_call, wrapped_children
 
 __all__ = ["QKVFuser", "QKVMatch", "linear_calls_by_input"]
+
+# Refusals of the proof that may not hold on one path of a forward that branches on an optional
+# argument (``key_value_states`` of a shared self/cross-attention class).
+_PATH_DEPENDENT = ("qkv.inputs-differ", "qkv.placement", "qkv.called-twice")
 
 
 @dataclass(frozen=True)
@@ -74,36 +88,33 @@ def _width(node: fx.Node) -> int | None:
 
 
 def _roles(calls: list[fx.Node], analysis: ClassAnalysis) -> tuple[str, str, str]:
-    """(q, k, v): q is the one whose width differs, or the first called when all are equal."""
+    """(q, k, v): q is the one whose width differs; in call order when all are equal, or all differ
+    (MLA's q_a, kv_a and a gate: the merge does not depend on the roles)."""
     widths = [_width(c) for c in calls]
     names = [c.target for c in calls]
-    if None in widths or len(set(widths)) == 1:
+    if None in widths or len(set(widths)) in (1, 3):
         return tuple(names)
     for i in range(3):
         others = [w for j, w in enumerate(widths) if j != i]
         if others[0] == others[1]:
             return (names[i], *[n for j, n in enumerate(names) if j != i])
-    raise NoMatch(
-        "qkv.widths",
-        f"the three projections {', '.join(names)} have three different widths {widths}; k and v should be equal.",
-        calls[0],
-    )
+    return tuple(names)
 
 
 class QKVFuser(SourceFuser):
     kind = "qkv"
 
     def wants(self, module: nn.Module) -> bool:
-        return sum(isinstance(c, nn.Linear) or hasattr(c, "get_base_layer") for c in module.children()) >= 3
+        return sum(isinstance(c, nn.Linear) or hasattr(c, "get_base_layer") for c in module.children()) >= 2
 
     def match(self, analysis: ClassAnalysis) -> QKVMatch | Refusal | None:
-        for calls in linear_calls_by_input(analysis, with_adapters=True).values():
-            if len(calls) >= 3:
-                refusal = adapter_refusal(analysis, self.kind, [c.target for c in calls])
-                if refusal is not None:
-                    return refusal
+        wrapped = linear_children(analysis) | wrapped_children(analysis)
+        for calls in _groups(analysis, linear_calls_by_input(analysis, with_adapters=True), wrapped):
+            refusal = adapter_refusal(analysis, self.kind, [c.target for c in calls])
+            if refusal is not None:
+                return refusal
         by_input = linear_calls_by_input(analysis)
-        groups = [calls for calls in by_input.values() if len(calls) >= 3]
+        groups = _groups(analysis, by_input, linear_children(analysis))
         if not groups:
             return _split_inputs(analysis, by_input)
         calls = groups[0]
@@ -115,29 +126,27 @@ class QKVFuser(SourceFuser):
             parts = _roles(calls, analysis) if len(calls) == 3 else tuple(names)
         except NoMatch as refusal:
             return Refusal(refusal.tag, refusal.reason, analysis.where(refusal.node))
-        return QKVMatch(parts, free_child_name(analysis, "qkv_proj"), frozenset(linear_children(analysis)))
+        into = free_child_name(analysis, "qkv_proj" if len(parts) >= 3 else "pair_proj")
+        return QKVMatch(parts, into, frozenset(linear_children(analysis)))
 
     def edit(self, tree: cst.FunctionDef, found: QKVMatch, context: EditContext) -> cst.FunctionDef:
-        calls = [_single_call(tree, name, context) for name in found.parts]
-        source = _common_input(calls)
-        parents = ParentMap(tree)
-        block, first, last = _sibling_statements(calls, parents)
-        _prove_input_unchanged(block.body[first : last + 1], source, calls, found, last - first)
-        outputs = [context.fresh_name(f"{name}_out") for name in found.parts]
-        merged_call = cst.parse_expression(
-            f"self.{found.into}({source}).split(self.{found.into}.split_sizes, dim=-1)"
-        )
-        statement = cst.SimpleStatementLine(
-            body=[cst.Assign(targets=[cst.AssignTarget(cst.parse_expression(", ".join(outputs)))], value=merged_call)],
-            leading_lines=[
-                *block.body[first].leading_lines,
-                comment_line(f"transfuse: {', '.join(found.parts)} run as one merged projection"),
-            ],
-        )
-        replacements = [(call, cst.Name(out)) for call, out in zip(calls, outputs)]
-        # The first statement's comments now stand above the merged call.
-        replacements.append((block.body[first], lambda updated: updated.with_changes(leading_lines=[])))
-        return replace_nodes(tree, replacements, insert=(block, first, [statement]))
+        try:
+            return _merge_calls(tree, found, context)
+        except NoMatch as refusal:
+            if refusal.tag not in _PATH_DEPENDENT:
+                raise
+            # A forward with two paths (an attention class shared by self- and cross-attention, MLA
+            # with or without a low-rank query): on one, the projections may provably read one value.
+            for subject, none in cases(tree):
+                specialised = specialise(tree, subject, none)
+                if specialised is None:
+                    continue
+                try:
+                    edited = _merge_calls(specialised, found, context)
+                except NoMatch:
+                    continue
+                return guarded(tree, edited, subject, none, f"{', '.join(found.parts)} read one value")
+            raise
 
     def declaration(self, found: QKVMatch) -> Merge:
         return found.merge
@@ -152,6 +161,68 @@ class QKVFuser(SourceFuser):
     def fuse(self, module: nn.Module, found: QKVMatch) -> Fused:
         merged = found.merge.apply(module)
         return Fused(replaced=found.parts, into=type(merged).__name__, undo=lambda: found.merge.undo(module))
+
+
+def _merge_calls(tree: cst.FunctionDef, found: QKVMatch, context: EditContext) -> cst.FunctionDef:
+    """The projections' calls in ``tree`` become one merged call, once the proof holds."""
+    calls = [_single_call(tree, name, context) for name in found.parts]
+    source = _common_input(calls)
+    parents = ParentMap(tree)
+    block, first, last = _sibling_statements(calls, parents)
+    _prove_input_unchanged(block.body[first : last + 1], source, calls, found, last - first)
+    outputs = [context.fresh_name(f"{name}_out") for name in found.parts]
+    merged_call = cst.parse_expression(
+        f"self.{found.into}({source}).split(self.{found.into}.split_sizes, dim=-1)"
+    )
+    statement = cst.SimpleStatementLine(
+        body=[cst.Assign(targets=[cst.AssignTarget(cst.parse_expression(", ".join(outputs)))], value=merged_call)],
+        leading_lines=[
+            *block.body[first].leading_lines,
+            comment_line(f"transfuse: {', '.join(found.parts)} run as one merged projection"),
+        ],
+    )
+    replacements = [(call, cst.Name(out)) for call, out in zip(calls, outputs)]
+    # The first statement's comments now stand above the merged call.
+    replacements.append((block.body[first], lambda updated: updated.with_changes(leading_lines=[])))
+    return replace_nodes(tree, replacements, insert=(block, first, [statement]))
+
+
+def _groups(analysis: ClassAnalysis, by_input: dict[fx.Node, list[fx.Node]], linears: set[str]) -> list[list[fx.Node]]:
+    """The groups to merge: three or more calls on one input; else two (MLA's low-rank pair, k and
+    v of cross-attention), unless their outputs are multiplied together: a GLU, the gate/up fuser's."""
+    groups = [calls for calls in by_input.values() if len(calls) >= 3]
+    if groups:
+        return groups
+    return [
+        calls
+        for calls in by_input.values()
+        if len(calls) == 2 and calls[0].target != calls[1].target and not _multiplied(analysis, calls, linears)
+    ]
+
+
+def _multiplied(analysis: ClassAnalysis, calls: list[fx.Node], linears: set[str]) -> bool:
+    """Whether two equally wide projections are a GLU: their outputs meet in a product, each through
+    ops of that one value only (an activation, casts, a scale by a constant, views)."""
+
+    def reaches(node, target: fx.Node) -> bool:
+        while isinstance(node, fx.Node):
+            if node is target:
+                return True
+            inputs = node.all_input_nodes
+            if len(inputs) != 1 or (node.op == "call_module" and node.target in linears):
+                return False
+            node = inputs[0]
+        return False
+
+    a, b = calls
+    if _width(a) != _width(b):
+        return False
+    for node in analysis.trace.graph.nodes:
+        if is_op(node, "mul") and len(operands(node)) >= 2:
+            left, right = operands(node)[:2]
+            if (reaches(left, a) and reaches(right, b)) or (reaches(left, b) and reaches(right, a)):
+                return True
+    return False
 
 
 def _split_inputs(analysis: ClassAnalysis, by_input: dict[fx.Node, list[fx.Node]]) -> Refusal | None:
@@ -171,6 +242,15 @@ def _split_inputs(analysis: ClassAnalysis, by_input: dict[fx.Node, list[fx.Node]
                 f"{getattr(odd[0].args[0], 'name', odd[0].args[0])}: only projections of one value merge.",
                 analysis.where(odd[0]),
             )
+    arguments = [c for c in independent if isinstance(c.args[0], fx.Node) and c.args[0].op == "placeholder"]
+    if len(arguments) >= 3 and len({c.args[0] for c in arguments}) == len(arguments):
+        return Refusal(
+            "qkv.inputs-differ",
+            f"{', '.join(c.target for c in arguments)} read the forward's arguments "
+            f"{', '.join(c.args[0].name for c in arguments)}, not one value: whether a caller passes one tensor for "
+            "all of them is not this class's to prove.",
+            analysis.where(arguments[0]),
+        )
     return None
 
 

@@ -334,8 +334,16 @@ def rewrite_model(
     report = RewriteReport(fusions=list(previous.fusions) if previous else [])
     meta = is_meta_model(model)
     try:
-        probe = record_calls(model, make_probe(model, example_inputs))
+        made = make_probe(model, example_inputs)
+        probe = record_calls(model, made)
         failure = probe.error
+        if failure is not None and example_inputs is None and "labels" in made.kwargs:
+            # A loss that does not take the token ids as labels (git counts its image tokens in):
+            # the probe without labels still checks everything but that loss.
+            unlabelled = record_calls(model, Probe(made.args, {k: v for k, v in made.kwargs.items() if k != "labels"}))
+            if unlabelled.error is None:
+                report.notes.append(f"the probe ran without labels: with the token ids as labels the model raised {failure}")
+                probe, failure = unlabelled, None
     except ProbeUnavailable as exc:
         probe, failure = Probe((), {}), str(exc)
     if failure is not None:

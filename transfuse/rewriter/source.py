@@ -437,7 +437,12 @@ def _compile(rewrite: MethodRewrite) -> Callable:
     for node in ast.walk(tree):
         if hasattr(node, "lineno"):
             node.lineno = mapping[min(node.lineno, len(mapping)) - 1]
-            node.end_lineno = max(node.lineno, mapping[min(node.end_lineno or node.lineno, len(mapping)) - 1])
+            end = mapping[min(node.end_lineno or node.lineno, len(mapping)) - 1]
+            if end <= node.lineno:  # a span whose lines map out of order: one line, columns in order
+                end = node.lineno
+                if getattr(node, "end_col_offset", None) is not None and node.end_col_offset < node.col_offset:
+                    node.end_col_offset = node.col_offset
+            node.end_lineno = end
     klass = rewrite.defining_class
     # A class shell with the original name: __qualname__, decorators and super() see what they expect.
     shell = ast.ClassDef(name=klass.__name__, bases=[], keywords=[], body=tree.body, decorator_list=[])
