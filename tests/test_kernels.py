@@ -33,6 +33,7 @@ from transfuse import ops
 from transfuse.ops import (
     RMSNormSpec,
     fused_add_rms_norm_native,
+    gated_rms_norm_native,
     gelu_and_mul_native,
     rms_norm_native,
     silu_and_mul_native,
@@ -193,6 +194,30 @@ def test_triton_rms_norm_every_rounding_variant_and_float32_weight(dtype):
         assert kernel.supports_args(*args), f"{what}: refused"
         extra = 0 if flags[0] else IN_DTYPE_EXTRA_ULPS
         _check(kernel.impl(*args), rms_norm_native(*args), dtype, flags[0], what, extra)
+
+
+# The gated norms of linear-attention blocks: qwen3_next's (the norm cast back, a weight in the
+# input dtype) and kimi_linear's (everything float32 until the end).
+GATED_SPECS = {"llama": SPECS["llama"], "float32-weight": RMSNormSpec(cast_before_weight=False, weight_fp32=True)}
+
+
+@pytest.mark.parametrize("activation", ["silu", "sigmoid", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("spec_name", GATED_SPECS)
+def test_triton_gated_rms_norm_matches_native(spec_name, dtype, activation):
+    torch.manual_seed(4)
+    kernel = _provider("gated_rms_norm", "triton")
+    spec = GATED_SPECS[spec_name]
+    for layout, width in CASES:
+        x, gate = _input(layout, width, dtype), _input(layout, width, dtype)
+        args = (x, gate, _random((width,), dtype, scale=1.0), 1e-6, *spec.flags(), activation)
+        what = f"triton gated_rms_norm {spec_name} {activation} {layout} width {width} {dtype}"
+        assert kernel.supports_args(*args), f"{what}: refused"
+        out = kernel.impl(*args)
+        assert out.dtype == dtype and out.shape == x.shape, what
+        # One more rounding than the plain norm: the gate's product, cast to the input dtype. Exact
+        # rounding is not asked of gelu: 1 + erf of a negative gate cancels in float32 in both.
+        _check(out, gated_rms_norm_native(*args), dtype, spec.upcast and "gelu" not in activation, what, 1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -130,12 +130,62 @@ class _GatedModel(nn.Module):
         return self.norm(x, x.flip(-1))
 
 
-def test_gated_norm_is_refused():
+def test_a_norm_gated_before_it_is_refused():
     model = _GatedModel()
     transfuse.rewrite(model, example_inputs=(torch.randn(2, 4, 32),))
     assert isinstance(model.norm, toys.GatedRMSNorm)
     (skip,) = transfuse.report(model).skipped
-    assert skip.tag == "rms_norm.inputs" and "two" in skip.reason
+    assert skip.tag == "rms_norm.inputs" and "two" in skip.reason and "before the norm" in skip.reason
+
+
+class _GateAfterModel(nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        self.inp = nn.Linear(32, 64)
+        self.norm = norm
+
+    def forward(self, x):
+        h, gate = self.inp(x).chunk(2, dim=-1)
+        return self.norm(h, gate=gate)  # the gate by keyword, as some callers pass it
+
+
+@pytest.mark.parametrize("cls, activation", [(toys.NormThenGate, "silu"), (toys.Float32NormThenSigmoidGate, "sigmoid")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_norm_gated_after_it_fuses_into_one_op_with_equal_numbers(cls, activation, dtype):
+    from transfuse.ops import GatedRMSNorm
+
+    torch.manual_seed(0)
+    model = _GateAfterModel(cls(32)).to(dtype)
+    x = torch.randn(3, 7, 32, dtype=dtype)
+    with torch.no_grad():
+        before = model(x)
+    transfuse.rewrite(model, example_inputs=(x,))
+    assert isinstance(model.norm, GatedRMSNorm) and model.norm.activation == activation, transfuse.report(model)
+    with torch.no_grad():
+        after = model(x)
+    if dtype == torch.float32:
+        torch.testing.assert_close(after, before, rtol=0, atol=1e-6)
+    else:
+        assert torch.equal(after, before)
+    # Under autograd the native definition runs: the gradients are stock's.
+    stock = _GateAfterModel(cls(32)).to(dtype)
+    stock.load_state_dict(model.state_dict())
+    for m in (model, stock):
+        m(x).float().pow(2).sum().backward()
+    for name, p in stock.named_parameters():
+        torch.testing.assert_close(model.get_parameter(name).grad, p.grad, msg=name)
+
+
+class _PositionalGateModel(_GateAfterModel):
+    def forward(self, x):
+        return self.norm(*self.inp(x).chunk(2, dim=-1))
+
+
+def test_a_gated_norm_whose_inputs_keyword_callers_could_not_name_is_refused():
+    model = _PositionalGateModel(toys.GateNamedZ(32))
+    transfuse.rewrite(model, example_inputs=(torch.randn(2, 4, 32),))
+    (skip,) = transfuse.report(model).skipped
+    assert skip.tag == "rms_norm.inputs" and "(x, z)" in skip.reason
 
 
 def test_eps_is_read_per_instance():

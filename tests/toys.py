@@ -120,8 +120,53 @@ class LayerNormMath(nn.Module):
         return self.weight * ((x - mean) * torch.rsqrt(var + self.eps))
 
 
+class NormThenGate(nn.Module):
+    """qwen3_next's gated norm: the norm cast back and weighted in the input dtype, then times
+    silu of the gate in float32, cast back → fuses (GatedRMSNorm)."""
+
+    def __init__(self, hidden, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(hidden))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states, gate):
+        dtype = hidden_states.dtype
+        h = hidden_states.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        h = self.weight * h.to(dtype)
+        h = h * F.silu(gate.to(torch.float32))
+        return h.to(dtype)
+
+
+class Float32NormThenSigmoidGate(nn.Module):
+    """kimi_linear's: the weight in float32, a sigmoid gate → fuses (GatedRMSNorm)."""
+
+    def __init__(self, hidden, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(hidden))
+        self.eps = eps
+
+    def forward(self, hidden_states, gate):
+        dtype = hidden_states.dtype
+        h = hidden_states.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight.to(torch.float32) * h
+        return (h * torch.sigmoid(gate.to(torch.float32))).to(dtype)
+
+
+class GateNamedZ(NormThenGate):
+    """The gated form, with the inputs named (x, z) → refused (rms_norm.inputs: keyword callers)."""
+
+    def forward(self, x, z):
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        h = self.weight * h.to(dtype)
+        return (h * F.silu(z.to(torch.float32))).to(dtype)
+
+
 class GatedRMSNorm(nn.Module):
-    """A second input gates the norm (Mamba-2 style) → refused (rms_norm.inputs)."""
+    """A second input gates the norm before it (Mamba-2 style) → refused (rms_norm.inputs)."""
 
     def __init__(self, hidden, eps=1e-6):
         super().__init__()

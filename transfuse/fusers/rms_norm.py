@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..ops import RMSNormSpec, layer
+from ..ops import GATE_ACTIVATIONS, RMSNormSpec, layer
 from ..rewriter.analysis import ClassAnalysis
 from ..rewriter.fusion import Fused, Fuser, Refusal
 from ..rewriter.graph import (
@@ -50,6 +50,8 @@ class RMSNormMatch:
     weight: str | None
     eps_attr: str
     input: str
+    gate: str | None = None  # a gated norm's second input ...
+    activation: str | None = None  # ... and the activation applied to it (a GATE_ACTIVATIONS name)
 
 
 class RMSNormFuser(Fuser):
@@ -83,11 +85,16 @@ class RMSNormFuser(Fuser):
 
     def emitted_forward(self, found: RMSNormMatch, context: EditContext) -> cst.FunctionDef:
         """``return rms_norm(x, self.weight, self.eps, RMSNormSpec(...))``, docstring kept."""
-        op = context.require("transfuse.ops", "rms_norm")
         spec_cls = context.require("transfuse.ops", "RMSNormSpec")
         flags = ", ".join(f"{f.name}={getattr(found.spec, f.name)}" for f in dataclasses.fields(found.spec))
         weight = f"self.{found.weight}" if found.weight is not None else "None"
-        body = cst.parse_statement(f"return {op}({found.input}, {weight}, self.{found.eps_attr}, {spec_cls}({flags}))")
+        if found.gate is not None:
+            op = context.require("transfuse.ops", "gated_rms_norm")
+            call = f"{op}({found.input}, {found.gate}, {weight}, self.{found.eps_attr}, {spec_cls}({flags}), {found.activation!r})"
+        else:
+            op = context.require("transfuse.ops", "rms_norm")
+            call = f"{op}({found.input}, {weight}, self.{found.eps_attr}, {spec_cls}({flags}))"
+        body = cst.parse_statement(f"return {call}")
         body = body.with_changes(leading_lines=[comment_line(f"transfuse: one fused op ({found.spec.describe()})")])
         node = context.source.node
         first = node.body.body[0] if node.body.body else None
@@ -96,7 +103,11 @@ class RMSNormFuser(Fuser):
 
     def fuse(self, module: nn.Module, found: RMSNormMatch) -> Fused:
         weight = module._parameters[found.weight] if found.weight is not None else None
-        fused = layer("RMSNorm")(weight, getattr(module, found.eps_attr), found.spec, weight_name=found.weight or "weight")
+        eps, name = getattr(module, found.eps_attr), found.weight or "weight"
+        if found.gate is not None:
+            fused = layer("GatedRMSNorm")(weight, eps, found.spec, weight_name=name, activation=found.activation)
+            return Fused(replaced=("",), into=type(fused).__name__, replacement=fused)
+        fused = layer("RMSNorm")(weight, eps, found.spec, weight_name=name)
         return Fused(replaced=("",), into=type(fused).__name__, replacement=fused)
 
 
@@ -135,11 +146,11 @@ def _match_graph(analysis: ClassAnalysis) -> RMSNormMatch:
             guard,
         )
     used = [p for p in trace.placeholders() if p.users]
-    if len(used) != 1:
-        names = ", ".join(p.name for p in used) or "none"
+    names = ", ".join(p.name for p in used) or "none"
+    if len(used) not in (1, 2):
         raise NoMatch(
             "rms_norm.inputs",
-            f"the forward reads {len(used)} tensor inputs ({names}); only a one-input norm fuses (a gated norm takes two).",
+            f"the forward reads {len(used)} tensor inputs ({names}); a norm takes one (a gated norm two).",
             used[1] if len(used) > 1 else None,
         )
     x = used[0]
@@ -147,7 +158,18 @@ def _match_graph(analysis: ClassAnalysis) -> RMSNormMatch:
     if not isinstance(result, fx.Node):
         raise NoMatch("rms_norm.output", "the forward does not return a single tensor.")
     matched: set[fx.Node] = set()
-    found = _match_result(result, x, matched)
+    if len(used) == 2:
+        try:
+            found = _match_gated(result, x, used[1], matched)
+        except NoMatch as refusal:
+            raise NoMatch(
+                "rms_norm.inputs",
+                f"the forward reads two tensor inputs ({names}), and is not a gated norm "
+                f"(rms_norm(x) * act({used[1].name}) in float32, cast back): {refusal.reason}",
+                refusal.node,
+            ) from None
+    else:
+        found = _match_result(result, x, matched)
     extra = [
         n
         for n in trace.graph.nodes
@@ -201,6 +223,56 @@ def _match_result(result: fx.Node, x: fx.Node, matched: set[fx.Node]) -> RMSNorm
     name, offset, weight_fp32 = weight or (None, False, False)
     spec = RMSNormSpec(upcast, cast_before_weight, offset, weight_fp32, cast_output)
     return RMSNormMatch(spec, name, eps_attr, x.target)
+
+
+# The gated form's parameters, as the fused layer's forward names them (callers may pass keywords).
+_GATED_SIGNATURE = ("hidden_states", "gate")
+
+
+def _match_gated(result: fx.Node, x: fx.Node, gate: fx.Node, matched: set[fx.Node]) -> RMSNormMatch:
+    """``(norm(x) * act(gate.float())).to(x.dtype)``, the norm any form ``_match_result`` knows."""
+    core, outer = _peel(result, matched)
+    a, b = operands(core)[:2] if is_op(core, "mul") else (None, None)
+    for act, normed in ((b, a), (a, b)):
+        activation = _gate_activation(act, gate)
+        if activation is not None:
+            break
+    else:
+        raise NoMatch(
+            "rms_norm.gate-form",
+            f"neither factor of the last product is an activation ({', '.join(GATE_ACTIVATIONS)}) of the gate in "
+            "float32 (a gate multiplied in before the norm, or grouped, is another form).",
+            core,
+        )
+    if not _casts_to_input(outer, x, "the gated product"):
+        raise NoMatch("rms_norm.gate-rounding", "the gated product is not cast back to the input dtype.", result)
+    if (x.target, gate.target) != _GATED_SIGNATURE:
+        raise NoMatch(
+            "rms_norm.signature",
+            f"the inputs are named ({x.target}, {gate.target}), not {_GATED_SIGNATURE}; callers passing them by "
+            "keyword would not reach the fused layer.",
+        )
+    matched.add(core)
+    _mark_chain(act, gate, matched)
+    found = _match_result(normed, x, matched)
+    if found.spec.cast_output:
+        raise NoMatch("rms_norm.gate-rounding", "the norm is cast to the input dtype before the gate multiplies it.", normed)
+    return dataclasses.replace(found, gate=gate.target, activation=activation)
+
+
+def _gate_activation(node, gate: fx.Node) -> str | None:
+    """The GATE_ACTIVATIONS name of ``act(gate.to(float32))``, else None."""
+    if not isinstance(node, fx.Node) or not node.args:
+        return None
+    inner, casts = peel_casts(node.args[0]) if isinstance(node.args[0], fx.Node) else (None, [])
+    if inner is not gate or len(casts) != 1 or casts[0].dtype != torch.float32:
+        return None
+    name = op_name(node)
+    if name == "gelu":
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(operand(node, 1, "approximate", "none"))
+    if name in ("silu", "sigmoid") and len(node.args) == 1 and not node.kwargs.get("inplace", False):
+        return name
+    return None
 
 
 def _peel(node: fx.Node, matched: set[fx.Node]) -> tuple[fx.Node, list[Cast]]:

@@ -20,12 +20,12 @@ from .dispatch import (
     trace,
 )
 from .fused_add_rms_norm import fused_add_rms_norm, fused_add_rms_norm_native
-from .layers import LinearPart, MergedProjection, MoE, RMSNorm, layer, register_layer
+from .layers import GatedRMSNorm, LinearPart, MergedProjection, MoE, RMSNorm, layer, register_layer
 from .linear_cross_entropy import causal_lm_loss, linear_cross_entropy
 from .moe import ExpertsSpec, RoutingSpec, moe_experts, moe_experts_native, moe_route, moe_route_native
 from .moe_layer import StackedExperts, moe_block, moe_block_applies
 from .platform import Platform, current_platform
-from .rms_norm import RMSNormSpec, rms_norm, rms_norm_native
+from .rms_norm import GATE_ACTIVATIONS, RMSNormSpec, gated_rms_norm, gated_rms_norm_native, rms_norm, rms_norm_native
 
 __all__ = [
     "ACTIVATIONS",
@@ -37,6 +37,8 @@ __all__ = [
     "Op",
     "Platform",
     "Provider",
+    "GATE_ACTIVATIONS",
+    "GatedRMSNorm",
     "RMSNorm",
     "RMSNormSpec",
     "RoutingSpec",
@@ -46,6 +48,8 @@ __all__ = [
     "current_platform",
     "fused_add_rms_norm",
     "fused_add_rms_norm_native",
+    "gated_rms_norm",
+    "gated_rms_norm_native",
     "gelu_and_mul_native",
     "identify_activation",
     "get_op",

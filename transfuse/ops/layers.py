@@ -17,7 +17,7 @@ from torch.nn.modules import module as module_globals
 from .act_and_mul import CONSUMABLE
 from .low_rank import linear_with_adapters
 from .moe_layer import MoE
-from .rms_norm import RMSNormSpec, rms_norm
+from .rms_norm import RMSNormSpec, gated_rms_norm, rms_norm
 from .sharding import ColwiseShards, is_sharded
 
 __all__ = ["LinearPart", "MergedProjection", "MoE", "RMSNorm", "layer", "register_layer"]
@@ -231,7 +231,33 @@ class RMSNorm(nn.Module):
         return f"{shape}, eps={self.eps}, {self.spec.describe()}"
 
 
-_LAYERS: dict[str, type[nn.Module]] = {"RMSNorm": RMSNorm, "MergedProjection": MergedProjection, "MoE": MoE}
+class GatedRMSNorm(RMSNorm):
+    """``(rms_norm(x) * act(gate in float32)).to(x.dtype)``: an RMSNorm with an output gate."""
+
+    def __init__(
+        self,
+        weight: nn.Parameter | None,
+        eps: float,
+        spec: RMSNormSpec = RMSNormSpec(),
+        weight_name: str = "weight",
+        activation: str = "silu",
+    ):
+        super().__init__(weight, eps, spec, weight_name)
+        self.activation = activation
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return gated_rms_norm(hidden_states, gate, getattr(self, self.weight_name), self.eps, self.spec, self.activation)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, gate: {self.activation}"
+
+
+_LAYERS: dict[str, type[nn.Module]] = {
+    "RMSNorm": RMSNorm,
+    "GatedRMSNorm": GatedRMSNorm,
+    "MergedProjection": MergedProjection,
+    "MoE": MoE,
+}
 
 
 def register_layer(name: str, cls: type[nn.Module]) -> None:

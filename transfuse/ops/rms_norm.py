@@ -17,7 +17,17 @@ from torch import Tensor
 
 from .dispatch import Op, Provider, under_compile_use_library_op
 
-__all__ = ["RMSNormSpec", "rms_norm", "rms_norm_native", "rms_norm_out_dtype", "RMS_NORM"]
+__all__ = [
+    "GATE_ACTIVATIONS",
+    "GATED_RMS_NORM",
+    "RMSNormSpec",
+    "RMS_NORM",
+    "gated_rms_norm",
+    "gated_rms_norm_native",
+    "rms_norm",
+    "rms_norm_native",
+    "rms_norm_out_dtype",
+]
 
 
 @dataclass(frozen=True)
@@ -145,3 +155,50 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float, spec: RMSNormSpec = R
             return torch.ops.transfuse.rms_norm(*args)
         return rms_norm_native(*args)  # plain torch ops: Inductor fuses them with their neighbours
     return RMS_NORM(*args)
+
+
+# ---- gated: ``(rms_norm(x) * act(gate.float())).to(x.dtype)`` --------------------------------
+#
+# The output gate of linear-attention blocks (qwen3_next, kimi_linear, olmo_hybrid): the norm with
+# its own rounding, then, in float32, times the activation of the gate, cast to the input dtype.
+
+GATE_ACTIVATIONS = {"silu": F.silu, "sigmoid": torch.sigmoid, "gelu": F.gelu, "gelu_tanh": None}
+
+
+def _gate_activation(gate: Tensor, activation: str) -> Tensor:
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh")
+    return GATE_ACTIVATIONS[activation](gate)
+
+
+def gated_rms_norm_native(
+    x: Tensor,
+    gate: Tensor,
+    weight: Tensor | None,
+    eps: float,
+    upcast: bool,
+    cast_before_weight: bool,
+    offset: bool,
+    weight_fp32: bool,
+    cast_output: bool,
+    activation: str,
+) -> Tensor:
+    normed = rms_norm_native(x, weight, eps, upcast, cast_before_weight, offset, weight_fp32, cast_output)
+    return (normed.to(torch.float32) * _gate_activation(gate.to(torch.float32), activation)).to(x.dtype)
+
+
+GATED_RMS_NORM = Op("gated_rms_norm", gated_rms_norm_native)
+
+
+def gated_rms_norm(
+    x: Tensor, gate: Tensor, weight: Tensor | None, eps: float, spec: RMSNormSpec, activation: str
+) -> Tensor:
+    """``(rms_norm(x) * act(gate in float32)).to(x.dtype)``, the norm with the rounding of ``spec``."""
+    if activation not in GATE_ACTIVATIONS:
+        raise ValueError(f"gated_rms_norm has no activation {activation!r}; it has: {', '.join(GATE_ACTIVATIONS)}.")
+    if gate.shape != x.shape:
+        raise ValueError(f"gated_rms_norm needs a gate of the input's shape {tuple(x.shape)}, got {tuple(gate.shape)}.")
+    args = (x, gate, weight, eps, *spec.flags(), activation)
+    if torch.compiler.is_compiling():
+        return gated_rms_norm_native(*args)  # plain torch ops: Inductor fuses them
+    return GATED_RMS_NORM(*args)

@@ -4,7 +4,7 @@ Providers backed by these kernels are registered eagerly (below) with a ``suppor
 that only looks for the package; the kernel module is imported on first call. Under
 ``TRITON_INTERPRET=1`` (set before Triton is imported) the kernels run on CPU tensors,
 which is how CI tests their logic without a GPU. Kernels live in one module per op family:
-``rms_norm.py`` (rms_norm, fused_add_rms_norm), ``act_and_mul.py`` (each with its backward
+``rms_norm.py`` (rms_norm, fused_add_rms_norm, gated_rms_norm), ``act_and_mul.py`` (each with its backward
 kernels and the ``torch.autograd.Function`` that pairs them: the provider's ``autograd``) and
 ``cross_entropy.py`` (a loss and its gradient in one kernel, for ``linear_cross_entropy``).
 """
@@ -26,7 +26,7 @@ from ..dispatch import Provider
 from ..fused_add_rms_norm import FUSED_ADD_RMS_NORM
 from ..linear_cross_entropy import CROSS_ENTROPY_GRAD
 from ..platform import current_platform
-from ..rms_norm import RMS_NORM
+from ..rms_norm import GATED_RMS_NORM, RMS_NORM
 
 __all__ = ["MAX_HIDDEN", "available", "device_of", "interpreting", "on_device"]
 
@@ -89,6 +89,10 @@ def _fused_add_rms_norm_args(x, residual, weight, eps, *flags) -> bool:
     return _rms_norm_args(x, weight, eps) and same_rows(x, residual)
 
 
+def _gated_rms_norm_args(x, gate, weight, eps, *flags) -> bool:
+    return _rms_norm_args(x, weight, eps) and same_rows(x, gate)
+
+
 def _act_and_mul_args(x, approximate: str = "none") -> bool:
     return on_device(x) and rows_fit(x, _MAX_ACT_WIDTH) and x.shape[-1] % 2 == 0 and approximate in ("none", "tanh")
 
@@ -114,6 +118,8 @@ def _provider(op, module: str, name: str, supports_args) -> None:
 
 _provider(RMS_NORM, "rms_norm", "rms_norm", _rms_norm_args)
 _provider(FUSED_ADD_RMS_NORM, "rms_norm", "fused_add_rms_norm", _fused_add_rms_norm_args)
+# Forward only: under autograd the native definition (differentiable torch ops) runs.
+GATED_RMS_NORM.register(Provider("triton", _lazy("rms_norm", "gated_rms_norm"), available, _gated_rms_norm_args))
 _provider(SILU_AND_MUL, "act_and_mul", "silu_and_mul", _act_and_mul_args)
 _provider(GELU_AND_MUL, "act_and_mul", "gelu_and_mul", _act_and_mul_args)
 CROSS_ENTROPY_GRAD.register(Provider("triton", _lazy("cross_entropy", "cross_entropy_grad"), available, _cross_entropy_grad_args))

@@ -1,4 +1,4 @@
-"""Triton kernels for rms_norm and fused_add_rms_norm, rounding exactly as ``rms_norm_native``.
+"""Triton kernels for rms_norm, fused_add_rms_norm and gated_rms_norm, rounding exactly as the native ops.
 
 One program normalises ``ROWS`` whole rows held in registers: each input element is read
 once and each output element written once, so the kernel runs at memory bandwidth. Every
@@ -29,7 +29,14 @@ from ..rms_norm import rms_norm_out_dtype
 from . import device_of
 from .launch import Kernel
 
-__all__ = ["fused_add_rms_norm", "fused_add_rms_norm_autograd", "rms_norm", "rms_norm_autograd", "rms_norm_backward"]
+__all__ = [
+    "fused_add_rms_norm",
+    "fused_add_rms_norm_autograd",
+    "gated_rms_norm",
+    "rms_norm",
+    "rms_norm_autograd",
+    "rms_norm_backward",
+]
 
 
 # The row count only bounds the last program: specialising on it would only multiply compilations.
@@ -39,11 +46,13 @@ def _rms_norm_kernel(
     x_ptr,
     residual_ptr,
     w_ptr,
+    gate_ptr,
     out_ptr,
     residual_out_ptr,
     n_rows,
     x_row_stride,
     residual_row_stride,
+    gate_row_stride,
     eps,
     N: tl.constexpr,
     CONTIGUOUS: tl.constexpr,
@@ -53,6 +62,8 @@ def _rms_norm_kernel(
     WEIGHT_FP32: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
+    GATE: tl.constexpr,
+    ROUND_NORM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
 ):
@@ -96,6 +107,22 @@ def _rms_norm_kernel(
             if not WEIGHT_FP32:
                 w = w.to(w_ptr.dtype.element_ty).to(tl.float32)  # 1 + w rounds to the weight's dtype
         h = h * w[None, :]
+    if GATE != 0:  # (norm * act(gate in float32)).to(x.dtype): the norm rounds to its own dtype first
+        if ROUND_NORM:
+            h = h.to(dtype).to(tl.float32)
+        g = tl.load(
+            gate_ptr + rows[:, None] * gate_row_stride + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
+        ).to(tl.float32)
+        if GATE == 1:
+            g = g / (1.0 + tl.exp(-g))
+        elif GATE == 2:
+            g = 1.0 / (1.0 + tl.exp(-g))
+        elif GATE == 3:
+            g = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+        else:
+            y = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+            g = g / (1.0 + tl.exp(-2.0 * y))
+        h = h * g
     # The product's own dtype is the output's whenever it is a half type: one rounding, here.
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -120,12 +147,26 @@ def _launch_shape(n_rows: int, n_cols: int, element_size: int) -> tuple[int, int
 TUNING: dict = {}
 
 
-def _normalise(x: Tensor, residual: Tensor | None, weight: Tensor | None, eps: float, flags: tuple) -> tuple:
+# The gate activations' codes in the kernel (``GATE``).
+_GATES = {"silu": 1, "sigmoid": 2, "gelu": 3, "gelu_tanh": 4}
+
+
+def _normalise(
+    x: Tensor,
+    residual: Tensor | None,
+    weight: Tensor | None,
+    eps: float,
+    flags: tuple,
+    gate: Tensor | None = None,
+    activation: str | None = None,
+) -> tuple:
     upcast, cast_before_weight, offset, weight_fp32, cast_output = flags
     n_cols = x.shape[-1]
     x2 = x.reshape(-1, n_cols)  # a view whenever the leading dimensions collapse
-    out_dtype = rms_norm_out_dtype(x.dtype, None if weight is None else weight.dtype, *flags)
+    norm_dtype = rms_norm_out_dtype(x.dtype, None if weight is None else weight.dtype, *flags)
+    out_dtype = x.dtype if gate is not None else norm_dtype
     out = x.new_empty(x.shape, dtype=out_dtype)
+    gate2 = x2 if gate is None else gate.reshape(-1, n_cols)
     residual2 = x2 if residual is None else residual.reshape(-1, n_cols)
     residual_out = out if residual is None else x.new_empty(x.shape)
     n_rows = x2.shape[0]
@@ -138,20 +179,24 @@ def _normalise(x: Tensor, residual: Tensor | None, weight: Tensor | None, eps: f
             x2,
             residual2,
             x2 if weight is None else weight,
+            gate2,
             out,
             residual_out,
             n_rows,
             x2.stride(0),
             residual2.stride(0),
+            gate2.stride(0),
             eps,
             N=n_cols,
-            CONTIGUOUS=n_rows == 1 or x2.stride(0) == residual2.stride(0) == n_cols,
+            CONTIGUOUS=n_rows == 1 or x2.stride(0) == residual2.stride(0) == gate2.stride(0) == n_cols,
             UPCAST=upcast,
             CAST_BEFORE_WEIGHT=cast_before_weight,
             OFFSET=offset,
             WEIGHT_FP32=weight_fp32,
             HAS_WEIGHT=weight is not None,
             ADD_RESIDUAL=residual is not None,
+            GATE=0 if gate is None else _GATES[activation],
+            ROUND_NORM=norm_dtype == x.dtype != torch.float32,
             BLOCK_N=block_n,
             ROWS=rows,
             num_warps=num_warps,
@@ -163,6 +208,12 @@ def rms_norm(x, weight, eps, upcast, cast_before_weight, offset, weight_fp32, ca
     """The triton provider of ``rms_norm`` (arguments as ``rms_norm_native``)."""
     flags = (upcast, cast_before_weight, offset, weight_fp32, cast_output)
     return _normalise(x, None, weight, eps, flags)[0]
+
+
+def gated_rms_norm(x, gate, weight, eps, upcast, cast_before_weight, offset, weight_fp32, cast_output, activation):
+    """The triton provider of ``gated_rms_norm`` (arguments as ``gated_rms_norm_native``)."""
+    flags = (upcast, cast_before_weight, offset, weight_fp32, cast_output)
+    return _normalise(x, None, weight, eps, flags, gate, activation)[0]
 
 
 def fused_add_rms_norm(
