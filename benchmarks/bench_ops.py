@@ -1,4 +1,4 @@
-"""Time every provider of rms_norm, fused_add_rms_norm, silu_and_mul and gelu_and_mul on a CUDA GPU
+"""Time every provider of rms_norm, fused_add_rms_norm, gated_rms_norm, silu_and_mul and gelu_and_mul on a CUDA GPU
 against the Hugging Face eager code, ``torch.compile`` of it, and the copy bandwidth of the same run.
 
     python benchmarks/bench_ops.py --out DIR [--hidden 4096] [--tokens 1 16 256 4096 32768]
@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 from transfuse import ops  # noqa: E402
 from transfuse.ops import RMSNormSpec  # noqa: E402
 
-OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_and_mul")
+OPS = ("rms_norm", "fused_add_rms_norm", "gated_rms_norm", "silu_and_mul", "gelu_and_mul")
 KERNEL_PROVIDERS = ("torch", "triton", "cuda")
 ROTATE_BYTES = 256 * 2**20  # input sets rotated per graph: > 4x the H200's 60 MB L2
 CALLS_PER_GRAPH = 100
@@ -145,6 +145,27 @@ def _fused_add_rms_norm_case(tokens: int, hidden: int, dtype: torch.dtype) -> Ca
     return _add_providers(case, lambda x, r: (x, r, weight, EPS, *LLAMA.flags()))
 
 
+def _gated_rms_norm_case(tokens: int, hidden: int, dtype: torch.dtype) -> Case:
+    """qwen3_next's gated norm (the output gate of its linear attention), eager and compiled."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
+
+    norm = Qwen3NextRMSNormGated(hidden, eps=EPS).to(device="cuda", dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(_randn(hidden, dtype=dtype))
+    weight = norm.weight.detach()
+    size = torch.finfo(dtype).bits // 8
+    case = Case(
+        "gated_rms_norm",
+        tokens,
+        lambda: (_randn(tokens, hidden, dtype=dtype), _randn(tokens, hidden, dtype=dtype)),
+        (3 * tokens + 1) * hidden * size,
+    )
+    case.variants["hf eager"] = norm
+    case.variants["hf compile"] = _compiled(norm)
+    case.variants["default"] = lambda x, g: ops.gated_rms_norm(x, g, weight, EPS, LLAMA, "silu")
+    return _add_providers(case, lambda x, g: (x, g, weight, EPS, *LLAMA.flags(), "silu"))
+
+
 def _act_and_mul_case(op: str, tokens: int, hidden: int, dtype: torch.dtype) -> Case:
     """``act(gate) * up`` as LlamaMLP writes it, on the halves of a merged ``[gate | up]`` projection."""
     act = _hf_act("silu" if op == "silu_and_mul" else "gelu_pytorch_tanh")
@@ -168,6 +189,8 @@ def build_case(op: str, tokens: int, hidden: int, dtype: torch.dtype) -> Case:
         return _rms_norm_case(tokens, hidden, dtype)
     if op == "fused_add_rms_norm":
         return _fused_add_rms_norm_case(tokens, hidden, dtype)
+    if op == "gated_rms_norm":
+        return _gated_rms_norm_case(tokens, hidden, dtype)
     return _act_and_mul_case(op, tokens, hidden, dtype)
 
 

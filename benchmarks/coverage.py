@@ -50,12 +50,13 @@ KINDS = ("rms_norm", "qkv", "gate_up", "moe")
 TOLERANCE = 1e-5
 NEW_TOKENS = 8
 
-# A fixed subset for CI (tests/test_coverage.py): dense, MoE, MLA, gated and composite families.
+# A fixed subset for CI (tests/test_coverage.py): dense, MoE, MLA, gated, linear-attention and
+# shared self/cross-attention families.
 CI_TYPES = [
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "cohere",
     "granite", "starcoder2", "stablelm", "glm", "helium", "smollm3", "mixtral", "qwen2_moe", "qwen3_moe",
     "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "granitemoe", "jetmoe", "dbrx", "phimoe", "gpt2",
-    "opt", "falcon",
+    "opt", "falcon", "bart", "qwen3_next",
 ]  # fmt: skip
 
 
@@ -251,7 +252,7 @@ def _markdown(rows: list[dict], summary: dict, command: str, versions: str) -> s
 
     def share(kind):
         fused, total = totals[kind]
-        return f"{kind} {fused}/{total} ({100 * fused / total:.0f}%)" if total else f"{kind} 0/0"
+        return f"{kind} {fused}/{total} ({100 * fused / total:.1f}%)" if total else f"{kind} 0/0"
 
     lines = [
         f"`{command}`",

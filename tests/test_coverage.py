@@ -46,9 +46,14 @@ def test_opportunities_are_counted_by_structure(rows):
 
 
 def test_every_opportunity_of_the_common_families_is_fused(rows):
-    for model_type in ("llama", "qwen3", "mixtral", "qwen3_moe"):
+    # bart: q, k, v on the self-attention path of its shared class; deepseek_v3: MLA's low-rank pair;
+    # qwen3_next: the gated norms and the input projections of its linear attention.
+    for model_type in ("llama", "qwen3", "mixtral", "qwen3_moe", "bart", "deepseek_v3", "qwen3_next"):
         row = rows[model_type]
-        assert row["fused"] == row["opportunities"], (model_type, row["fused"], row["opportunities"], row["refusals"])
+        # At least every opportunity (bart also merges its cross-attention instances, which the
+        # counting forward never calls).
+        complete = all(row["fused"][kind] >= row["opportunities"][kind] for kind in row["opportunities"])
+        assert complete, (model_type, row["fused"], row["opportunities"], row["refusals"])
 
 
 def test_the_table_reports_every_row(coverage, rows):

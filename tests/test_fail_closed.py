@@ -129,6 +129,36 @@ def test_a_default_probe_that_cannot_run_leaves_the_model_unchanged():
     assert "example_inputs" in report.not_rewritten and "not rewritten" in str(report)
 
 
+class _FussyLlama(nn.Module):
+    """A causal LM whose loss rejects the token ids as labels, and whose forward builds a cache
+    it cannot serve unless told ``use_cache=False`` (which it takes through ``**kwargs`` only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = tiny_model("llama")
+        self.config = self.inner.config
+
+    def forward(self, input_ids, labels=None, **kwargs):
+        if labels is not None:
+            raise ValueError("labels must count the image tokens")
+        if kwargs.get("use_cache", True):
+            raise ValueError("this layout has no attention cache")
+        return self.inner(input_ids=input_ids, use_cache=False)
+
+
+def test_a_made_probe_the_model_rejects_is_retried_simpler_and_said_so():
+    model = _FussyLlama()
+    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model.inner(input_ids=ids, use_cache=False).logits
+    transfuse.rewrite(model)
+    report = transfuse.report(model)
+    assert report.not_rewritten is None and report.counts()["qkv"] == 2, report
+    assert any("without labels and with use_cache=False" in note for note in report.notes), report.notes
+    with torch.no_grad():
+        assert torch.equal(model(ids, use_cache=False).logits, want)
+
+
 def test_verify_false_is_the_only_way_to_fuse_unverified():
     model = toys.TinyNormModel(toys.LlamaStyleNorm(32))
     transfuse.rewrite(model, verify=False)

@@ -104,6 +104,22 @@ _OFFLOADED = (
 )
 
 
+def _simpler_probes(kwargs: dict) -> list[tuple[str, dict]]:
+    """The made probe's fallbacks, simplest last: without labels (a loss that does not take the token
+    ids as labels: git counts its image tokens in), with ``use_cache=False`` where the forward only
+    takes it through ``**kwargs`` (a cache the tiny layout cannot serve: granitemoehybrid's mamba-only
+    layers), and both."""
+    unlabelled = {k: v for k, v in kwargs.items() if k != "labels"}
+    found = []
+    if "labels" in kwargs:
+        found.append(("without labels", unlabelled))
+    if "use_cache" not in kwargs:
+        found.append(("with use_cache=False", {**kwargs, "use_cache": False}))
+        if "labels" in kwargs:
+            found.append(("without labels and with use_cache=False", {**unlabelled, "use_cache": False}))
+    return found
+
+
 def _plan(
     model: nn.Module, fusers: Sequence[Fuser], probe: Probe, report: RewriteReport, suggest: Sequence[Fuser] = ()
 ) -> list[_Instance]:
@@ -337,13 +353,13 @@ def rewrite_model(
         made = make_probe(model, example_inputs)
         probe = record_calls(model, made)
         failure = probe.error
-        if failure is not None and example_inputs is None and "labels" in made.kwargs:
-            # A loss that does not take the token ids as labels (git counts its image tokens in):
-            # the probe without labels still checks everything but that loss.
-            unlabelled = record_calls(model, Probe(made.args, {k: v for k, v in made.kwargs.items() if k != "labels"}))
-            if unlabelled.error is None:
-                report.notes.append(f"the probe ran without labels: with the token ids as labels the model raised {failure}")
-                probe, failure = unlabelled, None
+        if failure is not None and example_inputs is None:
+            for what, kwargs in _simpler_probes(made.kwargs):
+                retried = record_calls(model, Probe(made.args, kwargs))
+                if retried.error is None:
+                    report.notes.append(f"the probe ran {what}: as first made, the model raised {failure}")
+                    probe, failure = retried, None
+                    break
     except ProbeUnavailable as exc:
         probe, failure = Probe((), {}), str(exc)
     if failure is not None:
