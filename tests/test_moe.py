@@ -222,6 +222,7 @@ REFUSED = [
     (toys.TemperatureRoutedMoE, "moe.routing-form"),
     (toys.SkipsFirstExpertMoE, "moe.loop-form"),
     (toys.RangeLoopMoE, "moe.combine"),
+    (toys.EveryTokenMoE, "moe.dense-experts"),
 ]
 
 

@@ -755,6 +755,37 @@ class SkipsFirstExpertMoE(nn.Module):
         return self.experts(tokens, weights, chosen).view_as(hidden_states)
 
 
+class EveryTokenExperts(nn.Module):
+    """Packed experts run on every token with batched matmuls, inputs pre-scaled by their routing
+    scores (llama4's form)."""
+
+    def __init__(self, hidden=32, inter=16, experts=8):
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.randn(experts, hidden, 2 * inter) / hidden**0.5)
+        self.down = nn.Parameter(torch.randn(experts, inter, hidden) / inter**0.5)
+
+    def forward(self, x):  # [E * tokens, hidden], grouped by expert
+        x = x.view(self.gate_up.shape[0], -1, x.shape[-1])
+        gate, up = torch.bmm(x, self.gate_up).chunk(2, dim=-1)
+        return torch.bmm(F.silu(gate) * up, self.down).view(-1, x.shape[-1])
+
+
+class EveryTokenMoE(nn.Module):
+    """Every expert computes every token, scaled by a sigmoid of its router logit (llama4) → refused
+    (moe.dense-experts): not passed over in silence."""
+
+    def __init__(self, hidden=32, experts=8):
+        super().__init__()
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.experts = EveryTokenExperts(hidden, 16, experts)
+
+    def forward(self, hidden_states):
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+        scores = torch.sigmoid(self.router(tokens)).transpose(0, 1).reshape(-1, 1)  # [E * tokens, 1]
+        routed = self.experts(tokens.repeat(self.router.out_features, 1) * scores)
+        return routed.view(self.router.out_features, *tokens.shape).sum(0).view_as(hidden_states)
+
+
 class SkippingExperts(PackedExperts):
     skip = 0
 

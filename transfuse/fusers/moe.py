@@ -113,7 +113,7 @@ class MoEFuser(Fuser):
             loop, call = _find_experts(analysis)
             return _match_block(analysis, loop, call)
         except _NotMoE:
-            return None
+            return _dense_experts(analysis)
         except NoMatch as refusal:
             return Refusal(refusal.tag, refusal.reason, analysis.where(refusal.node))
 
@@ -192,7 +192,30 @@ class MoEFuser(Fuser):
 
 
 class _NotMoE(Exception):
-    """The module has no experts loop: not a mixture of experts at all (no refusal is reported)."""
+    """The module has no experts loop: not a mixture of experts (a refusal only where a child holds
+    packed per-expert tensors, ``_dense_experts``)."""
+
+
+def _dense_experts(analysis: ClassAnalysis) -> Refusal | None:
+    """A child holding two or more 3-D tensors with one leading size (packed experts) whose block
+    has no experts loop: experts run on every token (llama4's batched matmul over all of them), a
+    form this fusion does not know. Reported, so that it is not passed over in silence."""
+    for name in analysis.children:
+        child = analysis.child(name)
+        if child is None:
+            continue
+        read = (value(n) for n in child.trace.graph.nodes if n.op == "get_attr" and "." not in n.target)
+        tensors = [t for t in read if isinstance(t, torch.Tensor) and t.dim() == 3]
+        if len(tensors) >= 2 and len({t.shape[0] for t in tensors}) == 1:
+            shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
+            return Refusal(
+                "moe.dense-experts",
+                f"{name} holds per-expert tensors ({shapes}), but no expert loop adds weight · expert(rows) per "
+                "routed token: experts computed for every token (a batched matmul over all of them) are not a "
+                "form this fusion knows.",
+                analysis.where(),
+            )
+    return None
 
 
 def _small_members(members: nn.ModuleList) -> bool:
