@@ -198,7 +198,11 @@ def test_triton_rms_norm_every_rounding_variant_and_float32_weight(dtype):
 
 # The gated norms of linear-attention blocks: qwen3_next's (the norm cast back, a weight in the
 # input dtype) and kimi_linear's (everything float32 until the end).
-GATED_SPECS = {"llama": SPECS["llama"], "float32-weight": RMSNormSpec(cast_before_weight=False, weight_fp32=True)}
+GATED_SPECS = {
+    "llama": SPECS["llama"],
+    "float32-weight": RMSNormSpec(cast_before_weight=False, weight_fp32=True),
+    "cast-output": SPECS["olmo2"],  # the norm rounds to the input dtype last, then the gate
+}
 
 
 @pytest.mark.parametrize("activation", ["silu", "sigmoid", "gelu", "gelu_tanh"])

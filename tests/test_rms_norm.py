@@ -149,7 +149,10 @@ class _GateAfterModel(nn.Module):
         return self.norm(h, gate=gate)  # the gate by keyword, as some callers pass it
 
 
-@pytest.mark.parametrize("cls, activation", [(toys.NormThenGate, "silu"), (toys.Float32NormThenSigmoidGate, "sigmoid")])
+GATED = [(toys.NormThenGate, "silu"), (toys.Float32NormThenSigmoidGate, "sigmoid"), (toys.UnweightedNormThenGate, "gelu")]
+
+
+@pytest.mark.parametrize("cls, activation", GATED, ids=lambda v: getattr(v, "__name__", v))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_norm_gated_after_it_fuses_into_one_op_with_equal_numbers(cls, activation, dtype):
     from transfuse.ops import GatedRMSNorm

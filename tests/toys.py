@@ -154,6 +154,19 @@ class Float32NormThenSigmoidGate(nn.Module):
         return (h * torch.sigmoid(gate.to(torch.float32))).to(dtype)
 
 
+class UnweightedNormThenGate(nn.Module):
+    """No weight, the norm cast back before the gate → fuses (GatedRMSNorm)."""
+
+    def __init__(self, hidden, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, hidden_states, gate):
+        h = hidden_states.to(torch.float32)
+        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(hidden_states.dtype)
+        return (h * F.gelu(gate.to(torch.float32))).to(hidden_states.dtype)
+
+
 class GateNamedZ(NormThenGate):
     """The gated form, with the inputs named (x, z) → refused (rms_norm.inputs: keyword callers)."""
 

@@ -50,7 +50,7 @@ from ..ops.moe_layer import (
 )  # fmt: skip
 from ..rewriter.analysis import ClassAnalysis
 from ..rewriter.fusion import Fused, Fuser, Refusal
-from ..rewriter.graph import NoMatch, is_op, operand, operands, peel_casts, value
+from ..rewriter.graph import NoMatch, calls_fused_op, is_op, operand, operands, peel_casts, value
 from ..rewriter.inline import call_inputs, inline_calls
 from ..rewriter.source import BoundRewrite, EditContext, method_source
 from ..rewriter.syntax import comment_line, dataclass_literal
@@ -200,6 +200,8 @@ def _dense_experts(analysis: ClassAnalysis) -> Refusal | None:
     """A child holding two or more 3-D tensors with one leading size (packed experts) whose block
     has no experts loop: experts run on every token (llama4's batched matmul over all of them), a
     form this fusion does not know. Reported, so that it is not passed over in silence."""
+    if calls_fused_op(analysis.trace.graph):
+        return None  # an emitted block, which calls the fused op itself
     for name in analysis.children:
         child = analysis.child(name)
         if child is None:

@@ -254,9 +254,7 @@ def _match_gated(result: fx.Node, x: fx.Node, gate: fx.Node, matched: set[fx.Nod
         )
     matched.add(core)
     _mark_chain(act, gate, matched)
-    found = _match_result(normed, x, matched)
-    if found.spec.cast_output:
-        raise NoMatch("rms_norm.gate-rounding", "the norm is cast to the input dtype before the gate multiplies it.", normed)
+    found = _match_result(normed, x, matched)  # its own casts are its spec's: the gate reads its output
     return dataclasses.replace(found, gate=gate.target, activation=activation)
 
 
