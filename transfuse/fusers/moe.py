@@ -197,18 +197,25 @@ class _NotMoE(Exception):
 
 
 def _dense_experts(analysis: ClassAnalysis) -> Refusal | None:
-    """A child holding two or more 3-D tensors with one leading size (packed experts) whose block
-    has no experts loop: experts run on every token (llama4's batched matmul over all of them), a
-    form this fusion does not know. Reported, so that it is not passed over in silence."""
+    """A block with a router (a linear child with one output per expert) and a child holding two or
+    more 3-D tensors with that leading size (packed experts), but no experts loop: experts run on
+    every token (llama4's batched matmul over all of them), a form this fusion does not know.
+    Reported, so that it is not passed over in silence."""
     if calls_fused_op(analysis.trace.graph):
         return None  # an emitted block, which calls the fused op itself
+    routers = set()  # the output widths of linear children (a router may return a tuple: llama4's)
+    for n in analysis.trace.graph.nodes:
+        if n.op == "call_module" and issubclass(analysis.children.get(n.target, object), nn.Linear):
+            out = value(n)
+            routers |= {t.shape[-1] for t in (out if isinstance(out, tuple) else (out,)) if isinstance(t, torch.Tensor)}
     for name in analysis.children:
         child = analysis.child(name)
         if child is None:
             continue
         read = (value(n) for n in child.trace.graph.nodes if n.op == "get_attr" and "." not in n.target)
         tensors = [t for t in read if isinstance(t, torch.Tensor) and t.dim() == 3]
-        if len(tensors) >= 2 and len({t.shape[0] for t in tensors}) == 1:
+        experts = {t.shape[0] for t in tensors}
+        if len(tensors) >= 2 and len(experts) == 1 and experts <= routers and min(experts) >= 2:
             shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
             return Refusal(
                 "moe.dense-experts",

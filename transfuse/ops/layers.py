@@ -20,7 +20,7 @@ from .moe_layer import MoE
 from .rms_norm import RMSNormSpec, gated_rms_norm, rms_norm
 from .sharding import ColwiseShards, is_sharded
 
-__all__ = ["LinearPart", "MergedProjection", "MoE", "RMSNorm", "layer", "register_layer"]
+__all__ = ["GatedRMSNorm", "LinearPart", "MergedProjection", "MoE", "RMSNorm", "layer", "register_layer"]
 
 
 class MergedProjection(nn.Module):

@@ -162,13 +162,15 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float, spec: RMSNormSpec = R
 # The output gate of linear-attention blocks (qwen3_next, kimi_linear, olmo_hybrid): the norm with
 # its own rounding, then, in float32, times the activation of the gate, cast to the input dtype.
 
-GATE_ACTIVATIONS = {"silu": F.silu, "sigmoid": torch.sigmoid, "gelu": F.gelu, "gelu_tanh": None}
+GATE_ACTIVATIONS = ("silu", "sigmoid", "gelu", "gelu_tanh")
 
 
 def _gate_activation(gate: Tensor, activation: str) -> Tensor:
-    if activation == "gelu_tanh":
-        return F.gelu(gate, approximate="tanh")
-    return GATE_ACTIVATIONS[activation](gate)
+    if activation == "silu":
+        return F.silu(gate)
+    if activation == "sigmoid":
+        return torch.sigmoid(gate)
+    return F.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
 def gated_rms_norm_native(
