@@ -11,8 +11,12 @@ import transfuse
 from transfuse import ops
 from transfuse.tiny import tiny_model
 
-# laguna: gated attention, whose q, k, v and gate merge four ways.
-FAMILIES = ["llama", "qwen3", "gemma2", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "laguna"]
+# laguna: gated attention, whose q, k, v and gate merge four ways; deepseek_v3: MLA's pair, on the
+# forward specialised to q_lora_rank; bart: q, k, v on its self-attention path; qwen3_next: gated
+# norms and linear attention's pair.
+FAMILIES = [
+    "llama", "qwen3", "gemma2", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "laguna", "bart", "qwen3_next",
+]  # fmt: skip
 
 
 def grad_state(model) -> dict[str, torch.Tensor]:
@@ -30,7 +34,8 @@ def grad_state(model) -> dict[str, torch.Tensor]:
 
 
 def _step(model, ids, labels):
-    loss = model(input_ids=ids, labels=labels).loss
+    torch.manual_seed(0)  # dropout (bart's) draws the same masks in both models
+    loss = model(input_ids=ids, labels=labels, use_cache=False).loss  # tiny bart and qwen3_next cannot cache
     loss.backward()
     return loss.detach()
 
@@ -50,7 +55,9 @@ def _compare(stock, fused, ids, labels):
     worst = {}
     for name, w in stock_grads.items():
         if w.is_floating_point() and w.norm() > 0:
-            worst[name] = ((fused_grads[name] - w).norm() / w.norm()).item()
+            # Relative to the stock gradient, or to 1e-6 where that is float noise around a true
+            # zero (a key bias: softmax ignores what it adds to a row, bart's is 3e-12).
+            worst[name] = ((fused_grads[name] - w).norm() / max(w.norm(), 1e-6)).item()
     assert worst and max(worst.values()) <= 1e-5, max(worst.items(), key=lambda kv: kv[1])
 
 
@@ -70,6 +77,17 @@ def test_a_four_way_merged_projection_trains_like_stock_under_torch_compile():
     stock, fused = tiny_model("laguna").train(), tiny_model("laguna").train()
     transfuse.rewrite(fused)
     assert any(isinstance(m, MergedProjection) and len(m.parts) == 4 for m in fused.modules())
+    _compare(torch.compile(stock), torch.compile(fused), *_batch())
+
+
+@pytest.mark.slow
+# (MLA's pair trains eagerly above; the stock tiny deepseek_v3 and minicpm3 do not compile here.)
+@pytest.mark.parametrize("model_type", ["bart", "qwen3_next"])
+def test_specialised_forwards_pairs_and_gated_norms_train_like_stock_under_torch_compile(model_type):
+    torch._dynamo.reset()
+    stock, fused = tiny_model(model_type).train(), tiny_model(model_type).train()
+    transfuse.rewrite(fused)
+    assert "qkv" in transfuse.report(fused).counts()
     _compare(torch.compile(stock), torch.compile(fused), *_batch())
 
 
