@@ -184,6 +184,16 @@ class _PositionalGateModel(_GateAfterModel):
         return self.norm(*self.inp(x).chunk(2, dim=-1))
 
 
+def test_a_gated_norm_takes_a_gate_that_broadcasts_as_the_models_product_does():
+    from transfuse.ops import GatedRMSNorm, RMSNormSpec
+
+    torch.manual_seed(0)
+    norm, x, gate = toys.NormThenGate(32), torch.randn(3, 7, 32), torch.randn(3, 1, 32)
+    fused = GatedRMSNorm(norm.weight, norm.variance_epsilon, RMSNormSpec(), activation="silu")
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x, gate), norm(x, gate), rtol=0, atol=1e-6)
+
+
 def test_a_gated_norm_whose_inputs_keyword_callers_could_not_name_is_refused():
     model = _PositionalGateModel(toys.GateNamedZ(32))
     transfuse.rewrite(model, example_inputs=(torch.randn(2, 4, 32),))

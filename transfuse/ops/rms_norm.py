@@ -195,11 +195,10 @@ GATED_RMS_NORM = Op("gated_rms_norm", gated_rms_norm_native)
 def gated_rms_norm(
     x: Tensor, gate: Tensor, weight: Tensor | None, eps: float, spec: RMSNormSpec, activation: str
 ) -> Tensor:
-    """``(rms_norm(x) * act(gate in float32)).to(x.dtype)``, the norm with the rounding of ``spec``."""
+    """``(rms_norm(x) * act(gate in float32)).to(x.dtype)``, the norm with the rounding of ``spec``; a
+    gate that broadcasts against ``x`` runs the native definition, as the model's own product would."""
     if activation not in GATE_ACTIVATIONS:
         raise ValueError(f"gated_rms_norm has no activation {activation!r}; it has: {', '.join(GATE_ACTIVATIONS)}.")
-    if gate.shape != x.shape:
-        raise ValueError(f"gated_rms_norm needs a gate of the input's shape {tuple(x.shape)}, got {tuple(gate.shape)}.")
     args = (x, gate, weight, eps, *spec.flags(), activation)
     if torch.compiler.is_compiling():
         return gated_rms_norm_native(*args)  # plain torch ops: Inductor fuses them
