@@ -158,14 +158,23 @@ def _time_steps(model, ids, steps: int, optimizer, device: str) -> tuple[list[fl
 
 
 def _profile(model, ids, rows: int = 25) -> str:
-    """The GPU kernels of one step, by total time: where the step goes."""
+    """The GPU kernels of one step by total time, then the operators (with their input shapes)
+    that launched them by their own GPU time: where the step goes, and which op a kernel is."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         model(input_ids=ids, labels=ids).loss.backward()
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_kernel = torch.autograd.profiler_util.EventList(kernels).table(
+        sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70
+    )
+    by_op = prof.key_averages(group_by_input_shape=True).table(
+        sort_by="self_cuda_time_total", row_limit=2 * rows, max_name_column_width=50, max_shapes_column_width=90
+    )
+    return f"GPU kernels\n{by_kernel}\n\nOperators by their own GPU time, with input shapes\n{by_op}"
 
 
 def run_variant(variant: str, name: str, steps: int, smoke: bool, device: str, profile: tuple = ()) -> dict:
