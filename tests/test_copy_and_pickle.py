@@ -54,7 +54,13 @@ def test_deepcopy_is_rewritten_independent_and_equal(model_type):
         assert torch.equal(model(ids).logits, want)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "gpt_oss"])
+def _stock_logits(model_type, ids):
+    """The unmodified model's logits (same seed, so the same weights as ``_rewritten``'s)."""
+    with torch.no_grad():
+        return tiny_model(model_type)(ids).logits
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
 def test_torch_save_and_load_in_this_process(model_type, tmp_path):
     model = _rewritten(model_type)
     ids = _ids()
@@ -63,25 +69,34 @@ def test_torch_save_and_load_in_this_process(model_type, tmp_path):
     torch.save(model, tmp_path / "model.pt")
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
     assert type(loaded) is type(model)
+    assert transfuse.report(loaded).counts() == transfuse.report(model).counts()
+    assert sum(map(is_fused, loaded.modules())) == sum(map(is_fused, model.modules())) > 0
+    originals = {id(p) for p in model.parameters()}
+    assert not any(id(p) in originals for p in loaded.parameters())
     with torch.no_grad():
-        assert torch.equal(loaded(ids).logits, want)
+        got = loaded(ids).logits
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got, _stock_logits(model_type, ids), rtol=1e-5, atol=1e-5)
 
 
 _LOAD = textwrap.dedent(
     """
-    import sys, torch, transfuse
+    import json, sys, torch, transfuse
     from transfuse.rewriter.apply import is_fused
     model = torch.load(sys.argv[1], weights_only=False)
     ids = torch.load(sys.argv[2])
     with torch.no_grad():
         torch.save(model(ids).logits, sys.argv[3])
-    print(sum(map(is_fused, model.modules())))
+    print(json.dumps([sum(map(is_fused, model.modules())), transfuse.report(model).counts()]))
     """
 )
 
 
-def test_torch_load_in_a_fresh_process_makes_the_rewrite_again(tmp_path):
-    model = _rewritten("llama")
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_torch_load_in_a_fresh_process_makes_the_rewrite_again(model_type, tmp_path):
+    import json
+
+    model = _rewritten(model_type)
     ids = _ids()
     with torch.no_grad():
         want = model(ids).logits
@@ -92,8 +107,12 @@ def test_torch_load_in_a_fresh_process_makes_the_rewrite_again(tmp_path):
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert int(done.stdout.strip().splitlines()[-1]) == sum(map(is_fused, model.modules()))
-    assert torch.equal(torch.load(tmp_path / "out.pt"), want)
+    fused, counts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert fused == sum(map(is_fused, model.modules())) > 0
+    assert counts == transfuse.report(model).counts()
+    got = torch.load(tmp_path / "out.pt")
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got, _stock_logits(model_type, ids), rtol=1e-5, atol=1e-5)
 
 
 def test_a_copy_still_saves_the_original_keys(tmp_path):
