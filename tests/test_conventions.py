@@ -8,6 +8,7 @@ import torch
 
 import transfuse
 from transfuse.ops import LinearPart, MergedProjection, MoE
+from transfuse.rewriter.apply import is_fused
 from transfuse.tiny import tiny_model
 
 FAMILIES = ["llama", "qwen3", "gemma2", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"]
@@ -45,31 +46,50 @@ def test_dtype_casts_carry_the_parts_with_them(model_type):
     assert (_logits(model, ids).float() - _logits(stock, ids).float()).abs().max().item() <= 0.1
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma2", "qwen3"])
+def _tied_pairs_resolve(model):
+    """Each ``_tied_weights_keys`` entry (target -> source) names a parameter of the model, and the
+    two are one tensor; the pairs checked."""
+    tied = model._tied_weights_keys
+    assert isinstance(tied, dict) and tied, tied
+    for target, source in tied.items():
+        assert model.get_parameter(target) is model.get_parameter(source), (target, source)
+    return tied
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
 def test_tied_weights_stay_tied_and_reload_without_missing_keys(model_type, tmp_path):
     from transformers import AutoModelForCausalLM
 
     model = tiny_model(model_type, tie_word_embeddings=True)
     assert model.lm_head.weight is model.get_input_embeddings().weight
+    keys = dict(_tied_pairs_resolve(model))
     transfuse.rewrite(model)
+    assert transfuse.report(model).fusions
     assert model.lm_head.weight is model.get_input_embeddings().weight
+    assert _tied_pairs_resolve(model) == keys
     model.save_pretrained(tmp_path)
     reloaded, info = transfuse.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert transfuse.report(reloaded).fusions  # output_loading_info: the model is still rewritten
     assert reloaded.lm_head.weight is reloaded.get_input_embeddings().weight
+    assert _tied_pairs_resolve(reloaded) == keys
     stock = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     ids = _ids(model)
-    assert torch.equal(_logits(reloaded, ids), _logits(stock, ids))
+    got = _logits(reloaded, ids)
+    assert torch.equal(got, _logits(model, ids))
+    tolerance = 1e-5 if "moe" in transfuse.report(model).counts() else 0.0  # experts sum in another order
+    torch.testing.assert_close(got, _logits(stock, ids), rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", FAMILIES)
 def test_resize_token_embeddings_after_a_rewrite(model_type):
     model = transfuse.rewrite(tiny_model(model_type))
     stock = tiny_model(model_type)
+    fused = sum(map(is_fused, model.modules()))
     for m in (model, stock):
         torch.manual_seed(5)
         m.resize_token_embeddings(300)
+    assert fused and sum(map(is_fused, model.modules())) == fused  # still rewritten
     ids = torch.randint(0, 300, (1, 7), generator=torch.Generator().manual_seed(1))
     out = _logits(model, ids)
     assert out.shape[-1] == 300
@@ -77,7 +97,7 @@ def test_resize_token_embeddings_after_a_rewrite(model_type):
     assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), stock.generate(ids, max_new_tokens=4, do_sample=False))
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mixtral"])
+@pytest.mark.parametrize("model_type", FAMILIES)
 def test_sharded_safetensors_save_loads_in_stock_transformers_bit_for_bit(model_type, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -93,21 +113,54 @@ def test_sharded_safetensors_save_loads_in_stock_transformers_bit_for_bit(model_
     assert not any(isinstance(m, MergedProjection) for m in loaded.modules())
 
 
-def test_switching_between_transformers_experts_kernels_keeps_the_fused_layer():
+MOE_FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"]
+EXPERTS_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")
+
+
+@pytest.mark.parametrize("model_type", MOE_FAMILIES)
+def test_switching_between_transformers_experts_kernels_keeps_the_fused_layer(model_type):
     """transformers' experts implementations are kernels for one function (generate switches
     grouped_mm to batched_mm on GPUs by itself); the fused layer is one more, and stays."""
-    model = transfuse.rewrite(tiny_model("qwen3_moe"))
+    model = transfuse.rewrite(tiny_model(model_type))
     ids = _ids(model)
     before = _logits(model, ids)
-    layer = next(m for m in model.modules() if isinstance(m, MoE))
-    assert layer.experts_implementation == model.config._experts_implementation
-    for other in ("eager", "batched_mm", "grouped_mm"):
-        model.set_experts_implementation(other)
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    assert layers, transfuse.report(model)
+    assert all(layer.experts_implementation == model.config._experts_implementation for layer in layers)
+    stock = tiny_model(model_type)
+    for other in EXPERTS_IMPLEMENTATIONS:
+        model.set_experts_implementation(other)  # every family here supports the switch
+        assert model.config._experts_implementation == other
+        assert [m for m in model.modules() if isinstance(m, MoE)] == layers  # the fused layers stay
         assert torch.equal(_logits(model, ids), before), other
-    # The unfused model gives the same function under each of them.
-    unfused = transfuse.rewrite(tiny_model("qwen3_moe"), fusions=["rms_norm", "qkv"])
-    unfused.set_experts_implementation("eager")
-    assert (_logits(unfused, ids) - before).abs().max().item() <= 1e-5
+        # The stock model gives the same function under each of them.
+        stock.set_experts_implementation(other)
+        torch.testing.assert_close(_logits(stock, ids), before, rtol=1e-5, atol=1e-5, msg=other)
+
+
+@pytest.mark.parametrize("model_type", MOE_FAMILIES)
+def test_an_experts_implementation_chosen_at_load_is_honoured_by_the_drop_in(model_type, tmp_path):
+    """``from_pretrained(..., experts_implementation="eager")`` (the argument, or the config field
+    it sets) and then the drop-in: the MoE blocks are still fused, the layer records the choice,
+    and the logits are stock transformers' under the same choice."""
+    from transformers import AutoConfig
+    from transformers import AutoModelForCausalLM as Stock
+
+    tiny_model(model_type).save_pretrained(tmp_path)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    stock = Stock.from_pretrained(tmp_path, experts_implementation="eager").eval()
+    assert stock.config._experts_implementation == "eager"
+    want = _logits(stock, ids)
+    config = AutoConfig.from_pretrained(tmp_path, experts_implementation="eager")
+    for model in (
+        transfuse.AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="eager"),
+        transfuse.AutoModelForCausalLM.from_pretrained(tmp_path, config=config),
+    ):
+        assert model.config._experts_implementation == "eager"
+        layers = [m for m in model.modules() if isinstance(m, MoE)]
+        assert layers and all(layer.experts_implementation == "eager" for layer in layers)
+        assert "moe" in transfuse.report(model).counts()
+        torch.testing.assert_close(_logits(model.eval(), ids), want, rtol=1e-5, atol=1e-5)
 
 
 def test_an_experts_implementation_from_outside_transformers_is_refused_with_the_way_out():
