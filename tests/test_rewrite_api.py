@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -170,3 +171,64 @@ def test_a_model_without_get_input_embeddings_is_probed_from_its_config():
     model.get_input_embeddings = not_implemented  # as remote code that never implemented it
     transfuse.rewrite(model)
     assert transfuse.report(model).counts() == {"rms_norm": 5, "qkv": 2, "gate_up": 2}
+
+
+class _NoVocabularyAnywhere(nn.Module):
+    """Remote code at its barest: a config without ``vocab_size`` (nor a text config) and a
+    ``get_input_embeddings`` that was never implemented. The token embeddings are only found
+    among the modules."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.config = SimpleNamespace(hidden_size=inner.config.hidden_size)
+
+    def get_input_embeddings(self):
+        raise NotImplementedError
+
+    def forward(self, input_ids, labels=None):
+        return self.inner(input_ids=input_ids, labels=labels, use_cache=False).logits
+
+
+def test_a_model_without_vocabulary_on_config_or_get_input_embeddings_is_probed_from_its_modules():
+    from transfuse.rewriter.capture import make_probe
+
+    model = _NoVocabularyAnywhere(tiny_model("llama"))
+    with pytest.raises(NotImplementedError):
+        model.get_input_embeddings()
+    assert not hasattr(model.config, "vocab_size")
+    probe = make_probe(model)  # the vocabulary of the nn.Embedding the model holds
+    assert probe.kwargs["input_ids"].max().item() >= 128 and probe.kwargs["input_ids"].max().item() < 256
+    transfuse.rewrite(model)
+    assert transfuse.report(model).counts() == {"rms_norm": 5, "qkv": 2, "gate_up": 2}
+    stock = tiny_model("llama")
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), stock(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_the_drop_in_loads_and_rewrites_a_model_whose_class_lacks_get_input_embeddings(model_type, tmp_path, monkeypatch):
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    saved = tiny_model(model_type)
+    saved.save_pretrained(tmp_path)
+
+    def not_implemented(self):
+        raise NotImplementedError  # as remote code that never implemented it
+
+    monkeypatch.setattr(type(saved), "get_input_embeddings", not_implemented)
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with pytest.raises(NotImplementedError):
+        stock.get_input_embeddings()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = transfuse.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert not [w for w in caught if "transfuse" in str(w.message)], [str(w.message) for w in caught]
+    kinds = set(transfuse.report(model).counts())
+    assert {"rms_norm", "qkv"} <= kinds and ("moe" in kinds) == (model_type == "qwen3_moe")
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, stock(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
