@@ -185,3 +185,124 @@ def test_a_consumable_input_takes_its_gradient_in_place_and_others_are_untouched
     out.backward(dy, retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.backward(dy)  # a second backward would read the gradient: autograd refuses it
+
+
+# ---- act_and_mul_linear: a GLU's product and its down projection, the product recomputed ----
+
+
+def _run_saving(fn):
+    """``fn()`` and the shapes of the tensors autograd saved for its backward."""
+    shapes = []
+
+    def pack(tensor):
+        # By elements and last width: autograd may keep a flattened view ([tokens, width]).
+        shapes.append((tensor.numel(), tensor.shape[-1] if tensor.dim() else 0))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        return fn(), shapes
+
+
+def _glu_linear_step(linear, x0, dout, activation, fused, x_grad=True):
+    """Output, gradients (x, weight, bias) and saved shapes of ``linear(act_and_mul(x))``."""
+    linear.zero_grad(set_to_none=True)
+    x = x0.detach().clone().requires_grad_(x_grad)
+    if fused:
+        out, saved = _run_saving(lambda: ops.act_and_mul_linear(linear, x, activation))
+    else:
+        out, saved = _run_saving(lambda: linear(ops.act_and_mul(x, activation)))
+    out.backward(dout)
+    bias = linear.bias.grad if linear.bias is not None else None
+    return out.detach(), x.grad, linear.weight.grad, bias, saved
+
+
+@pytest.mark.parametrize("provider", ["native", "triton"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
+def test_act_and_mul_linear_gives_the_two_calls_numbers_and_keeps_no_product(provider, activation, dtype):
+    from torch import nn
+
+    ops.set_priority([provider])
+    try:
+        width, outputs = 40, 24
+        for bias in (False, True):
+            linear = nn.Linear(width, outputs, bias=bias, device=DEVICE, dtype=dtype)
+            x0 = (torch.randn(2, 5, 2 * width, device=DEVICE) * 3).to(dtype)
+            dout = torch.randn(2, 5, outputs, device=DEVICE).to(dtype)
+            with ops.trace() as calls:
+                fused = _glu_linear_step(linear, x0, dout, activation, fused=True)
+            assert {c.provider for c in calls} == {provider}, calls
+            plain = _glu_linear_step(linear, x0, dout, activation, fused=False)
+            tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+            torch.testing.assert_close(fused[0], plain[0], rtol=0, atol=0)  # the same kernels, the same numbers
+            for got, want in zip(fused[1:4], plain[1:4]):
+                if want is None:
+                    assert got is None
+                else:
+                    torch.testing.assert_close(got, want, **tolerance)
+            product = (2 * 5 * width, width)
+            assert product in plain[4], plain[4]  # autograd keeps the product for the weight's gradient ...
+            assert product not in fused[4], fused[4]  # ... act_and_mul_linear does not
+    finally:
+        ops.set_priority(None)
+
+
+def test_act_and_mul_linear_recomputes_the_forwards_product_bit_for_bit(triton_first):
+    from transfuse.ops.triton.act_and_mul import gelu_and_mul_backward_and_output, silu_and_mul_backward_and_output
+
+    x = torch.randn(3, 2 * 1000, device=DEVICE).to(torch.bfloat16) * 3
+    dy = torch.randn(3, 1000, device=DEVICE).to(torch.bfloat16)
+    cases = [(silu_and_mul_backward_and_output, (), silu_and_mul_native)]
+    cases += [(gelu_and_mul_backward_and_output, (a,), lambda t, a=a: gelu_and_mul_native(t, a)) for a in ("none", "tanh")]
+    for backward_and_output, args, native in cases:
+        grad, product = backward_and_output(dy, x, *args)
+        forward = ops.get_op("gelu_and_mul" if args else "silu_and_mul")(x, *args)
+        assert torch.equal(product, forward)
+        leaf = x.detach().requires_grad_()
+        (want,) = torch.autograd.grad(native(leaf), leaf, dy)
+        assert _error(grad, want) < 2e-2
+
+
+def test_act_and_mul_linear_calls_a_watched_or_wrapped_linear_as_it_is(triton_first):
+    from torch import nn
+
+    linear = nn.Linear(16, 8, device=DEVICE)
+    x0 = torch.randn(4, 32, device=DEVICE)
+    dout = torch.randn(4, 8, device=DEVICE)
+    seen = []
+    handle = linear.register_forward_hook(lambda module, inputs, output: seen.append(inputs[0].shape))
+    try:
+        hooked = _glu_linear_step(linear, x0, dout, "silu", fused=True)
+    finally:
+        handle.remove()
+    assert seen == [(4, 16)]  # the hook saw the product: the layer was called
+    assert (4 * 16, 16) in hooked[4]
+    # A frozen input, a trained layer: the product is recomputed for the weight's gradient alone.
+    fused = _glu_linear_step(linear, x0, dout, "silu", fused=True, x_grad=False)
+    plain = _glu_linear_step(linear, x0, dout, "silu", fused=False, x_grad=False)
+    assert fused[1] is None and (4 * 16, 16) not in fused[4]
+    torch.testing.assert_close(fused[2], plain[2])
+    torch.testing.assert_close(fused[3], plain[3])
+
+
+def test_act_and_mul_linear_takes_a_consumable_inputs_gradient_in_place(triton_first):
+    from torch import nn
+
+    from transfuse.ops.act_and_mul import CONSUMABLE
+
+    linear = nn.Linear(40, 12, device=DEVICE)
+    leaf = torch.randn(6, 80, device=DEVICE, requires_grad=True)
+    dout = torch.randn(6, 12, device=DEVICE)
+    grads = []
+    for consumable in (False, True):
+        x = leaf * 1.0
+        if consumable:
+            setattr(x, CONSUMABLE, True)
+        out = ops.act_and_mul_linear(linear, x, "silu")
+        (grad,) = torch.autograd.grad(out, x, dout, retain_graph=True)
+        grads.append(grad)
+        if consumable:
+            assert torch.equal(x.detach(), grad)  # written over the input
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                torch.autograd.grad(out, x, dout)
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)

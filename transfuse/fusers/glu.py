@@ -12,11 +12,17 @@ activation module's class is identified from its own traced graph, and each inst
 then checked numerically against the fused op, so an instance configured differently
 (``nn.GELU(approximate="tanh")`` next to ``nn.GELU()``) is identified on its own. Any
 other activation is refused with the reason.
+
+When the product's only reader is a linear child, written as its call's one argument
+(``self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))``), both calls become
+``act_and_mul_linear(self.down_proj, self.gate_up_proj(x), activation)``: the same numbers, and
+in training the product is computed again in the backward instead of kept for the down
+projection's weight gradient.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import libcst as cst
 import libcst.matchers as m
@@ -45,6 +51,9 @@ class GLUMatch:
     into: str
     act_module: str | None  # a child module applies the activation ...
     act_function: str | None  # ... or a function call in the forward does (its ACTIVATIONS name)
+    # The linear child that is the product's only reader (a down projection), if there is one:
+    # the two calls then become ``act_and_mul_linear``, which recomputes the product in training.
+    down: str | None = None
 
     @property
     def merge(self) -> Merge:
@@ -103,7 +112,7 @@ class GLUFuser(SourceFuser):
             for act_side, up_side in (operands(node)[:2], operands(node)[1::-1]):
                 found = self._match_product(analysis, linears, act_side, up_side)
                 if isinstance(found, GLUMatch):
-                    return found
+                    return replace(found, down=_only_reader(node, linear_children(analysis), found))
                 refusal = refusal or found
         return refusal
 
@@ -154,6 +163,13 @@ class GLUFuser(SourceFuser):
                 f"gate and up read {expression_code(gate_call.args[0].value)} and "
                 f"{expression_code(up_call.args[0].value)}, not one variable.",
             )
+        down_call = _down_call(tree, product, found.down)
+        if down_call is not None:
+            fused_op = context.require("transfuse.ops", "act_and_mul_linear")
+            merged = cst.parse_expression(
+                f"{fused_op}(self.{found.down}, self.{found.into}({x.value}), self.{found.into}.activation)"
+            )
+            return replace_nodes(tree, [(down_call, merged)])
         fused_op = context.require("transfuse.ops", "act_and_mul")
         merged = cst.parse_expression(f"{fused_op}(self.{found.into}({x.value}), self.{found.into}.activation)")
         return replace_nodes(tree, [(product, merged)])
@@ -173,6 +189,25 @@ class GLUFuser(SourceFuser):
     def fuse(self, module: nn.Module, found: GLUMatch) -> Fused:
         merged = found.merge.apply(module)
         return Fused(replaced=(found.gate, found.up), into=type(merged).__name__, undo=lambda: found.merge.undo(module))
+
+
+def _only_reader(product: fx.Node, linears: set[str], found: GLUMatch) -> str | None:
+    """The linear child that reads the product and is its only reader, if there is one."""
+    users = list(product.users)
+    if len(users) != 1 or not _is_linear_call(users[0], linears) or users[0].args[0] is not product:
+        return None
+    return None if users[0].target in (found.gate, found.up) else users[0].target
+
+
+def _down_call(tree: cst.FunctionDef, product: cst.CSTNode, down: str | None) -> cst.Call | None:
+    """``self.<down>(<product>)``, the product written as the call's one argument; None when the
+    source spells it another way (the product then fuses alone)."""
+    if down is None:
+        return None
+    for call in m.findall(tree, m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name(down)))):
+        if len(call.args) == 1 and call.args[0].keyword is None and call.args[0].value is product:
+            return call
+    return None
 
 
 def _is_linear_call(node, linears: set[str]) -> bool:

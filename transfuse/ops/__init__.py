@@ -6,7 +6,7 @@ plus providers (torch builtins, Triton, CUDA C++, plugins) picked per platform a
 
 # Importing these registers their providers: CUDA C++ (built on first use), Triton (imported on first use).
 from . import cuda, triton  # noqa: F401
-from .act_and_mul import ACTIVATIONS, act_and_mul, gelu_and_mul_native, identify_activation, silu_and_mul_native
+from .act_and_mul import ACTIVATIONS, act_and_mul, act_and_mul_linear, gelu_and_mul_native, identify_activation, silu_and_mul_native
 from .dispatch import (
     Dispatch,
     Op,
@@ -44,6 +44,7 @@ __all__ = [
     "RoutingSpec",
     "StackedExperts",
     "act_and_mul",
+    "act_and_mul_linear",
     "causal_lm_loss",
     "current_platform",
     "fused_add_rms_norm",

@@ -75,6 +75,10 @@ class Provider:
     differentiable: bool = False
     defers: Callable[..., bool] = _never
     autograd: Callable[..., Any] | None = None
+    # ``(grad_output, *args, in_place=...) -> (grad_input, output)``: the backward that also
+    # gives the forward's output again, for callers that recompute it instead of keeping it
+    # (act_and_mul before a linear layer); None: autograd differentiates ``autograd`` or ``impl``.
+    backward_and_output: Callable[..., Any] | None = None
 
     @property
     def has_backward(self) -> bool:
@@ -175,6 +179,14 @@ class Op:
 
     def select(self, *args: Any, **kwargs: Any) -> Provider:
         return self._select(_needs_grad(args, kwargs), args, kwargs)
+
+    def select_with_backward(self, *args: Any, **kwargs: Any) -> Provider:
+        """The provider a call of these arguments gets when autograd needs its backward (for a
+        ``torch.autograd.Function`` that calls the op in its own forward, where grad is off)."""
+        provider = self._select(True, args, kwargs)
+        if _TRACES:
+            _record(self.name, provider.name, args, kwargs, True)
+        return provider
 
     def _select(self, grad: bool, args: tuple, kwargs: dict) -> Provider:
         deferred = None

@@ -111,9 +111,10 @@ def _provider(op, module: str, name: str, supports_args) -> None:
     kernels with their backward) for calls that need a backward."""
     op.register(
         Provider(
-            "triton", _lazy(module, name), available, supports_args, autograd=_lazy(module, f"{name}_autograd")
+            "triton", _lazy(module, name), available, supports_args, autograd=_lazy(module, f"{name}_autograd"),
+            backward_and_output=_lazy(module, f"{name}_backward_and_output") if module == "act_and_mul" else None,
         )
-    )
+    )  # fmt: skip
 
 
 _provider(RMS_NORM, "rms_norm", "rms_norm", _rms_norm_args)

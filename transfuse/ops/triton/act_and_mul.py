@@ -23,7 +23,15 @@ from ..act_and_mul import CONSUMABLE
 from . import device_of
 from .launch import Kernel
 
-__all__ = ["act_and_mul_backward", "gelu_and_mul", "gelu_and_mul_autograd", "silu_and_mul", "silu_and_mul_autograd"]
+__all__ = [
+    "act_and_mul_backward",
+    "gelu_and_mul",
+    "gelu_and_mul_autograd",
+    "gelu_and_mul_backward_and_output",
+    "silu_and_mul",
+    "silu_and_mul_autograd",
+    "silu_and_mul_backward_and_output",
+]
 
 SILU, GELU, GELU_TANH = 0, 1, 2
 _GELU_APPROXIMATIONS = {"none": GELU, "tanh": GELU_TANH}
@@ -42,6 +50,22 @@ _LARGE_BLOCK, _LARGE_THREAD_BYTES = 4096, 16
 # Benchmarks and tests override the launch here: block, num_warps, masked (predicate even exact
 # tiles), index_64 (64-bit offsets at any size); ``benchmarks/sweep_triton_ops.py``.
 TUNING: dict = {}
+
+
+@triton.jit
+def _gated(gate, up, ACTIVATION: tl.constexpr, dtype: tl.constexpr):
+    """``act(gate) * up`` in ``dtype``, from float32 gate and up: the activation rounded to ``dtype``
+    before the multiply, as ``F.silu(gate) * up`` in a half dtype. The forward's formula, which the
+    backward also uses where it writes the forward's output again."""
+    if ACTIVATION == 0:
+        act = gate / (1.0 + tl.exp(-gate))
+    elif ACTIVATION == 1:
+        act = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
+    else:
+        # 0.5 * g * (1 + tanh(y)) == g * sigmoid(2y): exact algebra, and no tanh is needed.
+        y = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        act = gate / (1.0 + tl.exp(-2.0 * y))
+    return (act.to(dtype).to(tl.float32) * up).to(dtype)
 
 
 @Kernel
@@ -63,16 +87,7 @@ def _act_and_mul_kernel(
         start = x_ptr + row * x_row_stride
     gate = tl.load(start + cols, mask=mask).to(tl.float32)
     up = tl.load(start + D + cols, mask=mask).to(tl.float32)
-    if ACTIVATION == 0:
-        act = gate / (1.0 + tl.exp(-gate))
-    elif ACTIVATION == 1:
-        act = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
-    else:
-        # 0.5 * g * (1 + tanh(y)) == g * sigmoid(2y): exact algebra, and no tanh is needed.
-        y = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        act = gate / (1.0 + tl.exp(-2.0 * y))
-    act = act.to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * D + cols, (act * up).to(dtype), mask=mask)
+    tl.store(out_ptr + row * D + cols, _gated(gate, up, ACTIVATION, dtype), mask=mask)
 
 
 def _launch_shape(n_rows: int, d: int, element_size: int) -> tuple[int, int]:
@@ -129,7 +144,8 @@ def gelu_and_mul(x: Tensor, approximate: str = "none") -> Tensor:
 @Kernel
 @triton.jit
 def _act_and_mul_backward_kernel(
-    x_ptr, dy_ptr, dx_ptr, D: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr, INDEX_64: tl.constexpr,
+    x_ptr, dy_ptr, dx_ptr, y_ptr,
+    D: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr, INDEX_64: tl.constexpr, WRITE_Y: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     if INDEX_64:
@@ -155,27 +171,33 @@ def _act_and_mul_backward_kernel(
         act = gate * s
         slope = s + gate * 2.0 * s * (1.0 - s) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * gate * gate)
     act = act.to(dtype).to(tl.float32)
+    if WRITE_Y:  # the forward's output again, for a caller that did not keep it (its own formula)
+        tl.store(y_ptr + row * D + cols, _gated(gate, up, ACTIVATION, dtype), mask=mask)
     tl.store(dx_ptr + start + cols, (dy * up * slope).to(dtype), mask=mask)
     tl.store(dx_ptr + start + D + cols, (dy * act).to(dtype), mask=mask)
 
 
-def act_and_mul_backward(dy: Tensor, x: Tensor, activation: int, in_place: bool = False) -> Tensor:
+def act_and_mul_backward(
+    dy: Tensor, x: Tensor, activation: int, in_place: bool = False, output: bool = False
+) -> Tensor | tuple[Tensor, Tensor]:
     """The gradient ``[dgate | dup]`` of ``act_and_mul`` at ``x``, given the output's gradient ``dy``;
     with ``in_place`` (``x`` contiguous), written over ``x`` (each program reads its elements of
-    ``x`` before it writes the same elements)."""
+    ``x`` before it writes the same elements). With ``output``, ``(gradient, act_and_mul(x))``: the
+    forward's output, bit for bit, from the same read of ``x``."""
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * d).contiguous()
     dy2 = dy.reshape(-1, d).contiguous()
     dx = x2 if in_place and x2.data_ptr() == x.data_ptr() else torch.empty_like(x2)
+    y = x.new_empty((*x.shape[:-1], d)) if output else dx
     n_rows = x2.shape[0]
     if n_rows:
         block = min(_BLOCK, triton.next_power_of_2(d))
         with device_of(x):
             _act_and_mul_backward_kernel[(n_rows, triton.cdiv(d, block))](
-                x2, dy2, dx, D=d, ACTIVATION=activation, BLOCK=block, INDEX_64=x2.numel() >= 2**31,
-                num_warps=max(1, min(8, block // 128)),
+                x2, dy2, dx, y, D=d, ACTIVATION=activation, BLOCK=block, INDEX_64=x2.numel() >= 2**31,
+                WRITE_Y=output, num_warps=max(1, min(8, block // 128)),
             )  # fmt: skip
-    return dx.view(x.shape)
+    return (dx.view(x.shape), y) if output else dx.view(x.shape)
 
 
 class _ActAndMulFunction(torch.autograd.Function):
@@ -211,3 +233,15 @@ def silu_and_mul_autograd(x: Tensor) -> Tensor:
 def gelu_and_mul_autograd(x: Tensor, approximate: str = "none") -> Tensor:
     """The triton provider of ``gelu_and_mul`` for calls that need a backward."""
     return _ActAndMulFunction.apply(x, _GELU_APPROXIMATIONS[approximate])
+
+
+def silu_and_mul_backward_and_output(dy: Tensor, x: Tensor, in_place: bool = False) -> tuple[Tensor, Tensor]:
+    """The gradient of ``silu_and_mul`` at ``x`` and its output, from one read of ``x``."""
+    return act_and_mul_backward(dy, x, SILU, in_place, output=True)
+
+
+def gelu_and_mul_backward_and_output(
+    dy: Tensor, x: Tensor, approximate: str = "none", in_place: bool = False
+) -> tuple[Tensor, Tensor]:
+    """The gradient of ``gelu_and_mul`` at ``x`` and its output, from one read of ``x``."""
+    return act_and_mul_backward(dy, x, _GELU_APPROXIMATIONS[approximate], in_place, output=True)
