@@ -37,7 +37,9 @@ __all__ = ["Kernel"]
 
 FAST = os.environ.get("TRANSFUSE_TRITON_FAST_LAUNCH", "1") != "0"
 # Launch options a call may pass besides constexprs; each is part of the key by value.
-_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg"})
+# (``enable_fp_fusion=False``: no multiply-add contracted into an FMA, for kernels that must round
+# each product as separate PyTorch ops do.)
+_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion"})
 
 
 def _hook_holder() -> Any:
