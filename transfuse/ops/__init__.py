@@ -26,6 +26,7 @@ from .moe import ExpertsSpec, RoutingSpec, moe_experts, moe_experts_native, moe_
 from .moe_layer import StackedExperts, moe_block, moe_block_applies
 from .platform import Platform, current_platform
 from .rms_norm import GATE_ACTIVATIONS, RMSNormSpec, gated_rms_norm, gated_rms_norm_native, rms_norm, rms_norm_native
+from .rotary import rotary, rotary_native
 
 __all__ = [
     "ACTIVATIONS",
@@ -68,6 +69,8 @@ __all__ = [
     "register_provider",
     "rms_norm",
     "rms_norm_native",
+    "rotary",
+    "rotary_native",
     "set_compile_mode",
     "set_priority",
     "silu_and_mul_native",
