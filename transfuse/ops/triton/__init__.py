@@ -4,8 +4,8 @@ Providers backed by these kernels are registered eagerly (below) with a ``suppor
 that only looks for the package; the kernel module is imported on first call. Under
 ``TRITON_INTERPRET=1`` (set before Triton is imported) the kernels run on CPU tensors,
 which is how CI tests their logic without a GPU. Kernels live in one module per op family:
-``rms_norm.py`` (rms_norm, fused_add_rms_norm, gated_rms_norm), ``act_and_mul.py`` (each with its backward
-kernels and the ``torch.autograd.Function`` that pairs them: the provider's ``autograd``) and
+``rms_norm.py`` (rms_norm, fused_add_rms_norm, gated_rms_norm), ``act_and_mul.py`` and ``rotary.py`` (each with its
+backward kernels and the ``torch.autograd.Function`` that pairs them: the provider's ``autograd``) and
 ``cross_entropy.py`` (a loss and its gradient in one kernel, for ``linear_cross_entropy``).
 """
 
@@ -21,12 +21,13 @@ from typing import Any, Callable
 import torch
 
 from ..act_and_mul import GELU_AND_MUL, SILU_AND_MUL
-from ..checks import rows_fit, same_rows, weight_fits
+from ..checks import KERNEL_DTYPES, rows_fit, same_rows, weight_fits
 from ..dispatch import Provider
 from ..fused_add_rms_norm import FUSED_ADD_RMS_NORM
 from ..linear_cross_entropy import CROSS_ENTROPY_GRAD
 from ..platform import current_platform
 from ..rms_norm import GATED_RMS_NORM, RMS_NORM
+from ..rotary import ROTARY
 
 __all__ = ["MAX_HIDDEN", "available", "device_of", "interpreting", "on_device"]
 
@@ -34,6 +35,8 @@ __all__ = ["MAX_HIDDEN", "available", "device_of", "interpreting", "on_device"]
 MAX_HIDDEN = 65536
 # act_and_mul tiles its rows, so any width the grid can cover.
 _MAX_ACT_WIDTH = 2**30
+# rotary holds a block of heads' halves in registers, at least one head a program.
+_MAX_ROTARY_DIM = 1024
 
 
 @functools.cache
@@ -97,6 +100,33 @@ def _act_and_mul_args(x, approximate: str = "none") -> bool:
     return on_device(x) and rows_fit(x, _MAX_ACT_WIDTH) and x.shape[-1] % 2 == 0 and approximate in ("none", "tanh")
 
 
+def _rotary_args(q, k, cos, sin, unsqueeze_dim: int = 1) -> bool:
+    """q and k ``[B, H, S, D]`` (unsqueeze_dim 1) or ``[B, S, H, D]`` (2), heads may differ (GQA),
+    unit stride along D and any other strides; cos and sin ``[B or 1, S, D]``; one float dtype;
+    cos and sin without a gradient to compute (the kernels' backward has none for them)."""
+    if not (on_device(q, k, cos, sin) and q.dim() == 4 and k.dim() == 4 and cos.dim() == 3):
+        return False
+    dtype = q.dtype
+    if dtype not in KERNEL_DTYPES or not (k.dtype == cos.dtype == sin.dtype == dtype):
+        return False
+    if unsqueeze_dim in (1, -3):
+        (b, _, s, d), (kb, _, ks, kd) = q.shape, k.shape
+    elif unsqueeze_dim in (2, -2):
+        (b, s, _, d), (kb, ks, _, kd) = q.shape, k.shape
+    else:
+        return False
+    return (
+        (kb, ks, kd) == (b, s, d)
+        and 0 < d <= _MAX_ROTARY_DIM
+        and d % 2 == 0
+        and cos.shape[0] in (1, b)
+        and cos.shape[1:] == (s, d)
+        and sin.shape == cos.shape
+        and q.stride(-1) == k.stride(-1) == cos.stride(-1) == sin.stride(-1) == 1
+        and not (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad))
+    )
+
+
 def _cross_entropy_grad_args(logits, targets, scale, ignore_index) -> bool:
     return (
         on_device(logits, targets, scale)
@@ -123,4 +153,5 @@ _provider(FUSED_ADD_RMS_NORM, "rms_norm", "fused_add_rms_norm", _fused_add_rms_n
 GATED_RMS_NORM.register(Provider("triton", _lazy("rms_norm", "gated_rms_norm"), available, _gated_rms_norm_args))
 _provider(SILU_AND_MUL, "act_and_mul", "silu_and_mul", _act_and_mul_args)
 _provider(GELU_AND_MUL, "act_and_mul", "gelu_and_mul", _act_and_mul_args)
+_provider(ROTARY, "rotary", "rotary", _rotary_args)
 CROSS_ENTROPY_GRAD.register(Provider("triton", _lazy("cross_entropy", "cross_entropy_grad"), available, _cross_entropy_grad_args))
