@@ -1,4 +1,4 @@
-"""Time every provider of rms_norm, fused_add_rms_norm, gated_rms_norm, silu_and_mul and gelu_and_mul on a CUDA GPU
+"""Time every provider of rms_norm, fused_add_rms_norm, gated_rms_norm, silu_and_mul, gelu_and_mul and rotary on a CUDA GPU
 against the Hugging Face eager code, ``torch.compile`` of it, and the copy bandwidth of the same run.
 
     python benchmarks/bench_ops.py --out DIR [--hidden 4096] [--tokens 1 16 256 4096 32768]
@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 from transfuse import ops  # noqa: E402
 from transfuse.ops import RMSNormSpec  # noqa: E402
 
-OPS = ("rms_norm", "fused_add_rms_norm", "gated_rms_norm", "silu_and_mul", "gelu_and_mul")
+OPS = ("rms_norm", "fused_add_rms_norm", "gated_rms_norm", "silu_and_mul", "gelu_and_mul", "rotary")
 KERNEL_PROVIDERS = ("torch", "triton", "cuda")
 ROTATE_BYTES = 256 * 2**20  # input sets rotated per graph: > 4x the H200's 60 MB L2
 CALLS_PER_GRAPH = 100
@@ -183,6 +183,31 @@ def _act_and_mul_case(op: str, tokens: int, hidden: int, dtype: torch.dtype) -> 
     return _add_providers(case, lambda x: (x, *extra))
 
 
+# Llama-3-8B's attention: 32 query heads, 8 key/value heads, head_dim 128 (``--hidden`` does not apply).
+ROTARY_HEADS, ROTARY_KV_HEADS, ROTARY_HEAD_DIM = 32, 8, 128
+
+
+def _rotary_case(tokens: int, dtype: torch.dtype) -> Case:
+    """``apply_rotary_pos_emb`` on one sequence of ``tokens``, its q and k the transposed head views of
+    column slices of a merged q/k/v projection (as a fused attention's are), cos and sin ``[1, tokens, 128]``."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    hq, hk, d = ROTARY_HEADS, ROTARY_KV_HEADS, ROTARY_HEAD_DIM
+
+    def make_inputs():
+        qkv = _randn(1, tokens, (hq + 2 * hk) * d, dtype=dtype)
+        q = qkv[..., : hq * d].view(1, tokens, hq, d).transpose(1, 2)
+        k = qkv[..., hq * d : (hq + hk) * d].view(1, tokens, hk, d).transpose(1, 2)
+        return q, k, _randn(1, tokens, d, dtype=dtype), _randn(1, tokens, d, dtype=dtype)
+
+    size = torch.finfo(dtype).bits // 8
+    case = Case("rotary", tokens, make_inputs, (2 * (hq + hk) + 2) * d * tokens * size)
+    case.variants["hf eager"] = apply_rotary_pos_emb
+    case.variants["hf compile"] = _compiled(apply_rotary_pos_emb)
+    case.variants["default"] = ops.rotary
+    return _add_providers(case, lambda q, k, cos, sin: (q, k, cos, sin, 1))
+
+
 def build_case(op: str, tokens: int, hidden: int, dtype: torch.dtype) -> Case:
     """The inputs, HF eager and compiled references, and transfuse variants of one op at one size."""
     if op == "rms_norm":
@@ -191,6 +216,8 @@ def build_case(op: str, tokens: int, hidden: int, dtype: torch.dtype) -> Case:
         return _fused_add_rms_norm_case(tokens, hidden, dtype)
     if op == "gated_rms_norm":
         return _gated_rms_norm_case(tokens, hidden, dtype)
+    if op == "rotary":
+        return _rotary_case(tokens, dtype)
     return _act_and_mul_case(op, tokens, hidden, dtype)
 
 
