@@ -18,7 +18,7 @@ from transfuse.rewriter.apply import is_fused
 from transfuse.tiny import tiny_model
 
 FAMILIES = ["llama", "qwen3", "gemma2", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"]
-ALL_KINDS = ["rms_norm", "qkv", "gate_up", "moe", "linear_cross_entropy"]
+ALL_KINDS = transfuse.fusers.kinds()  # the opt-in loss with every default kind
 
 
 def _ids():

@@ -115,7 +115,7 @@ def test_from_pretrained_returns_a_rewritten_model_with_transformers_arguments(t
     stock = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
     fused = transfuse.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, device_map="cpu")
     assert fused.dtype == torch.bfloat16
-    assert transfuse.report(fused).counts() == {"rms_norm": 9, "qkv": 2, "gate_up": 2}
+    assert transfuse.report(fused).counts() == {"rms_norm": 9, "qkv": 2, "gate_up": 2, "rotary": 2}
     assert any(isinstance(m, RMSNorm) for m in fused.modules())
     ids = _ids(stock)
     assert torch.equal(_logits(fused, ids), _logits(stock, ids))

@@ -19,7 +19,7 @@ from transfuse.tiny import tiny_model
 
 # The op's module (``transfuse.ops.linear_cross_entropy`` is the function, as for every op).
 lce_module = importlib.import_module("transfuse.ops.linear_cross_entropy")
-ALL_KINDS = ["rms_norm", "qkv", "gate_up", "moe", "linear_cross_entropy"]
+ALL_KINDS = transfuse.fusers.kinds()  # the opt-in loss with every default kind
 
 
 class _Head(torch.nn.Module):

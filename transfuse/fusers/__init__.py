@@ -8,6 +8,7 @@ from .linear_cross_entropy import LinearCrossEntropyFuser
 from .moe import MoEFuser
 from .qkv import QKVFuser
 from .rms_norm import RMSNormFuser
+from .rotary import RotaryFuser
 
 __all__ = [
     "FUSERS",
@@ -16,13 +17,16 @@ __all__ = [
     "MoEFuser",
     "QKVFuser",
     "RMSNormFuser",
+    "RotaryFuser",
     "default_kinds",
     "fusers_for",
     "kinds",
 ]
 
 # Applied in this order.
-FUSERS: tuple[Fuser, ...] = (RMSNormFuser(), QKVFuser(), GLUFuser(), MoEFuser(), LinearCrossEntropyFuser())
+FUSERS: tuple[Fuser, ...] = (
+    RMSNormFuser(), QKVFuser(), RotaryFuser(), GLUFuser(), MoEFuser(), LinearCrossEntropyFuser(),
+)  # fmt: skip
 
 
 def kinds() -> list[str]:
