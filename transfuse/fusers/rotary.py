@@ -69,6 +69,8 @@ class RotaryFuser(SourceFuser):
 
     def match(self, analysis: ClassAnalysis) -> RotaryMatch | Refusal | None:
         forward = unwrapped_forward(analysis.cls)
+        if _calls_the_op(forward):
+            return None  # already the fused form (an emitted modeling file's forward)
         found, near = [], []
         for name, function in _candidates(forward):
             dim = rotary_unsqueeze_dim(function)
@@ -121,6 +123,13 @@ def _prove(function: Any) -> int | None:
     if not (isinstance(function, types.FunctionType) and _takes_four(function)):
         return None
     return rotary_unsqueeze_dim(function)
+
+
+def _calls_the_op(forward: Any) -> bool:
+    from ..ops.rotary import rotary
+
+    code = getattr(forward, "__code__", None)
+    return code is not None and any(forward.__globals__.get(name) is rotary for name in code.co_names)
 
 
 def _candidates(forward: Any) -> list[tuple[str, types.FunctionType]]:
