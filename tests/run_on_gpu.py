@@ -5,7 +5,7 @@
 1. builds the CUDA extension verbosely (``python -m transfuse.ops.cuda``) into DIR/cuda_build.log;
 2. runs the ops tests (``tests/test_kernels.py``: every Triton and CUDA provider against native;
    ``test_triton_launch.py``; ``test_moe_ops.py``; ``test_decode_graphs.py``;
-   ``test_ops_dispatch.py``; ``test_ops_compile.py``; ``test_fail_closed.py``: verification of wrong and
+   ``test_ops_dispatch.py``; ``test_ops_compile.py``; ``test_rotary_ops.py``; ``test_fail_closed.py``: verification of wrong and
    honest kernels in three dtypes) with pytest, its output in DIR/pytest.log
    and a JUnit report in DIR/pytest.xml;
 3. prints a short table last: per test file, passed / failed / skipped, then the failures.
@@ -34,6 +34,7 @@ TEST_FILES = [
     "tests/test_decode_graphs.py",
     "tests/test_fail_closed.py",
     "tests/test_kernels_backward.py",
+    "tests/test_rotary_ops.py",
 ]
 
 
