@@ -283,6 +283,23 @@ def test_act_and_mul_linear_calls_a_watched_or_wrapped_linear_as_it_is(triton_fi
     assert fused[1] is None and (4 * 16, 16) not in fused[4]
     torch.testing.assert_close(fused[2], plain[2])
     torch.testing.assert_close(fused[3], plain[3])
+    # A frozen layer (LoRA elsewhere): the input's gradient alone, the product not rebuilt.
+    linear.requires_grad_(False)
+    fused = _glu_linear_step(linear, x0, dout, "silu", fused=True)
+    plain = _glu_linear_step(linear, x0, dout, "silu", fused=False)
+    assert fused[2] is None and (4 * 16, 16) not in fused[4]
+    torch.testing.assert_close(fused[1], plain[1])
+
+
+def test_the_backward_gives_the_product_only_when_asked(triton_first):
+    from transfuse.ops.triton.act_and_mul import silu_and_mul_backward_and_output
+
+    x = torch.randn(3, 64, device=DEVICE)
+    dy = torch.randn(3, 32, device=DEVICE)
+    with_product, product = silu_and_mul_backward_and_output(dy, x)
+    alone, none = silu_and_mul_backward_and_output(dy, x, output=False)
+    assert none is None and torch.equal(product, ops.get_op("silu_and_mul")(x))
+    assert torch.equal(alone, with_product)
 
 
 def test_act_and_mul_linear_takes_a_consumable_inputs_gradient_in_place(triton_first):

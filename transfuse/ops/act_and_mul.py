@@ -169,7 +169,11 @@ class _ActAndMulLinear(torch.autograd.Function):
         need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_x = grad_weight = grad_bias = None
         if need_x:
-            grad_x, product = _backward_and_output(ctx.provider, grad.matmul(weight), x, ctx.args, ctx.consumable)
+            # The product again only where the weight's gradient reads it (a frozen down projection,
+            # as under LoRA elsewhere, needs the input's gradient alone).
+            grad_x, product = _backward_and_output(
+                ctx.provider, grad.matmul(weight), x, ctx.args, ctx.consumable, output=need_weight
+            )
             if ctx.consumable and grad_x.data_ptr() == x.data_ptr():
                 # Its version is bumped, so a later autograd use of x fails autograd's check
                 # rather than read the gradient.
@@ -184,16 +188,19 @@ class _ActAndMulLinear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None, None
 
 
-def _backward_and_output(provider: Provider, grad: Tensor, x: Tensor, args: tuple, in_place: bool) -> tuple[Tensor, Tensor]:
-    """(act_and_mul's gradient at ``x``, its output at ``x``): in one kernel where the provider has
-    one, else by autograd through the provider's differentiable implementation."""
+def _backward_and_output(
+    provider: Provider, grad: Tensor, x: Tensor, args: tuple, in_place: bool, output: bool
+) -> tuple[Tensor, Tensor | None]:
+    """(act_and_mul's gradient at ``x``, its output at ``x`` if ``output`` else None): in one kernel
+    where the provider has one, else by autograd through the provider's differentiable
+    implementation."""
     if provider.backward_and_output is not None:
-        return provider.backward_and_output(grad, x, *args, in_place=in_place)
+        return provider.backward_and_output(grad, x, *args, in_place=in_place, output=output)
     with torch.enable_grad():
         leaf = x.detach().requires_grad_()
         product = provider.implementation(True)(leaf, *args)
     (grad_x,) = torch.autograd.grad(product, leaf, grad)
-    return grad_x, product.detach()
+    return grad_x, product.detach() if output else None
 
 
 @functools.cache

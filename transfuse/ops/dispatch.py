@@ -75,9 +75,10 @@ class Provider:
     differentiable: bool = False
     defers: Callable[..., bool] = _never
     autograd: Callable[..., Any] | None = None
-    # ``(grad_output, *args, in_place=...) -> (grad_input, output)``: the backward that also
-    # gives the forward's output again, for callers that recompute it instead of keeping it
-    # (act_and_mul before a linear layer); None: autograd differentiates ``autograd`` or ``impl``.
+    # ``(grad_output, *args, in_place=..., output=...) -> (grad_input, output or None)``: the
+    # backward that can also give the forward's output again, for callers that recompute it
+    # instead of keeping it (act_and_mul before a linear layer); None: autograd differentiates
+    # ``autograd`` or ``impl``.
     backward_and_output: Callable[..., Any] | None = None
 
     @property

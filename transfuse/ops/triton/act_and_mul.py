@@ -235,13 +235,21 @@ def gelu_and_mul_autograd(x: Tensor, approximate: str = "none") -> Tensor:
     return _ActAndMulFunction.apply(x, _GELU_APPROXIMATIONS[approximate])
 
 
-def silu_and_mul_backward_and_output(dy: Tensor, x: Tensor, in_place: bool = False) -> tuple[Tensor, Tensor]:
-    """The gradient of ``silu_and_mul`` at ``x`` and its output, from one read of ``x``."""
-    return act_and_mul_backward(dy, x, SILU, in_place, output=True)
+def silu_and_mul_backward_and_output(
+    dy: Tensor, x: Tensor, in_place: bool = False, output: bool = True
+) -> tuple[Tensor, Tensor | None]:
+    """The gradient of ``silu_and_mul`` at ``x`` and (with ``output``) its output, from one read of ``x``."""
+    return _backward_and_output(dy, x, SILU, in_place, output)
 
 
 def gelu_and_mul_backward_and_output(
-    dy: Tensor, x: Tensor, approximate: str = "none", in_place: bool = False
-) -> tuple[Tensor, Tensor]:
-    """The gradient of ``gelu_and_mul`` at ``x`` and its output, from one read of ``x``."""
-    return act_and_mul_backward(dy, x, _GELU_APPROXIMATIONS[approximate], in_place, output=True)
+    dy: Tensor, x: Tensor, approximate: str = "none", in_place: bool = False, output: bool = True
+) -> tuple[Tensor, Tensor | None]:
+    """The gradient of ``gelu_and_mul`` at ``x`` and (with ``output``) its output, from one read of ``x``."""
+    return _backward_and_output(dy, x, _GELU_APPROXIMATIONS[approximate], in_place, output)
+
+
+def _backward_and_output(dy: Tensor, x: Tensor, activation: int, in_place: bool, output: bool):
+    if output:
+        return act_and_mul_backward(dy, x, activation, in_place, output=True)
+    return act_and_mul_backward(dy, x, activation, in_place), None
