@@ -169,10 +169,19 @@ def rotary_unsqueeze_dim(function: types.FunctionType) -> int | None:
     return None
 
 
-def _graph_is_polynomial(function: types.FunctionType) -> bool:
+@functools.lru_cache(maxsize=256)
+def _graph(function: types.FunctionType) -> fx.Graph | None:
+    """The function's fx graph, its parameters past q, k, cos and sin at their defaults; None when
+    fx cannot trace it (which is then not this pattern)."""
     try:
-        graph = fx.symbolic_trace(function, concrete_args=_defaults(function)).graph
-    except Exception:  # noqa: BLE001 - anything fx cannot trace is not this pattern
+        return fx.symbolic_trace(function, concrete_args=_defaults(function)).graph
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _graph_is_polynomial(function: types.FunctionType) -> bool:
+    graph = _graph(function)
+    if graph is None:
         return False
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) < 4:
@@ -208,12 +217,10 @@ def _graph_is_polynomial(function: types.FunctionType) -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=256)
 def _rotates_half(function: types.FunctionType) -> bool:
     """A function of q, k, cos, sin that negates and concatenates: RoPE-like, for the refusal."""
-    try:
-        graph = fx.symbolic_trace(function, concrete_args=_defaults(function)).graph
-    except Exception:  # noqa: BLE001
+    graph = _graph(function)
+    if graph is None:
         return False
     targets = {n.target for n in graph.nodes if n.op == "call_function"}
     return {torch.cat, operator.neg, operator.mul} <= targets

@@ -136,13 +136,14 @@ def _cross_entropy_grad_args(logits, targets, scale, ignore_index) -> bool:
     )
 
 
-def _provider(op, module: str, name: str, supports_args) -> None:
+def _provider(op, module: str, name: str, supports_args, backward_and_output: bool = False) -> None:
     """Register ``name`` of ``module`` as the op's triton provider, with ``name_autograd`` (the same
-    kernels with their backward) for calls that need a backward."""
+    kernels with their backward) for calls that need a backward, and with ``backward_and_output``
+    the module's ``name_backward_and_output``."""
     op.register(
         Provider(
             "triton", _lazy(module, name), available, supports_args, autograd=_lazy(module, f"{name}_autograd"),
-            backward_and_output=_lazy(module, f"{name}_backward_and_output") if module == "act_and_mul" else None,
+            backward_and_output=_lazy(module, f"{name}_backward_and_output") if backward_and_output else None,
         )
     )  # fmt: skip
 
@@ -151,7 +152,7 @@ _provider(RMS_NORM, "rms_norm", "rms_norm", _rms_norm_args)
 _provider(FUSED_ADD_RMS_NORM, "rms_norm", "fused_add_rms_norm", _fused_add_rms_norm_args)
 # Forward only: under autograd the native definition (differentiable torch ops) runs.
 GATED_RMS_NORM.register(Provider("triton", _lazy("rms_norm", "gated_rms_norm"), available, _gated_rms_norm_args))
-_provider(SILU_AND_MUL, "act_and_mul", "silu_and_mul", _act_and_mul_args)
-_provider(GELU_AND_MUL, "act_and_mul", "gelu_and_mul", _act_and_mul_args)
+_provider(SILU_AND_MUL, "act_and_mul", "silu_and_mul", _act_and_mul_args, backward_and_output=True)
+_provider(GELU_AND_MUL, "act_and_mul", "gelu_and_mul", _act_and_mul_args, backward_and_output=True)
 _provider(ROTARY, "rotary", "rotary", _rotary_args)
 CROSS_ENTROPY_GRAD.register(Provider("triton", _lazy("cross_entropy", "cross_entropy_grad"), available, _cross_entropy_grad_args))
