@@ -16,6 +16,9 @@ included). Variants:
   under ``torch.compile`` (the table counts the graph breaks of compiled variants);
 - ``liger``: ``apply_liger_kernel_to_<family>`` (its fused linear cross-entropy included), run in a
   process of its own, since it patches transformers' classes for the whole process;
+- ``...-no-<kind>`` leaves one fusion kind out (``transfuse-lce-no-rotary``: what rotary is worth
+  in the step); ``...-block<N>`` holds N MiB of logit gradients per block of the loss (default
+  256: fewer, larger blocks mean fewer weight-gradient accumulations and a higher peak);
 - ``*+peft``: the same with LoRA r=16 on q/k/v/o/gate/up/down (only the adapters train); on the
   dense model only (PEFT wraps packed experts too, which the fused MoE layer does not compute).
 
@@ -29,8 +32,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -125,6 +130,9 @@ def _build(variant: str, name: str, smoke: bool, device: str):
     started = time.perf_counter()
     if variant.startswith("transfuse"):
         kinds = _all_kinds() if ("lce" in variant or "peft" in variant) else None
+        left_out = re.findall(r"-no-(\w+)", variant)  # e.g. transfuse-lce-no-rotary: one kind's share
+        if left_out:
+            kinds = [k for k in (kinds or _all_kinds()[:-1]) if k not in left_out]
         transfuse.rewrite(model, fusions=kinds)
     rewrite_s = time.perf_counter() - started
     if variant.endswith("+peft"):
@@ -183,8 +191,18 @@ def _profile(model, ids, rows: int = 25) -> str:
     return f"GPU kernels\n{by_kernel}\n\nOperators by their own GPU time, with input shapes\n{by_op}"
 
 
+def _block_mib(variant: str) -> int | None:
+    """``-block<N>``: the loss's blocks of logit gradients hold N MiB (default ``BLOCK_BYTES``)."""
+    found = re.search(r"-block(\d+)", variant)
+    return int(found.group(1)) if found else None
+
+
 def run_variant(variant: str, name: str, steps: int, smoke: bool, device: str, profile: tuple = ()) -> dict:
+    lce = importlib.import_module("transfuse.ops.linear_cross_entropy")  # the module, not the function
     result = {"variant": variant, "model": name}
+    default_block = lce.BLOCK_BYTES
+    if _block_mib(variant):
+        lce.BLOCK_BYTES = _block_mib(variant) << 20
     try:
         model, config, ids, rewrite_s = _build(variant, name, smoke, device)
         result["rewrite_s"] = rewrite_s
@@ -212,6 +230,8 @@ def run_variant(variant: str, name: str, steps: int, smoke: bool, device: str, p
         del model, optimizer
     except Exception as exc:  # a variant that fails is reported, the others still run
         result["error"] = f"{type(exc).__name__}: {exc}"[:500]
+    finally:
+        lce.BLOCK_BYTES = default_block
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()

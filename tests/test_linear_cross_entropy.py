@@ -94,14 +94,17 @@ def triton_cross_entropy():
     """The loss's kernel (under Triton's interpreter without a GPU) in place of the native definition."""
     from transfuse import ops
 
-    if not ops.get_op("cross_entropy_grad").is_supported(ops.get_op("cross_entropy_grad").providers["triton"]):
+    names = ("cross_entropy_grad", "scale_")
+    if not all(ops.get_op(name).is_supported(ops.get_op(name).providers["triton"]) for name in names):
         pytest.skip("Triton is not installed")
-    ops.set_priority(["triton"], op="cross_entropy_grad")
+    for name in names:
+        ops.set_priority(["triton"], op=name)
     try:
         with ops.trace() as calls:
             yield calls
     finally:
-        ops.set_priority(None, op="cross_entropy_grad")
+        for name in names:
+            ops.set_priority(None, op=name)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "num_items_in_batch"])
@@ -110,9 +113,11 @@ def test_the_triton_kernel_gives_transformers_loss_and_gradients(monkeypatch, tr
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs the kernel on CPU tensors
     h, weight, bias, labels = (t.to(device) for t in _loss_case(vocab=300))
     kwargs = {"num_items_in_batch": torch.tensor(41, device=device)} if reduction == "num_items_in_batch" else {}
-    want_loss, want = _grads(lambda *t: _stock(**kwargs)(*t, labels), h, weight, bias, torch.float32)
-    got_loss, got = _grads(lambda *t: _fused(**kwargs)(*t, labels), h, weight, bias, torch.float32)
-    assert {call.provider for call in triton_cross_entropy if call.op == "cross_entropy_grad"} == {"triton"}
+    # Scaled, so that the backward's in-place scale of the saved gradients is not by 1.
+    want_loss, want = _grads(lambda *t: 0.37 * _stock(**kwargs)(*t, labels), h, weight, bias, torch.float32)
+    got_loss, got = _grads(lambda *t: 0.37 * _fused(**kwargs)(*t, labels), h, weight, bias, torch.float32)
+    for op in ("cross_entropy_grad", "scale_"):
+        assert {call.provider for call in triton_cross_entropy if call.op == op} == {"triton"}, op
     assert abs(got_loss.item() - want_loss.item()) <= 1e-6 * abs(want_loss.item())
     for g, w in zip(got, want):
         assert ((g - w).norm() / w.norm()).item() <= 1e-5

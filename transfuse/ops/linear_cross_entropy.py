@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from .dispatch import Op
 
-__all__ = ["CROSS_ENTROPY_GRAD", "causal_lm_loss", "cross_entropy_grad_native", "linear_cross_entropy"]
+__all__ = ["CROSS_ENTROPY_GRAD", "SCALE_", "causal_lm_loss", "cross_entropy_grad_native", "linear_cross_entropy", "scale_native"]
 
 # Rows per chunk of the native loss: a chunk's logits, their float32 copy, its log-softmax and its
 # float32 gradient (about 14 bytes an element) stay under this many bytes (benchmarks may set it).
@@ -95,6 +95,19 @@ def cross_entropy_grad_native(logits: Tensor, targets: Tensor, scale: Tensor, ig
 CROSS_ENTROPY_GRAD = Op("cross_entropy_grad", cross_entropy_grad_native)
 
 
+def scale_native(x: Tensor, scale: Tensor) -> Tensor:
+    """``x`` multiplied in place by the one-element ``scale`` rounded to ``x``'s dtype (as ``mul_``
+    by a tensor of another dtype rounds it), and returned."""
+    return x.mul_(scale.to(x.dtype))
+
+
+# The backward's scaling of the saved gradients by the loss's gradient. ``mul_`` by a one-element
+# GPU tensor takes TensorIterator's unvectorised broadcast path (1.5-2.3 ms for Llama 3's 1 GiB
+# head gradient on an H200, 3-5x a copy's time); a kernel that reads the scale once per program
+# runs at copy bandwidth.
+SCALE_ = Op("scale_", scale_native)
+
+
 def _block_loss(logits: Tensor, targets: Tensor, scale: Tensor, ignore_index: int, transform, differentiate: bool) -> Tensor:
     """A block of rows' summed, scaled loss; their logits overwritten by its gradient when ``differentiate``."""
     if transform is None and differentiate and not torch.compiler.is_compiling():
@@ -144,10 +157,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # Scaled in place: a scaled copy would hold a second weight gradient (1 GiB for Llama 3's
         # head) beside the saved one at the step's peak. A second backward through the same graph
         # (retain_graph=True) then fails autograd's version check instead of scaling twice.
-        # (``mul_`` by a one-element GPU tensor takes TensorIterator's unvectorised broadcast path:
-        # 1.49 ms for Llama 3's head on an H200, about 3x a copy's time. ``_foreach_mul_`` with the
-        # scale in float32 was slower there, 2.30 ms: it falls back to a per-tensor path.)
-        grads = [g.mul_(grad_loss.to(g.dtype)) if g is not None else None for g in ctx.saved_tensors]
+        # (``_foreach_mul_`` with the scale in float32 was slower than ``mul_`` on an H200, 2.30
+        # against 1.49 ms: it falls back to a per-tensor path with type promotion.)
+        grads = [SCALE_(g, grad_loss) if g is not None else None for g in ctx.saved_tensors]
         return (*grads, None, None, None, None, None)
 
 

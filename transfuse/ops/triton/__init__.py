@@ -6,7 +6,8 @@ that only looks for the package; the kernel module is imported on first call. Un
 which is how CI tests their logic without a GPU. Kernels live in one module per op family:
 ``rms_norm.py`` (rms_norm, fused_add_rms_norm, gated_rms_norm), ``act_and_mul.py`` and ``rotary.py`` (each with its
 backward kernels and the ``torch.autograd.Function`` that pairs them: the provider's ``autograd``) and
-``cross_entropy.py`` (a loss and its gradient in one kernel, for ``linear_cross_entropy``).
+``cross_entropy.py`` (a loss and its gradient in one kernel, and the in-place scale of the saved
+gradients, for ``linear_cross_entropy``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ..act_and_mul import GELU_AND_MUL, SILU_AND_MUL
 from ..checks import KERNEL_DTYPES, rows_fit, same_rows, weight_fits
 from ..dispatch import Provider
 from ..fused_add_rms_norm import FUSED_ADD_RMS_NORM
-from ..linear_cross_entropy import CROSS_ENTROPY_GRAD
+from ..linear_cross_entropy import CROSS_ENTROPY_GRAD, SCALE_
 from ..platform import current_platform
 from ..rms_norm import GATED_RMS_NORM, RMS_NORM
 from ..rotary import ROTARY
@@ -136,6 +137,16 @@ def _cross_entropy_grad_args(logits, targets, scale, ignore_index) -> bool:
     )
 
 
+def _scale_args(x, scale) -> bool:
+    return (
+        on_device(x, scale)
+        and x.is_contiguous()
+        and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and scale.numel() == 1
+        and scale.dtype.is_floating_point
+    )
+
+
 def _provider(op, module: str, name: str, supports_args, backward_and_output: bool = False) -> None:
     """Register ``name`` of ``module`` as the op's triton provider, with ``name_autograd`` (the same
     kernels with their backward) for calls that need a backward, and with ``backward_and_output``
@@ -156,3 +167,4 @@ _provider(SILU_AND_MUL, "act_and_mul", "silu_and_mul", _act_and_mul_args, backwa
 _provider(GELU_AND_MUL, "act_and_mul", "gelu_and_mul", _act_and_mul_args, backward_and_output=True)
 _provider(ROTARY, "rotary", "rotary", _rotary_args)
 CROSS_ENTROPY_GRAD.register(Provider("triton", _lazy("cross_entropy", "cross_entropy_grad"), available, _cross_entropy_grad_args))
+SCALE_.register(Provider("triton", _lazy("cross_entropy", "scale_"), available, _scale_args))

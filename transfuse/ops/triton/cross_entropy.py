@@ -7,6 +7,9 @@ the logits, rounded to their dtype once, which is what the unfused model's gradi
 logits' dtype. A row whose target is ``ignore_index`` gets a zero loss and zero gradient. The
 logits are read twice and written once in their own dtype; the unfused model also writes a
 float32 copy, its log-softmax and a float32 gradient, each as large as the logits.
+
+And ``scale_``: the backward's multiplication of those saved gradients by the loss's gradient, in
+place, at copy bandwidth (``mul_`` by a one-element GPU tensor is not vectorised).
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ from torch import Tensor
 from . import device_of
 from .launch import Kernel
 
-__all__ = ["cross_entropy_grad"]
+__all__ = ["cross_entropy_grad", "scale_"]
 
 # Elements per block and warps (a vocabulary row is read in blocks of this many).
 TUNING: dict = {}
 _BLOCK, _WARPS = 4096, 8
+# scale_: elements per program.
+_SCALE_BLOCK = 8192
 
 
 @Kernel
@@ -71,3 +76,27 @@ def cross_entropy_grad(logits: Tensor, targets: Tensor, scale: Tensor, ignore_in
             BLOCK=block, num_warps=TUNING.get("num_warps", _WARPS),
         )  # fmt: skip
     return losses
+
+
+@Kernel
+@triton.jit
+def _scale_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offsets = start + tl.arange(0, BLOCK)
+    mask = offsets < n
+    dtype = x_ptr.dtype.element_ty
+    # The scale rounded to x's dtype first, then the product in float32 rounded once: what ``mul_``
+    # by a tensor of another dtype computes.
+    scale = tl.load(scale_ptr).to(dtype).to(tl.float32)
+    x = tl.load(x_ptr + offsets, mask=mask).to(tl.float32)
+    tl.store(x_ptr + offsets, (x * scale).to(dtype), mask=mask)
+
+
+def scale_(x: Tensor, scale: Tensor) -> Tensor:
+    """The triton provider of ``scale_``: ``x`` (contiguous) times a one-element ``scale``, in place."""
+    n = x.numel()
+    if n:
+        block = TUNING.get("scale_block", _SCALE_BLOCK)
+        with device_of(x):
+            _scale_kernel[(triton.cdiv(n, block),)](x, scale, n, BLOCK=block, num_warps=8)
+    return x
