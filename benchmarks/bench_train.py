@@ -188,7 +188,50 @@ def _profile(model, ids, rows: int = 25) -> str:
     by_op = prof.key_averages(group_by_input_shape=True).table(
         sort_by="self_cuda_time_total", row_limit=2 * rows, max_name_column_width=50, max_shapes_column_width=90
     )
-    return f"GPU kernels\n{by_kernel}\n\nOperators by their own GPU time, with input shapes\n{by_op}"
+    return (
+        f"GPU kernels\n{by_kernel}\n\nOperators by their own GPU time, with input shapes\n{by_op}\n\n"
+        f"{_idle_gaps(prof.events())}\n\n{_runtime_calls(events)}"
+    )
+
+
+def _idle_gaps(events, rows: int = 15) -> str:
+    """Where the GPU waited: the step's span against the union of its kernels' intervals, and the
+    longest gaps between consecutive kernels with the kernels on either side and the CPU
+    operators that began during the gap (a host sync or slow launches shows up here)."""
+    kernels = sorted(
+        (e for e in events if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start
+    )
+    if not kernels:
+        return "No GPU kernels recorded."
+    busy, gaps, end = 0.0, [], kernels[0].time_range.start
+    for before, kernel in zip([None, *kernels], kernels):
+        start, stop = kernel.time_range.start, kernel.time_range.end
+        if start > end and before is not None:
+            gaps.append((start - end, end, start, before.name, kernel.name))
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    span = end - kernels[0].time_range.start
+    cpu_ops = sorted(
+        (e for e in events if e.device_type == torch.autograd.DeviceType.CPU), key=lambda e: e.time_range.start
+    )
+    lines = [
+        f"GPU busy {busy / 1000:.2f} ms of a {span / 1000:.2f} ms span from the first kernel to the last "
+        f"({len(gaps)} gaps, {sum(g[0] for g in gaps) / 1000:.2f} ms idle)",
+        f"The {rows} longest gaps (us, the kernel before -> the kernel after; CPU operators begun in the gap):",
+    ]
+    for length, start, stop, before, after in sorted(gaps, reverse=True)[:rows]:
+        begun = [e.name for e in cpu_ops if start <= e.time_range.start < stop and not e.name.startswith("cuda")]
+        lines.append(f"  {length:8.1f}  {before[:50]} -> {after[:50]}; {', '.join(dict.fromkeys(begun))[:300]}")
+    return "\n".join(lines)
+
+
+def _runtime_calls(events) -> str:
+    """CUDA runtime calls (synchronisations, copies, allocations, launches) by total CPU time."""
+    calls = [e for e in events if e.key.startswith(("cuda", "aten::item", "aten::_local_scalar_dense"))]
+    calls.sort(key=lambda e: e.cpu_time_total, reverse=True)
+    lines = ["CUDA runtime calls and host reads of device values, by total CPU time (us, calls):"]
+    lines += [f"  {e.cpu_time_total:10.1f}  {e.count:6d}  {e.key}" for e in calls[:15]]
+    return "\n".join(lines)
 
 
 def _block_mib(variant: str) -> int | None:
@@ -210,8 +253,11 @@ def run_variant(variant: str, name: str, steps: int, smoke: bool, device: str, p
             import transfuse
 
             base = model.base_model.model if variant.endswith("+peft") else model
-            base = getattr(base, "_orig_mod", base)
-            result["fusions"] = transfuse.report(base).counts()
+            result["fusions"] = transfuse.report(getattr(base, "_orig_mod", base)).counts()
+            # No second name for the model: ``del model`` below must free it (a rewritten model
+            # is in reference cycles, so a name left here kept its weights, 3.6 GiB at these
+            # shapes, alive into the next variant's peak until the collector ran).
+            del base
         result["flops"] = _flops(getattr(model, "_orig_mod", model), config, *ids.shape)
         started = time.perf_counter()
         if "compiled" in variant:
