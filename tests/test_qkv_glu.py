@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import inspect
 
 import pytest
@@ -179,9 +181,7 @@ REFUSED = [
     (toys.RebindsOptionalArgument, "qkv.inputs-differ"),
     (toys.make_closure_attention(0.5), "source.closure"),
     (toys.NameMangledAttention, "source.name-mangled"),
-    (toys.ReluGLU, "gate_up.activation"),
-    (toys.CastAroundGLU, "gate_up.extra-arithmetic"),
-    (toys.ScaledGateGLU, "gate_up.extra-arithmetic"),
+    (toys.InPlaceBetweenGLU, "gate_up.input-mutated"),
 ]
 
 
@@ -200,6 +200,29 @@ def test_each_rule_refuses_with_its_reason(cls, tag):
     assert transfuse.diff(model) == ""
     with torch.no_grad():
         assert torch.equal(model(x), before)
+
+
+@pytest.mark.parametrize(
+    "cls", [toys.ReluGLU, toys.CastAroundGLU, toys.ScaledGateGLU, toys.ActivatedGateInAVariable], ids=lambda c: c.__name__
+)
+def test_a_glu_the_fused_op_does_not_compute_merges_its_projections_alone(cls):
+    """Casts around the activation, a scale on the gate, an activation the op does not have, the
+    activated gate in a variable: one merged matmul, the arithmetic after it as written, the same
+    outputs and gradients (the merged weight's gradient is the parts' gradients stacked)."""
+    torch.manual_seed(0)
+    stock = cls()
+    model = toys.Wrapper(copy.deepcopy(stock))
+    x = torch.randn(2, 5, 32)
+    transfuse.rewrite(model, example_inputs=(x,))
+    report = transfuse.report(model)
+    assert [(f.kind, f.cls) for f in report.fusions] == [("gate_up", cls.__name__)] and report.skipped == []
+    assert "self.gate_up_proj(x).split(" in transfuse.diff(model)
+    assert "transfuse.ops" not in transfuse.diff(model)  # no fused op called
+    assert torch.equal(model.inner(x), stock(x))
+    model.inner(x).sum().backward()
+    stock(x).sum().backward()
+    merged = model.inner.gate_up_proj.weight.grad
+    torch.testing.assert_close(merged, torch.cat([stock.gate.weight.grad, stock.up.weight.grad]), rtol=0, atol=1e-6)
 
 
 def test_state_dict_keeps_original_keys_and_load_state_dict_of_an_original_checkpoint_works():

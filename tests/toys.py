@@ -572,7 +572,7 @@ class TorchMulGeluTanhMLP(nn.Module):
 
 
 class ReluGLU(nn.Module):
-    """A ReLU-gated GLU: the fused op has no relu → refused (gate_up.activation)."""
+    """A ReLU-gated GLU: the fused op has no relu → only the projections merge."""
 
     def __init__(self, hidden=32, inner=48):
         super().__init__()
@@ -961,15 +961,34 @@ class _GLUProjections(nn.Module):
 
 
 class CastAroundGLU(_GLUProjections):
-    """The activation and product in float32, cast back → refused (gate_up.extra-arithmetic)."""
+    """The activation and product in float32, cast back (beam) → only the projections merge."""
 
     def forward(self, x):
         gate = self.gate(x)
         return self.down((F.silu(gate.float()) * self.up(x).float()).to(gate.dtype))
 
 
+class ActivatedGateInAVariable(_GLUProjections):
+    """The activated gate kept in a variable, multiplied in the next statement (recurrent_gemma):
+    not one act_and_mul expression → only the projections merge."""
+
+    def forward(self, x):
+        gate = F.gelu(self.gate(x), approximate="tanh")
+        return self.down(gate * self.up(x))
+
+
+class InPlaceBetweenGLU(_GLUProjections):
+    """A gate scaled in place between the two calls: the source proof cannot rule out that the
+    write reaches x → refused (gate_up.input-mutated)."""
+
+    def forward(self, x):
+        gate = self.gate(x)
+        gate.mul_(0.5)
+        return self.down(F.silu(gate) * self.up(x))
+
+
 class ScaledGateGLU(_GLUProjections):
-    """A scalar factor on the gate before the activation → refused (gate_up.extra-arithmetic)."""
+    """A scalar factor on the gate before the activation (falcon_h1) → only the projections merge."""
 
     gate_multiplier = 0.5
 

@@ -18,6 +18,12 @@ When the product's only reader is a linear child, written as its call's one argu
 ``act_and_mul_linear(self.down_proj, self.gate_up_proj(x), activation)``: the same numbers, and
 in training the product is computed again in the backward instead of kept for the down
 projection's weight gradient.
+
+A GLU whose product is not one ``act_and_mul`` (an activation the op does not have, casts to
+float32 around the activation, a scale on the gate, or the activated gate kept in a variable
+before the product) still has two projections of one value: they merge alone, proved and
+edited as the qkv fuser merges projections (``gate_out, up_out = self.gate_up_proj(x).split(...)``),
+and the arithmetic between them and the product stays as written.
 """
 
 from __future__ import annotations
@@ -26,18 +32,24 @@ from dataclasses import dataclass, replace
 
 import libcst as cst
 import libcst.matchers as m
-import torch
 import torch.fx as fx
 from torch import nn
 
-from ..ops import ACTIVATIONS, identify_activation
+from ..ops import ACTIVATIONS
 from ..rewriter.analysis import ClassAnalysis
 from ..rewriter.fusion import Fused, Refusal, SourceFuser
 from ..rewriter.graph import NoMatch, is_op, op_name, operand, operands
 from ..rewriter.source import EditContext
 from ..rewriter.syntax import expression_code, replace_nodes
 from ..rewriter.weights import ActivationError, Merge, MergeError
-from .projections import adapter_refusal, free_child_name, linear_children, single_call, wrapped_children
+from .projections import (
+    adapter_refusal,
+    free_child_name,
+    linear_children,
+    merge_calls,
+    single_call,
+    wrapped_children,
+)
 
 __all__ = ["GLUFuser", "GLUMatch"]
 
@@ -54,9 +66,15 @@ class GLUMatch:
     # The linear child that is the product's only reader (a down projection), if there is one:
     # the two calls then become ``act_and_mul_linear``, which recomputes the product in training.
     down: str | None = None
+    # False: the product is not one act_and_mul (other arithmetic around the activation, or an
+    # activation the op does not have), so only the projections merge.
+    product: bool = True
+    linears: frozenset[str] = frozenset()  # every linear child (named if one reads x between the calls)
 
     @property
     def merge(self) -> Merge:
+        if not self.product:
+            return Merge(self.into, (self.gate, self.up))
         return Merge(self.into, (self.gate, self.up), self.act_function, self.act_module)
 
 
@@ -105,23 +123,27 @@ class GLUFuser(SourceFuser):
 
     def match(self, analysis: ClassAnalysis) -> GLUMatch | Refusal | None:
         linears = linear_children(analysis) | wrapped_children(analysis)
-        refusal = None
+        plain = frozenset(linear_children(analysis))
+        refusal = projections_only = None
         for node in analysis.trace.graph.nodes:
             if not is_op(node, "mul"):
                 continue
             for act_side, up_side in (operands(node)[:2], operands(node)[1::-1]):
                 found = self._match_product(analysis, linears, act_side, up_side)
                 if isinstance(found, GLUMatch):
-                    return replace(found, down=_only_reader(node, linear_children(analysis), found))
+                    found = replace(found, linears=plain)
+                    if found.product:
+                        return replace(found, down=_only_reader(node, plain, found))
+                    projections_only = projections_only or found
                 refusal = refusal or found
-        return refusal
+        return projections_only or refusal
 
     def _match_product(self, analysis, linears, act_side, up_side) -> GLUMatch | Refusal | None:
         if not (_is_linear_call(up_side, linears) and isinstance(act_side, fx.Node)):
-            return _near_miss(analysis, linears, act_side, up_side)
+            return _projections_only(analysis, linears, act_side, up_side)
         gate = operand(act_side, 0)
         if not _is_linear_call(gate, linears) or gate.target == up_side.target:
-            return _near_miss(analysis, linears, act_side, up_side)
+            return _projections_only(analysis, linears, act_side, up_side)
         adapters = adapter_refusal(analysis, self.kind, [gate.target, up_side.target])
         if adapters is not None:
             return adapters
@@ -149,13 +171,24 @@ class GLUFuser(SourceFuser):
                     act_side,
                 )
         except NoMatch as refusal:
+            if refusal.tag == "gate_up.activation" and _is_activation(act_side, linears):
+                # An activation the fused op does not have: the projections still merge.
+                return GLUMatch(gate.target, up_side.target, into, None, None, product=False)
             return Refusal(refusal.tag, refusal.reason, analysis.where(refusal.node))
         return GLUMatch(gate.target, up_side.target, into, None, activation)
 
     def edit(self, tree: cst.FunctionDef, found: GLUMatch, context: EditContext) -> cst.FunctionDef:
+        if not found.product:
+            return merge_calls(tree, (found.gate, found.up), found.into, found.linears, context, self.kind)
         gate_call = single_call(tree, found.gate, context, "gate_up")
         up_call = single_call(tree, found.up, context, "gate_up")
-        product = _product(tree, gate_call, up_call, found)
+        try:
+            product = _product(tree, gate_call, up_call, found)
+        except NoMatch as refusal:
+            if refusal.tag != "gate_up.placement":
+                raise
+            # The activated gate is kept in a variable before the product: the projections alone merge.
+            return merge_calls(tree, (found.gate, found.up), found.into, found.linears, context, self.kind)
         x = gate_call.args[0].value
         if not (isinstance(x, cst.Name) and up_call.args[0].value.deep_equals(x)):
             raise NoMatch(
@@ -242,34 +275,29 @@ def _back_to_linear(node, linears: set[str]) -> tuple[fx.Node | None, list[fx.No
     return (node if isinstance(node, fx.Node) else None), steps
 
 
-def _near_miss(analysis: ClassAnalysis, linears: set[str], act_side, up_side) -> Refusal | None:
-    """A product of two projections of one value, one through an activation, with more than
-    the activation between them and the product (casts to float32 around it, a scalar factor
-    on the gate): a GLU the fused op does not compute, refused with what is in the way rather
-    than passed over in silence."""
+def _is_activation(node, linears: set[str]) -> bool:
+    """A call of a child module other than a linear, or of a function named like an activation."""
+    if not isinstance(node, fx.Node):
+        return False
+    if node.op == "call_module":
+        return node.target not in linears
+    return op_name(node) in _ACTIVATION_NAMES
+
+
+def _projections_only(analysis: ClassAnalysis, linears: set[str], act_side, up_side) -> GLUMatch | Refusal | None:
+    """A product of two projections of one value, one through an activation, with more than the
+    activation between them and the product (casts to float32 around it, a scalar factor on the
+    gate): a GLU the fused op does not compute, whose projections merge alone."""
     gate, gate_steps = _back_to_linear(act_side, linears)
     up, up_steps = _back_to_linear(up_side, linears)
     if gate is None or up is None or gate.target == up.target or gate.args[0] is not up.args[0]:
         return None
-
-    def is_activation(node: fx.Node) -> bool:
-        if node.op == "call_module":
-            return node.target not in linears
-        return op_name(node) in _ACTIVATION_NAMES
-
-    if not any(is_activation(n) for n in gate_steps):
+    if not any(_is_activation(n, linears) for n in gate_steps):
         return None
-    described = [
-        f"{name}: {', '.join(op_name(n) or str(n.target) for n in reversed(steps))}"
-        for name, steps in ((gate.target, gate_steps), (up.target, up_steps))
-        if steps
-    ]
-    return Refusal(
-        "gate_up.extra-arithmetic",
-        f"between the projections and their product there is more than one activation ({'; '.join(described)}); "
-        "the fused op computes act(gate) * up with nothing else.",
-        analysis.where(act_side),
-    )
+    adapters = adapter_refusal(analysis, "gate_up", [gate.target, up.target])
+    if adapters is not None:
+        return adapters
+    return GLUMatch(gate.target, up.target, free_child_name(analysis, "gate_up_proj"), None, None, product=False)
 
 
 def _product(tree: cst.FunctionDef, gate_call: cst.Call, up_call: cst.Call, found: GLUMatch) -> cst.CSTNode:

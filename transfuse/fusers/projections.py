@@ -1,5 +1,6 @@
 """What the projection-merging fusers (qkv, gate_up) share: linear children, a free name for
-the merged child, and the proof that a projection is called exactly once and nowhere else."""
+the merged child, the proof that a projection is called exactly once and nowhere else, and the
+edit that turns the calls of projections of one value into one merged call (proved first)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,18 @@ from ..rewriter.analysis import ClassAnalysis
 from ..rewriter.fusion import Refusal
 from ..rewriter.graph import NoMatch
 from ..rewriter.source import EditContext, self_calls, self_references
+from ..rewriter.syntax import (
+    ParentMap,
+    assigned_names,
+    calls_taking,
+    comment_line,
+    expression_code,
+    in_place_writes,
+    replace_nodes,
+    statement_block,
+)
 
-__all__ = ["adapter_refusal", "free_child_name", "linear_children", "single_call", "wrapped_children"]
+__all__ = ["adapter_refusal", "free_child_name", "linear_children", "merge_calls", "single_call", "wrapped_children"]
 
 
 def linear_children(analysis: ClassAnalysis) -> set[str]:
@@ -63,3 +74,84 @@ def single_call(tree: cst.FunctionDef, name: str, context: EditContext, kind: st
     if len(call.args) != 1 or call.args[0].keyword is not None or call.args[0].star:
         raise NoMatch(f"{kind}.input-expression", f"self.{name} is not called with one positional argument.")
     return call
+
+
+def merge_calls(
+    tree: cst.FunctionDef, parts: tuple[str, ...], into: str, linears: frozenset[str], context: EditContext, kind: str
+) -> cst.FunctionDef:
+    """The calls of the projections ``parts`` in ``tree`` become one call of the merged child ``into``,
+    ``a_out, b_out, ... = self.<into>(x).split(self.<into>.split_sizes, dim=-1)`` placed right before
+    the first of them, once the proof holds: each is called exactly once as ``self.<name>(<name>)``,
+    on one variable, in sibling statements, and between the first and the last nothing rebinds the
+    variable, writes a tensor in place or hands it to another call (``linears``: the class's linear
+    children, named when one of them is that other reader). Refusals are tagged ``<kind>.*``."""
+    calls = [_single_call(tree, name, context, kind) for name in parts]
+    source = _common_input(calls, kind)
+    parents = ParentMap(tree)
+    block, first, last = _sibling_statements(calls, parents, kind)
+    _prove_input_unchanged(block.body[first : last + 1], source, calls, linears, last - first, kind)
+    outputs = [context.fresh_name(f"{name}_out") for name in parts]
+    merged_call = cst.parse_expression(f"self.{into}({source}).split(self.{into}.split_sizes, dim=-1)")
+    statement = cst.SimpleStatementLine(
+        body=[cst.Assign(targets=[cst.AssignTarget(cst.parse_expression(", ".join(outputs)))], value=merged_call)],
+        leading_lines=[
+            *block.body[first].leading_lines,
+            comment_line(f"transfuse: {', '.join(parts)} run as one merged projection"),
+        ],
+    )
+    replacements = [(call, cst.Name(out)) for call, out in zip(calls, outputs)]
+    # The first statement's comments now stand above the merged call.
+    replacements.append((block.body[first], lambda updated: updated.with_changes(leading_lines=[])))
+    return replace_nodes(tree, replacements, insert=(block, first, [statement]))
+
+
+def _single_call(tree: cst.FunctionDef, name: str, context: EditContext, kind: str) -> cst.Call:
+    call = single_call(tree, name, context, kind)
+    if not isinstance(call.args[0].value, cst.Name):
+        raise NoMatch(
+            f"{kind}.input-expression",
+            f"self.{name} is called on {expression_code(call.args[0].value)}, an expression, not a variable: "
+            "merging would change how often it is evaluated.",
+        )
+    return call
+
+
+def _common_input(calls: list[cst.Call], kind: str) -> str:
+    names = [call.args[0].value.value for call in calls]
+    if len(set(names)) != 1:
+        raise NoMatch(f"{kind}.inputs-differ", f"the projections read different variables: {', '.join(names)}.")
+    return names[0]
+
+
+def _sibling_statements(calls: list[cst.Call], parents: ParentMap, kind: str) -> tuple[cst.IndentedBlock, int, int]:
+    """The block holding the calls' statements, and the first and last statement's index."""
+    placed = []
+    for call in calls:
+        if parents.in_nested_scope(call):
+            raise NoMatch(f"{kind}.placement", "a projection is called inside a lambda, comprehension or nested function.")
+        statement = parents.statement(call)
+        if not isinstance(statement, cst.SimpleStatementLine):
+            raise NoMatch(f"{kind}.placement", "a projection is called in the header of a compound statement.")
+        placed.append(statement_block(parents, statement))
+    blocks = {id(block) for block, _ in placed}
+    if len(blocks) != 1:
+        raise NoMatch(f"{kind}.placement", "the projections are called in different blocks (one is under a branch or loop).")
+    indices = [i for _, i in placed]
+    return placed[0][0], min(indices), max(indices)
+
+
+def _prove_input_unchanged(statements, source: str, calls, linears: frozenset[str], span: int, kind: str) -> None:
+    """Between the first and the last call, the input keeps its value."""
+    for offset, statement in enumerate(statements):
+        if offset < span and source in assigned_names(statement):
+            raise NoMatch(f"{kind}.input-mutated", f"{source} is rebound between the projections.")
+        writes = in_place_writes(statement)
+        if writes:
+            raise NoMatch(f"{kind}.input-mutated", f"{writes[0]} may change a tensor in place between the projections.")
+        others = calls_taking(statement, source, exclude=tuple(calls))
+        if others:
+            callee = expression_code(others[0].func)
+            if isinstance(others[0].func, cst.Attribute) and expression_code(others[0].func.value) == "self":
+                if others[0].func.attr.value in linears:
+                    raise NoMatch(f"{kind}.extra-reader", f"{callee} also reads {source} between the projections.")
+            raise NoMatch(f"{kind}.input-mutated", f"{source} is passed to {callee} between the projections.")

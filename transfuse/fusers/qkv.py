@@ -38,18 +38,8 @@ from ..rewriter.fusion import Fused, Refusal, SourceFuser
 from ..rewriter.graph import NoMatch, ancestors, is_op, operands, value
 from ..rewriter.source import EditContext
 from ..rewriter.specialise import cases, guarded, specialise
-from ..rewriter.syntax import (
-    ParentMap,
-    assigned_names,
-    calls_taking,
-    comment_line,
-    expression_code,
-    in_place_writes,
-    replace_nodes,
-    statement_block,
-)
 from ..rewriter.weights import Merge, MergeError
-from .projections import adapter_refusal, free_child_name, linear_children, single_call, wrapped_children
+from .projections import adapter_refusal, free_child_name, linear_children, merge_calls, wrapped_children
 
 __all__ = ["QKVFuser", "QKVMatch", "linear_calls_by_input"]
 
@@ -131,7 +121,7 @@ class QKVFuser(SourceFuser):
 
     def edit(self, tree: cst.FunctionDef, found: QKVMatch, context: EditContext) -> cst.FunctionDef:
         try:
-            return _merge_calls(tree, found, context)
+            return merge_calls(tree, found.parts, found.into, found.linears, context, self.kind)
         except NoMatch as refusal:
             if refusal.tag not in _PATH_DEPENDENT:
                 raise
@@ -142,7 +132,7 @@ class QKVFuser(SourceFuser):
                 if specialised is None:
                     continue
                 try:
-                    edited = _merge_calls(specialised, found, context)
+                    edited = merge_calls(specialised, found.parts, found.into, found.linears, context, self.kind)
                 except NoMatch:
                     continue
                 return guarded(tree, edited, subject, none, f"{', '.join(found.parts)} read one value")
@@ -161,30 +151,6 @@ class QKVFuser(SourceFuser):
     def fuse(self, module: nn.Module, found: QKVMatch) -> Fused:
         merged = found.merge.apply(module)
         return Fused(replaced=found.parts, into=type(merged).__name__, undo=lambda: found.merge.undo(module))
-
-
-def _merge_calls(tree: cst.FunctionDef, found: QKVMatch, context: EditContext) -> cst.FunctionDef:
-    """The projections' calls in ``tree`` become one merged call, once the proof holds."""
-    calls = [_single_call(tree, name, context) for name in found.parts]
-    source = _common_input(calls)
-    parents = ParentMap(tree)
-    block, first, last = _sibling_statements(calls, parents)
-    _prove_input_unchanged(block.body[first : last + 1], source, calls, found, last - first)
-    outputs = [context.fresh_name(f"{name}_out") for name in found.parts]
-    merged_call = cst.parse_expression(
-        f"self.{found.into}({source}).split(self.{found.into}.split_sizes, dim=-1)"
-    )
-    statement = cst.SimpleStatementLine(
-        body=[cst.Assign(targets=[cst.AssignTarget(cst.parse_expression(", ".join(outputs)))], value=merged_call)],
-        leading_lines=[
-            *block.body[first].leading_lines,
-            comment_line(f"transfuse: {', '.join(found.parts)} run as one merged projection"),
-        ],
-    )
-    replacements = [(call, cst.Name(out)) for call, out in zip(calls, outputs)]
-    # The first statement's comments now stand above the merged call.
-    replacements.append((block.body[first], lambda updated: updated.with_changes(leading_lines=[])))
-    return replace_nodes(tree, replacements, insert=(block, first, [statement]))
 
 
 def _groups(analysis: ClassAnalysis, by_input: dict[fx.Node, list[fx.Node]], linears: set[str]) -> list[list[fx.Node]]:
@@ -208,7 +174,8 @@ def _multiplied(analysis: ClassAnalysis, calls: list[fx.Node], linears: set[str]
         while isinstance(node, fx.Node):
             if node is target:
                 return True
-            inputs = node.all_input_nodes
+            # The module's own attributes (``self.gate_multiplier``) are constants here, not inputs.
+            inputs = [n for n in node.all_input_nodes if n.op != "get_attr"]
             if len(inputs) != 1 or (node.op == "call_module" and node.target in linears):
                 return False
             node = inputs[0]
@@ -252,55 +219,3 @@ def _split_inputs(analysis: ClassAnalysis, by_input: dict[fx.Node, list[fx.Node]
             analysis.where(arguments[0]),
         )
     return None
-
-
-def _single_call(tree: cst.FunctionDef, name: str, context: EditContext) -> cst.Call:
-    call = single_call(tree, name, context, "qkv")
-    if not isinstance(call.args[0].value, cst.Name):
-        raise NoMatch(
-            "qkv.input-expression",
-            f"self.{name} is called on {expression_code(call.args[0].value)}, an expression, not a variable: "
-            "merging would change how often it is evaluated.",
-        )
-    return call
-
-
-def _common_input(calls: list[cst.Call]) -> str:
-    names = [call.args[0].value.value for call in calls]
-    if len(set(names)) != 1:
-        raise NoMatch("qkv.inputs-differ", f"the projections read different variables: {', '.join(names)}.")
-    return names[0]
-
-
-def _sibling_statements(calls: list[cst.Call], parents: ParentMap) -> tuple[cst.IndentedBlock, int, int]:
-    """The block holding the calls' statements, and the first and last statement's index."""
-    placed = []
-    for call in calls:
-        if parents.in_nested_scope(call):
-            raise NoMatch("qkv.placement", "a projection is called inside a lambda, comprehension or nested function.")
-        statement = parents.statement(call)
-        if not isinstance(statement, cst.SimpleStatementLine):
-            raise NoMatch("qkv.placement", "a projection is called in the header of a compound statement.")
-        placed.append(statement_block(parents, statement))
-    blocks = {id(block) for block, _ in placed}
-    if len(blocks) != 1:
-        raise NoMatch("qkv.placement", "the projections are called in different blocks (one is under a branch or loop).")
-    indices = [i for _, i in placed]
-    return placed[0][0], min(indices), max(indices)
-
-
-def _prove_input_unchanged(statements, source: str, calls, found: QKVMatch, span: int) -> None:
-    """Between the first and the last call, the input keeps its value."""
-    for offset, statement in enumerate(statements):
-        if offset < span and source in assigned_names(statement):
-            raise NoMatch("qkv.input-mutated", f"{source} is rebound between the projections.")
-        writes = in_place_writes(statement)
-        if writes:
-            raise NoMatch("qkv.input-mutated", f"{writes[0]} may change a tensor in place between the projections.")
-        others = calls_taking(statement, source, exclude=tuple(calls))
-        if others:
-            callee = expression_code(others[0].func)
-            if isinstance(others[0].func, cst.Attribute) and expression_code(others[0].func.value) == "self":
-                if others[0].func.attr.value in found.linears:
-                    raise NoMatch("qkv.extra-reader", f"{callee} also reads {source} between the projections.")
-            raise NoMatch("qkv.input-mutated", f"{source} is passed to {callee} between the projections.")
