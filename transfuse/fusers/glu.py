@@ -10,8 +10,9 @@ function (``F.silu``, ``F.gelu(..., approximate=...)``).
 The activation must be one the fused op has (silu, gelu with erf, gelu with tanh): an
 activation module's class is identified from its own traced graph, and each instance is
 then checked numerically against the fused op, so an instance configured differently
-(``nn.GELU(approximate="tanh")`` next to ``nn.GELU()``) is identified on its own. Any
-other activation is refused with the reason.
+(``nn.GELU(approximate="tanh")`` next to ``nn.GELU()``) is identified on its own; an
+instance whose activation is not exactly the class's is refused with the reason. Any other
+activation leaves the product as written (below).
 
 When the product's only reader is a linear child, written as its call's one argument
 (``self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))``), both calls become

@@ -28,7 +28,14 @@ from torch import Tensor, nn
 
 from .dispatch import Op
 
-__all__ = ["CROSS_ENTROPY_GRAD", "SCALE_", "causal_lm_loss", "cross_entropy_grad_native", "linear_cross_entropy", "scale_native"]
+__all__ = [
+    "CROSS_ENTROPY_GRAD",
+    "SCALE_",
+    "causal_lm_loss",
+    "cross_entropy_grad_native",
+    "linear_cross_entropy",
+    "scale_native",
+]
 
 # Rows per chunk of the native loss: a chunk's logits, their float32 copy, its log-softmax and its
 # float32 gradient (about 14 bytes an element) stay under this many bytes (benchmarks may set it).
