@@ -1,6 +1,7 @@
 """Run the kernel tests on a CUDA GPU and leave everything needed to debug a failure in one directory.
 
     python tests/run_on_gpu.py --out DIR
+    python tests/run_on_gpu.py --out DIR --files tests/test_rotary_ops.py -k "not fp16"   # a subset
 
 1. builds the CUDA extension verbosely (``python -m transfuse.ops.cuda``) into DIR/cuda_build.log;
 2. runs the ops tests (``tests/test_kernels.py``: every Triton and CUDA provider against native;
@@ -67,6 +68,8 @@ def _outcomes(report: Path) -> tuple[Counter, list[str]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--files", nargs="+", default=TEST_FILES, help="a subset of the test files (default: all)")
+    parser.add_argument("-k", dest="keyword", help="pytest's -k expression, to run a subset of the tests")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     missing = [name for name in ("pytest", "libcst") if importlib.util.find_spec(name) is None]
@@ -79,7 +82,11 @@ def main() -> int:
 
     report = args.out / "pytest.xml"
     command = [sys.executable, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider", f"--junitxml={report}"]
-    test_code, test_s = _run(command + ["--durations=15", *TEST_FILES], args.out / "pytest.log")
+    if args.keyword:
+        command += ["-k", args.keyword]
+    # The whole list is about 1250 cases, about 45 minutes on an H200: a session with little device
+    # time runs a subset (``--files`` or ``-k``).
+    test_code, test_s = _run(command + ["--durations=15", *args.files], args.out / "pytest.log")
     print(f"pytest: exit {test_code} in {test_s:.0f} s (log: {args.out / 'pytest.log'})\n")
     if not report.exists():
         print((args.out / "pytest.log").read_text()[-4000:])
