@@ -243,9 +243,9 @@ def _block_mib(variant: str) -> int | None:
 def run_variant(variant: str, name: str, steps: int, smoke: bool, device: str, profile: tuple = ()) -> dict:
     lce = importlib.import_module("transfuse.ops.linear_cross_entropy")  # the module, not the function
     result = {"variant": variant, "model": name}
-    default_block = lce.BLOCK_BYTES
-    if _block_mib(variant):
-        lce.BLOCK_BYTES = _block_mib(variant) << 20
+    default_block, block_mib = lce.BLOCK_BYTES, _block_mib(variant)
+    if block_mib:
+        lce.BLOCK_BYTES = block_mib << 20
     try:
         model, config, ids, rewrite_s = _build(variant, name, smoke, device)
         result["rewrite_s"] = rewrite_s

@@ -7,6 +7,7 @@ Tests marked ``gpu`` are skipped without a CUDA GPU.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import warnings
@@ -36,6 +37,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@contextlib.contextmanager
+def _triton_for(*names: str):
+    from transfuse import ops
+
+    if not all(ops.get_op(name).is_supported(ops.get_op(name).providers["triton"]) for name in names):
+        pytest.skip("Triton is not installed")
+    for name in names:
+        ops.set_priority(["triton"], op=name)
+    try:
+        with ops.trace() as calls:
+            yield calls
+    finally:
+        for name in names:
+            ops.set_priority(None, op=name)
+
+
+@pytest.fixture
+def triton_for():
+    """``with triton_for("op", ...) as calls:`` the named ops' Triton providers ahead of native (under
+    the interpreter without a GPU), and the dispatched calls recorded."""
+    return _triton_for
 
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

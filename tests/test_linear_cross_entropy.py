@@ -90,21 +90,10 @@ def test_loss_and_gradients_equal_transformers_loss_in_float32(monkeypatch, redu
 
 
 @pytest.fixture
-def triton_cross_entropy():
-    """The loss's kernel (under Triton's interpreter without a GPU) in place of the native definition."""
-    from transfuse import ops
-
-    names = ("cross_entropy_grad", "scale_")
-    if not all(ops.get_op(name).is_supported(ops.get_op(name).providers["triton"]) for name in names):
-        pytest.skip("Triton is not installed")
-    for name in names:
-        ops.set_priority(["triton"], op=name)
-    try:
-        with ops.trace() as calls:
-            yield calls
-    finally:
-        for name in names:
-            ops.set_priority(None, op=name)
+def triton_cross_entropy(triton_for):
+    """The loss's kernels (under Triton's interpreter without a GPU) in place of the native definitions."""
+    with triton_for("cross_entropy_grad", "scale_") as calls:
+        yield calls
 
 
 @pytest.mark.parametrize("reduction", ["mean", "num_items_in_batch"])

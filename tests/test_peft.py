@@ -198,26 +198,15 @@ def test_a_gate_up_output_is_consumable_with_or_without_adapters_but_not_with_ho
     assert getattr(model.base_model.model.model.layers[0].mlp.gate_up_proj(x), CONSUMABLE, False)
 
 
-def test_adapters_train_like_the_stock_models_when_the_glu_backward_overwrites_its_input():
+def test_adapters_train_like_the_stock_models_when_the_glu_backward_overwrites_its_input(triton_for):
     """The Triton GLU kernels (interpreted without a GPU), whose backward writes the gradient over
     the consumable gate/up output: with adapters on gate and up, the gradients are stock's."""
-    from transfuse import ops
-
     stock, fused = _pair("llama", LoraConfig(r=4, target_modules=TARGETS, lora_dropout=0.0))
     ids = _ids()
     stock_loss, stock_grads = _train_step_grads(stock, ids, seed=0)
-    names = ("silu_and_mul",)
-    if not all(ops.get_op(n).is_supported(ops.get_op(n).providers["triton"]) for n in names):
-        pytest.skip("Triton is not installed")
-    for name in names:
-        ops.set_priority(["triton"], op=name)
-    try:
-        with ops.trace() as calls:
-            fused_loss, fused_grads = _train_step_grads(fused, ids, seed=0)
-    finally:
-        for name in names:
-            ops.set_priority(None, op=name)
-    assert {(c.op, c.provider) for c in calls if c.op in names} == {("silu_and_mul", "triton")}
+    with triton_for("silu_and_mul") as calls:
+        fused_loss, fused_grads = _train_step_grads(fused, ids, seed=0)
+    assert {(c.op, c.provider) for c in calls if c.op == "silu_and_mul"} == {("silu_and_mul", "triton")}
     torch.testing.assert_close(fused_loss, stock_loss, rtol=1e-6, atol=0)
     for name, want in stock_grads.items():
         assert ((fused_grads[name] - want).norm() / want.norm()).item() <= 1e-5, name
