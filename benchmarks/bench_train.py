@@ -19,6 +19,8 @@ included). Variants:
 - ``...-no-<kind>`` leaves one fusion kind out (``transfuse-lce-no-rotary``: what rotary is worth
   in the step); ``...-block<N>`` holds N MiB of logit gradients per block of the loss (default
   256: fewer, larger blocks mean fewer weight-gradient accumulations and a higher peak);
+- ``--host VARIANT...``: the host's time to issue a step's forward and backward, and cProfile's
+  functions by their own time (``host_<model>_<variant>.txt``): for steps bound by the host;
 - ``*+peft``: the same with LoRA r=16 on q/k/v/o/gate/up/down (only the adapters train); on the
   dense model only (PEFT wraps packed experts too, which the fused MoE layer does not compute).
 
@@ -234,13 +236,67 @@ def _runtime_calls(events) -> str:
     return "\n".join(lines)
 
 
+def _host(model, ids, steps: int = 5, rows: int = 40) -> str:
+    """Where the host's time goes in a step: the time to issue the forward and the backward (no
+    synchronisation between them, so while the GPU has queued work this is the host's own cost)
+    against the whole step, then cProfile's functions by their own time over ``steps`` steps. The
+    backward runs on the calling thread (autograd's multithreading off), so its Python (autograd
+    Functions' backward) is in the profile too."""
+    import cProfile
+    import io
+    import pstats
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        issued = time.perf_counter()
+        loss.backward()
+        done = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        return issued, done
+
+    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+    forward, backward, whole = [], [], []
+    torch.autograd.set_multithreading_enabled(False)
+    try:
+        for _ in range(steps):
+            sync()
+            start = time.perf_counter()
+            issued, done = step()
+            sync()
+            forward.append(issued - start)
+            backward.append(done - issued)
+            whole.append(time.perf_counter() - start)
+        profiler = cProfile.Profile()
+        sync()
+        profiler.enable()
+        for _ in range(steps):
+            step()
+        sync()
+        profiler.disable()
+    finally:
+        torch.autograd.set_multithreading_enabled(True)
+    ms = lambda values: 1000 * statistics.median(values)  # noqa: E731
+    text = io.StringIO()
+    text.write(
+        f"Host time to issue (median of {steps} steps, autograd on the calling thread): forward {ms(forward):.2f} ms, "
+        f"backward {ms(backward):.2f} ms, the whole step with its synchronisation {ms(whole):.2f} ms\n\n"
+        f"cProfile over {steps} steps (cProfile slows Python itself: compare functions, not totals)\n"
+    )
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumulative").print_stats(rows)
+    return text.getvalue()
+
+
 def _block_mib(variant: str) -> int | None:
     """``-block<N>``: the loss's blocks of logit gradients hold N MiB (default ``BLOCK_BYTES``)."""
     found = re.search(r"-block(\d+)", variant)
     return int(found.group(1)) if found else None
 
 
-def run_variant(variant: str, name: str, steps: int, smoke: bool, device: str, profile: tuple = ()) -> dict:
+def run_variant(
+    variant: str, name: str, steps: int, smoke: bool, device: str, profile: tuple = (), host: tuple = ()
+) -> dict:
     lce = importlib.import_module("transfuse.ops.linear_cross_entropy")  # the module, not the function
     result = {"variant": variant, "model": name}
     default_block, block_mib = lce.BLOCK_BYTES, _block_mib(variant)
@@ -269,6 +325,8 @@ def run_variant(variant: str, name: str, steps: int, smoke: bool, device: str, p
         result["first_steps_s"] = time.perf_counter() - started - sum(times)
         if variant in profile and device == "cuda":
             result["profile"] = _profile(model, ids)
+        if variant in host:
+            result["host"] = _host(model, ids)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, foreach=True)
         times, peak, _ = _time_steps(model, ids, steps, optimizer, device)
         result.update(adamw_step_ms=1000 * statistics.median(times), adamw_peak_gib=peak)
@@ -324,6 +382,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--smoke", action="store_true", help="toy sizes on the CPU (the liger variants are skipped)")
     parser.add_argument("--profile", nargs="*", default=[], help="variants whose step's GPU kernels to list")
+    parser.add_argument("--host", nargs="*", default=[], help="variants whose host time to break down (cProfile)")
     parser.add_argument("--only", help=argparse.SUPPRESS)  # one variant, in this process (Liger's own process)
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
@@ -339,7 +398,7 @@ def main() -> int:
             if variant.startswith("liger"):
                 result = _in_own_process(variant, name, args)
             else:
-                result = run_variant(variant, name, args.steps, args.smoke, device, tuple(args.profile))
+                result = run_variant(variant, name, args.steps, args.smoke, device, tuple(args.profile), tuple(args.host))
             results.append(result)
             print(json.dumps(result), flush=True)
     lines = [
@@ -354,9 +413,11 @@ def main() -> int:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         for r in results:
-            if "profile" in r:
-                with open(os.path.join(args.out, f"profile_{r['model']}_{r['variant'].replace('+', '_')}.txt"), "w") as f:
-                    f.write(r.pop("profile"))
+            for part in ("profile", "host"):
+                if part in r:
+                    name = f"{part}_{r['model']}_{r['variant'].replace('+', '_')}.txt"
+                    with open(os.path.join(args.out, name), "w") as f:
+                        f.write(r.pop(part))
         with open(os.path.join(args.out, "bench_train.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
         with open(os.path.join(args.out, "bench_train.json"), "w") as f:
