@@ -275,17 +275,60 @@ def _host(model, ids, steps: int = 5, rows: int = 40) -> str:
         profiler.disable()
     finally:
         torch.autograd.set_multithreading_enabled(True)
+    forward_done = []
+    with torch.no_grad():  # the forward alone, waited for: its GPU time when the host keeps ahead
+        for _ in range(steps):
+            sync()
+            start = time.perf_counter()
+            model(input_ids=ids, labels=ids)
+            sync()
+            forward_done.append(time.perf_counter() - start)
     ms = lambda values: 1000 * statistics.median(values)  # noqa: E731
     text = io.StringIO()
     text.write(
         f"Host time to issue (median of {steps} steps, autograd on the calling thread): forward {ms(forward):.2f} ms, "
-        f"backward {ms(backward):.2f} ms, the whole step with its synchronisation {ms(whole):.2f} ms\n\n"
+        f"backward {ms(backward):.2f} ms, the whole step with its synchronisation {ms(whole):.2f} ms; "
+        f"the forward alone under no_grad, waited for: {ms(forward_done):.2f} ms\n\n"
+        f"{_module_host_times(model, ids, steps)}\n\n"
         f"cProfile over {steps} steps (cProfile slows Python itself: compare functions, not totals)\n"
     )
     stats = pstats.Stats(profiler, stream=text)
     stats.sort_stats("tottime").print_stats(rows)
     stats.sort_stats("cumulative").print_stats(rows)
     return text.getvalue()
+
+
+def _module_host_times(model, ids, steps: int, rows: int = 25) -> str:
+    """Host time inside each module class's forward (inclusive of its children; hooks time each call
+    with ``perf_counter``), per step, over ``steps`` training forwards: where the forward's host time goes."""
+    totals: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    starts: dict[int, list[float]] = {}
+
+    def before(module, args):
+        starts.setdefault(id(module), []).append(time.perf_counter())
+
+    def after(module, args, output):
+        name = type(module).__name__
+        totals[name] = totals.get(name, 0.0) + time.perf_counter() - starts[id(module)].pop()
+        counts[name] = counts.get(name, 0) + 1
+
+    handles = []
+    for module in model.modules():
+        handles.append(module.register_forward_pre_hook(before))
+        handles.append(module.register_forward_hook(after))
+    try:
+        for _ in range(steps):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    lines = [f"Host time in each module class's forward, children included (ms per step, calls per step; {steps} steps):"]
+    for name, total in sorted(totals.items(), key=lambda item: -item[1])[:rows]:
+        lines.append(f"  {1000 * total / steps:8.3f}  {counts[name] // steps:4d}  {name}")
+    return "\n".join(lines)
 
 
 def _block_mib(variant: str) -> int | None:

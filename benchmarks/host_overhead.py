@@ -1,6 +1,6 @@
 """Host time per call: how long issuing one call takes on the CPU, for the small calls of a decode step.
 
-    python benchmarks/host_overhead.py --out DIR [--profile]
+    python benchmarks/host_overhead.py --out DIR [--profile] [--training]
 
 For one token (hidden 4096, bf16) it issues each path many times without synchronising and
 divides the host time by the count; the GPU work of each call is a few microseconds, so the
@@ -10,7 +10,10 @@ and through ``transfuse.ops`` dispatch), and the fused Qwen3-MoE block of ``benc
 one token, replaying its decode graph (``transfuse.ops.graphs``) and without it. The dispatched
 path adds ``transfuse.ops``' provider choice to the direct call of the same provider. The Triton paths run twice: through Triton's own launch (``launch.FAST = False``)
 and through ``transfuse.ops.triton.launch``'s fast path. ``--profile`` also writes cProfile's
-top functions for the Triton paths. Writes DIR/host_overhead.md and .json.
+top functions for the Triton paths. ``--training`` adds the ops as a training step calls them
+(inputs that need a gradient): the rms_norm path layer by layer (dispatch, autograd Function, the
+Triton wrapper, the launch alone), against ``F.rms_norm`` and a torch ``mul``, plus rotary and
+act_and_mul. Writes DIR/host_overhead.md and .json.
 """
 
 from __future__ import annotations
@@ -112,6 +115,57 @@ def paths() -> dict[str, tuple]:
     return out
 
 
+def training_paths() -> dict[str, tuple]:
+    """The same ops as a training step calls them (inputs that need a gradient, grad on): the
+    forward's host cost per call, split into its layers (dispatch, autograd Function, the Triton
+    path's Python, the launch). Eight rows of hidden 2048 (Qwen3-MoE), so the GPU keeps ahead."""
+    import torch.nn.functional as F
+
+    from transfuse.ops.act_and_mul import act_and_mul
+    from transfuse.ops.rotary import rotary
+    from transfuse.ops.triton import rms_norm as triton_rms_norm
+
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    hidden = 2048
+    x = torch.randn(8, hidden, **bf16, requires_grad=True)
+    weight = torch.randn(hidden, **bf16, requires_grad=True)
+    spec = RMSNormSpec(upcast=True, cast_before_weight=True)
+    flags = spec.flags()
+    # q of a merged q/k/v projection, as Qwen3's q_norm sees it: [B, S, heads, head_dim], rows not collapsible.
+    qkv = torch.randn(1, 8, 40 * 128, **bf16, requires_grad=True)
+    q = qkv[..., : 32 * 128].view(1, 8, 32, 128)
+    head_weight = torch.randn(128, **bf16, requires_grad=True)
+    qr = torch.randn(1, 32, 8, 128, **bf16, requires_grad=True)
+    kr = torch.randn(1, 4, 8, 128, **bf16, requires_grad=True)
+    cos, sin = torch.randn(1, 8, 128, **bf16), torch.randn(1, 8, 128, **bf16)
+    gate_up = torch.randn(8, 2 * 768, **bf16, requires_grad=True)
+    out2 = x.new_empty(x.shape)
+    xd = x.detach()
+    kernel_args = (xd, xd, weight.detach(), xd, out2, out2, 8, 1, hidden, hidden, hidden, hidden, 1e-6)
+    kernel_kwargs = dict(N=hidden, CONTIGUOUS=True, UPCAST=True, CAST_BEFORE_WEIGHT=True, OFFSET=False,
+                         WEIGHT_FP32=False, HAS_WEIGHT=True, ADD_RESIDUAL=False, GATE=0, ROUND_NORM=True,
+                         BLOCK_N=hidden, ROWS=1, num_warps=4)  # fmt: skip
+    return {
+        "train: torch mul (reference)": (lambda: x * 2, False),
+        "train: F.rms_norm": (lambda: F.rms_norm(x, (hidden,), weight, 1e-6), False),
+        "train: ops.rms_norm (dispatch + autograd + kernel)": (lambda: ops.rms_norm(x, weight, 1e-6, spec), True),
+        "train: triton rms_norm_autograd, direct": (
+            lambda: triton_rms_norm.rms_norm_autograd(x, weight, 1e-6, *flags), True
+        ),
+        "train: triton _normalise (no autograd)": (
+            lambda: triton_rms_norm._normalise(x.detach(), None, weight.detach(), 1e-6, flags), True
+        ),
+        "train: the rms_norm kernel's launch alone": (
+            lambda: triton_rms_norm._rms_norm_kernel[(8,)](*kernel_args, **kernel_kwargs), True
+        ),
+        "train: ops.rms_norm of a merged projection's q heads": (
+            lambda: ops.rms_norm(q, head_weight, 1e-6, spec), True
+        ),
+        "train: rotary of q and k": (lambda: rotary(qr, kr, cos, sin), True),
+        "train: act_and_mul silu": (lambda: act_and_mul(gate_up, "silu"), True),
+    }
+
+
 def _without_graphs(layer, x):
     with suspended():
         return layer(x)
@@ -121,13 +175,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--training", action="store_true", help="also the ops as a training step calls them")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("this benchmark needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)
     rows, profiles = [], {}
-    with torch.no_grad():
-        for name, (fn, uses_triton) in paths().items():
+    chosen = {**paths(), **(training_paths() if args.training else {})}
+    for name, (fn, uses_triton) in chosen.items():
+        with torch.set_grad_enabled(name.startswith("train:")):
             row = {"path": name}
             if uses_triton:
                 launch.FAST = False

@@ -68,7 +68,9 @@ ALL_FLAGS = list(itertools.product([True, False], repeat=5))
 
 # (layout, width): one row; several rows; rows with a gap between them; 3-D input whose
 # leading dimensions collapse into rows; 3-D input whose leading dimensions do not (copied).
-LAYOUTS = ["one-row", "rows", "strided-rows", "3d", "3d-uncollapsible"]
+# "heads": [B, S, heads, D] cut from a wider projection, two levels of rows (Qwen3's q_norm of a
+# merged q/k/v); "three-levels": rows that need three strides (the kernels copy them first).
+LAYOUTS = ["one-row", "rows", "strided-rows", "3d", "3d-uncollapsible", "heads", "three-levels"]
 WIDTHS = [33, 256, 999] + ([4096, 8192] if CUDA else [])
 CASES = [(layout, width) for layout in LAYOUTS for width in WIDTHS] + ([("many-rows", 4096)] if CUDA else [])
 
@@ -90,6 +92,10 @@ def _input(layout: str, width: int, dtype: torch.dtype) -> torch.Tensor:
         return _random((2, 3, width), dtype)
     if layout == "3d-uncollapsible":
         return _random((2, 5, width + 8), dtype)[:, 1:4, :width]
+    if layout == "heads":
+        return _random((2, 3, 5 * width), dtype)[..., : 4 * width].view(2, 3, 4, width)
+    if layout == "three-levels":
+        return _random((2, 5, 4, width + 8), dtype)[:, 1:4, 1:3, :width]
     raise ValueError(f"unknown layout {layout!r}")
 
 
@@ -401,3 +407,22 @@ def test_triton_cross_entropy_grad_matches_native(dtype, block, monkeypatch):
         if _rounds_like_torch(dtype):
             share = (got_grad == want_grad).float().mean().item()
             assert share >= EXACT_SHARE, f"{what}: only {share:.2%} of the gradients round exactly as native"
+
+
+def test_row_levels_reads_heads_of_a_wider_projection_in_place_and_gives_up_beyond_two_levels():
+    from transfuse.ops.triton.rms_norm import row_levels
+
+    width = 8
+    heads = torch.zeros(2, 3, 5 * width)[..., : 4 * width].view(2, 3, 4, width)
+    assert row_levels(heads) == (4, 5 * width, width)  # row r: (r // 4) * 40 + (r % 4) * 8
+    assert row_levels(torch.zeros(6, width)) == (1, width, width)
+    assert row_levels(torch.zeros(6, width + 2)[:, :width]) == (1, width + 2, width + 2)
+    assert row_levels(torch.zeros(2, 3, width)) == (1, width, width)  # collapses to one level
+    assert row_levels(torch.zeros(1, 1, width)) == (1, width, width)
+    assert row_levels(torch.zeros(2, 5, 4, width + 2)[:, 1:4, 1:3, :width]) is None
+    assert row_levels(torch.zeros(width, 3).t()) is None  # the last dimension strided
+    for x in (heads, torch.zeros(2, 5, width + 2)[:, 1:4, :width]):
+        inner, outer, row = row_levels(x)
+        starts = [(r // inner) * outer + (r % inner) * row for r in range(x.numel() // width)]
+        rows = itertools.product(*map(range, x.shape[:-1]))  # where each row starts, from x's own strides
+        assert starts == [(x[idx].data_ptr() - x.data_ptr()) // x.element_size() for idx in rows]

@@ -96,6 +96,28 @@ def test_rms_norm_backward(triton_first, flags, dtype, shape):
     _compare(_rms_norm(flags), _rms_norm_native(flags), _exact_rms_norm(flags), [x, w], [dy], dtype, what)
 
 
+@pytest.mark.parametrize("layout", ["heads", "three-levels"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_backward_of_rows_in_levels(triton_first, dtype, layout):
+    """The input a head-wise norm of a merged projection gets (rows in two levels of strides, read
+    in place) and one that needs three (copied first), with an output gradient that is itself a
+    transposed view, as rotary's backward hands it on."""
+    flags = (True, True, False, False, False)
+    width = 40
+    if layout == "heads":
+        make = lambda x: x[..., : 4 * width].view(2, 3, 4, width)  # noqa: E731
+        source = torch.randn(2, 3, 5 * width, device=DEVICE) * 2
+    else:
+        make = lambda x: x[:, 1:4, 1:3, :width]  # noqa: E731
+        source = torch.randn(2, 5, 4, width + 8, device=DEVICE) * 2
+    w = torch.randn(width, device=DEVICE) * 0.5 + 1
+    dy = torch.randn(2, make(source).shape[2], 3, width, device=DEVICE).transpose(1, 2)
+    kernel = lambda s, w: ops.get_op("rms_norm")(make(s), w, 1e-6, *flags)  # noqa: E731
+    native = lambda s, w: rms_norm_native(make(s), w, 1e-6, *flags)  # noqa: E731
+    exact = lambda s, w: rms_norm_native(make(s), w, 1e-6, *([False] * 5))  # noqa: E731
+    _compare(kernel, native, exact, [source, w], [dy], dtype, f"rms_norm of {layout} rows {dtype}")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rms_norm_backward_without_weight(triton_first, dtype):
     flags = (True, True, False, False, False)

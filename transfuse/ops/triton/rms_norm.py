@@ -36,6 +36,7 @@ __all__ = [
     "rms_norm",
     "rms_norm_autograd",
     "rms_norm_backward",
+    "row_levels",
 ]
 
 
@@ -50,6 +51,8 @@ def _rms_norm_kernel(
     out_ptr,
     residual_out_ptr,
     n_rows,
+    x_inner,
+    x_outer_stride,
     x_row_stride,
     residual_row_stride,
     gate_row_stride,
@@ -71,14 +74,15 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < N)
     dtype = x_ptr.dtype.element_ty
-    if CONTIGUOUS:  # both inputs' rows N apart: the index arithmetic is constant-folded
-        x_row_stride = N
+    if CONTIGUOUS:  # every input's rows N apart: the index arithmetic is constant-folded
+        x_rows = rows * N
         residual_row_stride = N
+        gate_row_stride = N
+    else:  # x's rows in two levels (a head of a token: ``[tokens, heads, N]`` of a wider projection)
+        x_rows = (rows // x_inner) * x_outer_stride + (rows % x_inner) * x_row_stride
     if HAS_WEIGHT:
         w = tl.load(w_ptr + cols, mask=cols < N, other=0.0, eviction_policy="evict_last")
-    x = tl.load(
-        x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
-    )
+    x = tl.load(x_ptr + x_rows[:, None] + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
     if ADD_RESIDUAL:
         r = tl.load(
             residual_ptr + rows[:, None] * residual_row_stride + cols[None, :],
@@ -143,6 +147,35 @@ def _launch_shape(n_rows: int, n_cols: int, element_size: int) -> tuple[int, int
     return block_n, rows, num_warps
 
 
+def row_levels(x: Tensor) -> tuple[int, int, int] | None:
+    """``x``'s rows (all but its unit-stride last dimension) as at most two levels of strides:
+    ``(inner, outer_stride, row_stride)``, the row ``r`` starting at ``(r // inner) * outer_stride
+    + (r % inner) * row_stride``; None when they need more (or the last dimension is strided).
+
+    A head-wise norm of a merged projection's output (Qwen3's ``q_norm`` of ``[B, S, heads, D]``
+    cut from ``[B, S, (q + k + v) * D]``) is two levels: the heads of a token, then the tokens."""
+    if x.dim() == 0 or (x.stride(-1) != 1 and x.shape[-1] != 1):
+        return None
+    # Merge leading dimensions from the innermost out while each continues the one inside it.
+    groups: list[list[int]] = []  # [size, stride] per group, innermost first
+    for size, stride in zip(reversed(x.shape[:-1]), reversed(x.stride()[:-1])):
+        if size == 1:
+            continue
+        if groups and stride == groups[-1][0] * groups[-1][1]:
+            groups[-1][0] *= size
+        else:
+            groups.append([size, stride])
+    if len(groups) > 2:
+        return None
+    n_cols = x.shape[-1]
+    if not groups:
+        return 1, n_cols, n_cols
+    inner, row_stride = groups[0]
+    if len(groups) == 1:
+        return 1, row_stride, row_stride
+    return inner, groups[1][1], row_stride
+
+
 # Benchmarks override the launch shape here (``benchmarks/sweep_triton_ops.py``).
 TUNING: dict = {}
 
@@ -162,33 +195,45 @@ def _normalise(
 ) -> tuple:
     upcast, cast_before_weight, offset, weight_fp32, cast_output = flags
     n_cols = x.shape[-1]
-    x2 = x.reshape(-1, n_cols)  # a view whenever the leading dimensions collapse
+    n_rows = x.numel() // n_cols if n_cols else 0
     norm_dtype = rms_norm_out_dtype(x.dtype, None if weight is None else weight.dtype, *flags)
     out_dtype = x.dtype if gate is not None else norm_dtype
     out = x.new_empty(x.shape, dtype=out_dtype)
-    gate2 = x2 if gate is None else gate.reshape(-1, n_cols)
-    residual2 = x2 if residual is None else residual.reshape(-1, n_cols)
     residual_out = out if residual is None else x.new_empty(x.shape)
-    n_rows = x2.shape[0]
     if n_rows == 0:
         return out, residual_out
+    levels = row_levels(x)
+    if levels is None:  # rows in more than two levels: one copy
+        x = x.contiguous()
+        levels = (1, n_cols, n_cols)
+    inner, outer_stride, row_stride = levels
+    gate2 = x if gate is None else gate.reshape(-1, n_cols)  # a view whenever the leading dimensions collapse
+    residual2 = x if residual is None else residual.reshape(-1, n_cols)
+    contiguous = n_rows == 1 or (
+        outer_stride == inner * n_cols
+        and row_stride == n_cols
+        and (residual is None or residual2.stride(0) == n_cols)
+        and (gate is None or gate2.stride(0) == n_cols)
+    )
     block_n, rows, num_warps = _launch_shape(n_rows, n_cols, x.element_size())
     rows, num_warps = TUNING.get("rows", rows), TUNING.get("num_warps", num_warps)
     with device_of(x):
         _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
-            x2,
+            x,
             residual2,
-            x2 if weight is None else weight,
+            x if weight is None else weight,
             gate2,
             out,
             residual_out,
             n_rows,
-            x2.stride(0),
-            residual2.stride(0),
-            gate2.stride(0),
+            inner,
+            outer_stride,
+            row_stride,
+            residual2.stride(0) if residual is not None else n_cols,
+            gate2.stride(0) if gate is not None else n_cols,
             eps,
             N=n_cols,
-            CONTIGUOUS=n_rows == 1 or x2.stride(0) == residual2.stride(0) == gate2.stride(0) == n_cols,
+            CONTIGUOUS=contiguous,
             UPCAST=upcast,
             CAST_BEFORE_WEIGHT=cast_before_weight,
             OFFSET=offset,
@@ -245,6 +290,12 @@ def _rms_norm_backward_kernel(
     dx_ptr,
     dw_partial_ptr,
     n_rows,
+    x_inner,
+    x_outer_stride,
+    x_row_stride,
+    dy_inner,
+    dy_outer_stride,
+    dy_row_stride,
     eps,
     N: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -253,6 +304,7 @@ def _rms_norm_backward_kernel(
     WEIGHT_FP32: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     ADD_DRESIDUAL: tl.constexpr,
+    CONTIGUOUS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -268,9 +320,16 @@ def _rms_norm_backward_kernel(
                 w = w.to(w_ptr.dtype.element_ty).to(tl.float32)
         dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for row in range(pid, n_rows, programs):
-        offsets = tl.cast(row, tl.int64) * N + cols
-        h = tl.load(x_ptr + offsets, mask=in_row, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + offsets, mask=in_row, other=0.0).to(tl.float32)
+        row = tl.cast(row, tl.int64)
+        offsets = row * N + cols
+        if CONTIGUOUS:
+            x_offsets = offsets
+            dy_offsets = offsets
+        else:  # x and dy in two levels of rows each (see ``row_levels``); dx and dresidual contiguous
+            x_offsets = (row // x_inner) * x_outer_stride + (row % x_inner) * x_row_stride + cols
+            dy_offsets = (row // dy_inner) * dy_outer_stride + (row % dy_inner) * dy_row_stride + cols
+        h = tl.load(x_ptr + x_offsets, mask=in_row, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + dy_offsets, mask=in_row, other=0.0).to(tl.float32)
         if UPCAST:
             rstd = tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
         else:
@@ -309,26 +368,30 @@ def rms_norm_backward(
     ``fused_add_rms_norm``, the gradient of the sum it also returns, ``dresidual``, added to dx)."""
     upcast, cast_before_weight, offset, weight_fp32, cast_output = flags
     n_cols = x.shape[-1]
-    x2 = x.reshape(-1, n_cols).contiguous()
-    dy2 = dy.reshape(-1, n_cols).contiguous()
+    n_rows = x.numel() // n_cols if n_cols else 0
+    x_levels, dy_levels = row_levels(x), row_levels(dy)
+    if x_levels is None:  # more than two levels of rows: one copy
+        x, x_levels = x.contiguous(), (1, n_cols, n_cols)
+    if dy_levels is None:
+        dy, dy_levels = dy.contiguous(), (1, n_cols, n_cols)
     dres2 = dresidual.reshape(-1, n_cols).contiguous() if dresidual is not None else None
-    n_rows = x2.shape[0]
-    dx = torch.empty_like(x2)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    contiguous = n_rows == 1 or all(levels[1:] == (levels[0] * n_cols, n_cols) for levels in (x_levels, dy_levels))
     programs = _backward_programs(n_rows, x.device)
     dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=x.device) if weight is not None else None
     if n_rows:
         with device_of(x):
             _rms_norm_backward_kernel[(programs,)](
-                dy2, x2, x2 if weight is None else weight, x2 if dres2 is None else dres2, dx,
-                x2 if dw_partial is None else dw_partial, n_rows, eps,
+                dy, x, x if weight is None else weight, x if dres2 is None else dres2, dx,
+                x if dw_partial is None else dw_partial, n_rows, *x_levels, *dy_levels, eps,
                 N=n_cols, UPCAST=upcast, CAST_BEFORE_WEIGHT=cast_before_weight, OFFSET=offset,
                 WEIGHT_FP32=weight_fp32, HAS_WEIGHT=weight is not None, ADD_DRESIDUAL=dres2 is not None,
-                BLOCK_N=triton.next_power_of_2(n_cols), num_warps=_backward_warps(n_cols),
+                CONTIGUOUS=contiguous, BLOCK_N=triton.next_power_of_2(n_cols), num_warps=_backward_warps(n_cols),
             )  # fmt: skip
     dw = None
     if weight is not None:
         dw = (dw_partial.sum(0) if n_rows else torch.zeros(n_cols, device=x.device)).to(weight.dtype)
-    return dx.view(x.shape), dw
+    return dx, dw
 
 
 def _backward_warps(n_cols: int) -> int:
