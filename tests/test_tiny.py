@@ -105,3 +105,9 @@ def test_the_causal_lm_is_built_on_the_sub_configuration_it_declares():
     _needs("musicgen")
     model = _meta_model("musicgen")
     assert type(model).__name__ == "MusicgenForCausalLM" and model.config.hidden_size == 64
+
+
+def test_a_hidden_size_under_another_name_follows_the_part_it_names():
+    _needs("blt")
+    config = tiny_config("blt")
+    assert config.encoder_config.hidden_size_global == config.global_config.hidden_size == 64

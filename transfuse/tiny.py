@@ -2,7 +2,9 @@
 
 One table of small values for configuration keys that many architectures share; a key is
 set only where the architecture's default configuration has it and accepts a new value.
-Other vocabularies (per-layer input embeddings, hashed n-grams) are cut to the tiny one.
+Other vocabularies (per-layer input embeddings, hashed n-grams) are cut to the tiny one, and
+a hidden size under another name that is some part's hidden size (``hidden_size_global``)
+becomes the tiny hidden size.
 The same rules shrink every nested configuration (``text_config``, ``vision_config``, an
 encoder's or a decoder's, any attribute that is a configuration), recursively.
 
@@ -306,6 +308,11 @@ def _build(default, overrides: dict, widths: set | None = None):
     cls, overrides = type(default), dict(overrides)
     widths = _hidden_sizes(default) if widths is None else widths
     values = _table_values(default)
+    for key, value in vars(default).items():
+        # A hidden size under another name (another part's, ``hidden_size_global``) is the tiny one.
+        if "hidden_size" in key and key not in values and _int(value) and value in widths and value > 0:
+            if "hidden_size" in values and not key.startswith("_") and _settable(default, key):
+                values[key] = values["hidden_size"]
     for key, sub in _sub_configs(default).items():
         given = overrides.pop(key, None)
         values[key] = given if _is_config(given) else _build(sub, given or {}, widths)
