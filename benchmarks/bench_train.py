@@ -289,7 +289,7 @@ def _host(model, ids, steps: int = 5, rows: int = 40) -> str:
         f"Host time to issue (median of {steps} steps, autograd on the calling thread): forward {ms(forward):.2f} ms, "
         f"backward {ms(backward):.2f} ms, the whole step with its synchronisation {ms(whole):.2f} ms; "
         f"the forward alone under no_grad, waited for: {ms(forward_done):.2f} ms\n\n"
-        f"{_module_host_times(model, ids, steps)}\n\n"
+        f"{_module_host_times(model, ids, steps)}\n\n{_op_host_times(model, ids, steps)}\n\n{_syncs(model, ids)}\n\n"
         f"cProfile over {steps} steps (cProfile slows Python itself: compare functions, not totals)\n"
     )
     stats = pstats.Stats(profiler, stream=text)
@@ -329,6 +329,71 @@ def _module_host_times(model, ids, steps: int, rows: int = 25) -> str:
     for name, total in sorted(totals.items(), key=lambda item: -item[1])[:rows]:
         lines.append(f"  {1000 * total / steps:8.3f}  {counts[name] // steps:4d}  {name}")
     return "\n".join(lines)
+
+
+def _op_host_times(model, ids, steps: int) -> str:
+    """Host time inside each dispatched transfuse op (``Op.__call__``: provider choice, autograd
+    Function, the provider's Python, its launches) and inside each Triton launch, forward and
+    backward, per step over ``steps`` training steps."""
+    from transfuse.ops import dispatch
+    from transfuse.ops.triton import launch
+
+    totals: dict[str, list] = {}
+
+    def timed(original, name_of):
+        def wrapper(self, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                entry = totals.setdefault(name_of(self), [0.0, 0])
+                entry[0] += time.perf_counter() - start
+                entry[1] += 1
+
+        return wrapper
+
+    call, launch_kernel = dispatch.Op.__call__, launch.Kernel.launch
+    dispatch.Op.__call__ = timed(call, lambda op: f"op {op.name}")
+    launch.Kernel.launch = timed(launch_kernel, lambda kernel: f"launch {kernel.fn.__name__}")
+    try:
+        for _ in range(steps):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+    finally:
+        dispatch.Op.__call__, launch.Kernel.launch = call, launch_kernel
+    lines = ["Host time in each dispatched op and each Triton launch (ms per step, calls per step, us per call):"]
+    for name, (total, count) in sorted(totals.items(), key=lambda item: -item[1][0]):
+        lines.append(f"  {1000 * total / steps:8.3f}  {count // steps:4d}  {1e6 * total / count:8.1f}  {name}")
+    return "\n".join(lines)
+
+
+def _syncs(model, ids) -> str:
+    """Every operation in one training step that makes the host wait for the GPU
+    (``torch.cuda.set_sync_debug_mode``), with the Python stack that called it."""
+    import traceback
+    import warnings
+
+    if not ids.is_cuda:
+        return "Host waits: not measured on the CPU."
+    found = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        found.append(f"{message}\n" + "".join(traceback.format_stack(limit=10)[:-1]))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    if not found:
+        return "Host waits for the GPU in one step (set_sync_debug_mode): none."
+    return f"Host waits for the GPU in one step (set_sync_debug_mode): {len(found)}\n" + "\n".join(found[:10])
 
 
 def _block_mib(variant: str) -> int | None:
