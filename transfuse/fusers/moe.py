@@ -56,7 +56,7 @@ from ..rewriter.source import BoundRewrite, EditContext, method_source
 from ..rewriter.syntax import comment_line, dataclass_literal
 from ..rewriter.tracer import Trace, unwrapped_forward
 from .moe_experts import GLUMember, LoopMatch, match_glu_member, match_loop
-from .moe_routing import RoutingMatch, Source, match_routing, peel_reshapes
+from .moe_routing import RoutingMatch, Source, match_routing, peel_reshapes, source_of
 
 __all__ = ["MoEEmission", "MoEFuser", "MoEMatch"]
 
@@ -74,6 +74,7 @@ class MoEMatch:
     skip_ids_from: Source | None  # an expert id the loop skips, when it skips one
     training_branches: tuple[tuple[str, type], ...]  # (child path or "", class) whose forward reads self.training
     input: str = "hidden_states"  # the forward's parameter the block reads
+    routed_scale: Source | None = None  # the number the routed output is multiplied by, when it is
 
 
 @dataclass(frozen=True)
@@ -134,8 +135,12 @@ class MoEFuser(Fuser):
         experts = ExpertNumbers(
             alpha=_float(found.alpha, module, 1.0),
             limit=_float(found.limit, module, math.inf),
+            routed_scale=_float(found.routed_scale, module, 1.0),
         )
-        fused = layer("MoE")(children, plan, _routing_numbers(module, found.routing), experts)
+        # Tensors the block holds and hands to its router stay the layer's, under their names.
+        tensors = dict(_own_tensors(module))
+        persistent = {n: n not in module._non_persistent_buffers_set for n in tensors}
+        fused = layer("MoE")(children, plan, _routing_numbers(module, found.routing), experts, tensors, persistent)
         return Fused(replaced=("",), into=type(fused).__name__, replacement=fused)
 
     def emission(self, found: MoEMatch, fused: Fused) -> MoEEmission | None:
@@ -152,7 +157,7 @@ class MoEFuser(Fuser):
         if r is not None:
             numbers += [("top_k", r.top_k), ("n_group", r.n_group), ("topk_group", r.topk_group)]
             numbers += [(k, v) for k, v in (("renorm_eps", r.renorm_eps), ("renorm_min", r.renorm_min), ("scale", r.scale))]
-        numbers += [("alpha", found.alpha), ("limit", found.limit)]
+        numbers += [("alpha", found.alpha), ("limit", found.limit), ("routed_scale", found.routed_scale)]
         defaults = {"n_group": 1, "topk_group": 1}
         kept = tuple((k, v) for k, v in numbers if v is not None and not (v.path is None and v.literal == defaults.get(k)))
         return MoEEmission(plan, found.input, kept)
@@ -314,8 +319,16 @@ def _find_experts(analysis: ClassAnalysis) -> tuple[LoopMatch, fx.Node | None]:
     call, child = candidates[0]
     _complete(child.trace, "experts'", call)
     loop = match_loop(child.trace, lambda path: _trace_of(analysis.child(f"{call.target}.{path}")))
-    if child.trace.output.args[0] is not loop.accumulator:
+    returned, casts = peel_casts(child.trace.output.args[0])
+    cast_back = len(casts) == 1 and casts[0].like is loop.tokens
+    if returned is not loop.accumulator or (casts and not (cast_back and loop.accumulate_fp32)):
         raise NoMatch("moe.experts-output", "the experts' forward does not return the sum of the expert outputs.", call)
+    if loop.accumulate_fp32 and not cast_back:
+        raise NoMatch(
+            "moe.experts-output", "the experts return their float32 sum without casting it back to the tokens' dtype.",
+            call,
+        )  # fmt: skip
+    _cover(loop.nodes, child.trace.output.args[0], returned)
     _check_in_place(child.trace.graph, loop.nodes, "experts")
     return loop, call
 
@@ -345,6 +358,10 @@ class _Output:
     shared: tuple[SharedPlan, ...]
     flat: bool
     nodes: set[fx.Node]
+    combine_fp32: bool = False  # the routed and shared outputs are added in float32
+    routed_scale: Source | None = None  # the routed output is multiplied by this number first
+    post: str | None = None  # a child called on the sum
+    post_flat: bool = False  # ... on it flattened to [tokens, hidden] (else shaped like the input)
 
 
 def _match_block(analysis: ClassAnalysis, loop: LoopMatch, call: fx.Node | None) -> MoEMatch:
@@ -364,23 +381,57 @@ def _match_block(analysis: ClassAnalysis, loop: LoopMatch, call: fx.Node | None)
     )
     x = inlined[used[0]]
     router, routing = _match_router(analysis, inlined, routers, ids, weights, x)
+    if loop.accumulate_fp32 and not _float32_weights(routing):
+        raise NoMatch(
+            "moe.combine",
+            "the experts add their outputs into float32 zeros, which the fused layer's sum matches only when the "
+            "routing weights are float32 (each output times its weight is then float32); the routing does not "
+            "prove that.",
+            loop.accumulator,
+        )
     if not _is_tokens(inlined[tokens], x):
         raise NoMatch("moe.tokens", "the experts do not read the block's input flattened to [tokens, hidden].", tokens)
     routed = inlined[call] if call is not None else inlined[loop.accumulator]
     roles = {id(routed): HIDDEN, id(inlined[weights]): WEIGHTS, id(inlined[ids]): IDS}
     if routing is not None:
         roles[id(routing.logits)] = LOGITS
-    output = _match_output(inlined, x, routed, roles)
-    _account(trace, experts_calls | set(routers), output.shared)
+    items = [u for u in routers[0].users if is_op(u, "getitem") and isinstance(operand(u, 1), int)]
+    router_items = {id(inlined[u]): operand(u, 1) for u in items}  # the router's outputs, by index
+    output = _match_output(inlined, x, routed, roles, router_items)
+    if any(s.router_outputs for s in output.shared) and router.spec is not None:
+        raise NoMatch(
+            "moe.shared", "a shared expert reads outputs of a router whose routing the fused layer computes itself "
+            "(the router is then not called).", trace.output,
+        )  # fmt: skip
+    _account(trace, experts_calls | set(routers), output.shared, output.post)
     loop_nodes = {inlined[n] for n in loop.nodes if n in inlined.env} if call is None else set()
     _check_in_place(inlined.graph, (routing.nodes if routing else set()) | output.nodes | loop_nodes, "block")
     experts, owner, member, alpha, limit, skip = _experts_plan(analysis, loop, call)
     assumes = _assumptions(analysis, sorted(router_names) + ([call.target] if call is not None else []))
-    plan = MoEPlan(router, experts, output.shared, output.roles, output.returns_tuple, output.flat, assumes=assumes)
+    plan = MoEPlan(
+        router, experts, output.shared, output.roles, output.returns_tuple, output.flat, assumes=assumes,
+        combine_fp32=output.combine_fp32, routed_scaled=output.routed_scale is not None,
+        post=output.post, post_flat=output.post_flat,
+    )  # fmt: skip
     branches = (("", analysis.cls),) if "training" in trace.specialisation else ()
     if routing is not None and not router.train_as_module and _reads_training(analysis, router.module):
         branches += ((router.module, analysis.child(router.module).cls),)
-    return MoEMatch(plan, owner, member, routing, alpha, limit, skip, branches, input=used[0].target)
+    return MoEMatch(
+        plan, owner, member, routing, alpha, limit, skip, branches, input=used[0].target,
+        routed_scale=output.routed_scale,
+    )  # fmt: skip
+
+
+def _float32_weights(routing: RoutingMatch | None) -> bool:
+    """The routing weights are float32 whatever the model's dtype: cast to it, or computed from float32
+    logits (an input or weight cast to float32 makes ``F.linear`` float32) or a float32 softmax."""
+    if routing is None or routing.weights_dtype not in (None, LOGITS, "float32"):
+        return False
+    if routing.weights_dtype == "float32":
+        return True
+    plan = routing.logits_plan
+    logits_fp32 = plan.input_fp32 or plan.weight_fp32 or plan.output_fp32
+    return logits_fp32 or (routing.weights_dtype is None and routing.spec.scoring != "sigmoid" and routing.spec.float32)
 
 
 def _assumptions(analysis: ClassAnalysis, children: list[str]) -> tuple[tuple[str, Any], ...]:
@@ -462,14 +513,18 @@ def _match_router(analysis, inlined, routers: list[fx.Node], ids, weights, x) ->
             "moe.router", f"the routing ids and weights come from {len(routers)} children ({names}), not one router."
         )
     call = routers[0]
-    router_input = call.args[0] if len(call.args) == 1 and not call.kwargs else None
+    router_input = call.args[0] if call.args and not call.kwargs else None
     as_input = router_input is not None and router_input.op == "placeholder"
     if router_input is None or not (as_input or _is_tokens(inlined[router_input], x)):
-        raise NoMatch("moe.router", f"the router {call.target!r} is not called on the block's tokens alone.", call)
+        raise NoMatch(
+            "moe.router", f"the router {call.target!r} is not called on the block's tokens (and tensors of its own).",
+            call,
+        )  # fmt: skip
+    extra = _block_tensor_arguments(analysis, call)
     try:
         routing = match_routing(inlined[ids], inlined[weights])
     except NoMatch as refusal:
-        return _opaque_router(call, ids, weights, refusal), None
+        return _opaque_router(call, ids, weights, refusal, extra), None
     router_trace = _trace_of(analysis.child(call.target))
     if router_trace is not None:
         _shape_independent(router_trace, "router's", call)  # its routing is computed by the fused layer
@@ -482,6 +537,7 @@ def _match_router(analysis, inlined, routers: list[fx.Node], ids, weights, x) ->
         module=call.target,
         returns=returns,
         input=as_input,
+        extra=extra,
         logits=None if returns == (LOGITS,) and routing.logits is returned else routing.logits_plan,
         spec=routing.spec,
         correction_bias=routing.correction_bias,
@@ -492,7 +548,27 @@ def _match_router(analysis, inlined, routers: list[fx.Node], ids, weights, x) ->
     return plan, routing
 
 
-def _opaque_router(call: fx.Node, ids, weights, refusal: NoMatch) -> RouterPlan:
+def _block_tensor_arguments(analysis: ClassAnalysis, call: fx.Node) -> tuple[str, ...]:
+    """The arguments after the tokens of a router call: each a parameter or buffer of the block itself
+    (a correction bias the block holds and hands to its router), which the fused layer keeps."""
+    extra = []
+    for arg in call.args[1:]:
+        tensor = value(arg) if isinstance(arg, fx.Node) else None
+        if not (
+            arg.op == "get_attr" and "." not in arg.target and "self_attr" not in arg.meta
+            and isinstance(tensor, torch.Tensor) and not arg.meta.get("constant")
+        ):  # fmt: skip
+            raise NoMatch(
+                "moe.router",
+                f"the router {call.target!r} is called with {getattr(arg, 'name', repr(arg))} besides the tokens, "
+                "which is not a tensor the block holds.",
+                call,
+            )
+        extra.append(arg.target)
+    return tuple(extra)
+
+
+def _opaque_router(call: fx.Node, ids, weights, refusal: NoMatch, extra: tuple[str, ...]) -> RouterPlan:
     """A router whose routing is not recognised, but whose outputs the experts read directly."""
     roles = {}
     for node, role in ((ids, IDS), (weights, WEIGHTS)):
@@ -503,11 +579,14 @@ def _opaque_router(call: fx.Node, ids, weights, refusal: NoMatch) -> RouterPlan:
     if arity < 2:
         raise refusal
     return RouterPlan(
-        module=call.target, returns=tuple(roles.get(i) for i in range(arity)), input=call.args[0].op == "placeholder"
+        module=call.target,
+        returns=tuple(roles.get(i) for i in range(arity)),
+        input=call.args[0].op == "placeholder",
+        extra=extra,
     )
 
 
-def _match_output(inlined, x: fx.Node, routed: Any, roles: dict[int, str]) -> _Output:
+def _match_output(inlined, x: fx.Node, routed: Any, roles: dict[int, str], router_items: dict[int, int]) -> _Output:
     """Roles of what the block returns; the shared experts added to the routed output."""
     out = next(n for n in reversed(inlined.graph.nodes) if n.op == "output").args[0]
     items = out if isinstance(out, (tuple, list)) else (out,)
@@ -516,10 +595,17 @@ def _match_output(inlined, x: fx.Node, routed: Any, roles: dict[int, str]) -> _O
     for item in items:
         role = roles.get(id(item))
         if role is None or role == HIDDEN:
-            hidden = _peel_output_cast(item, x, found.nodes)
             found.flat = _output_shape(item, x) != tuple(value(x).shape)
-            _cover(found.nodes, hidden, peel_reshapes(hidden))
-            found.shared = _split_terms(peel_reshapes(hidden), routed, x, found.nodes)
+            total, cast_back = _peel_shape_and_dtype(item, x, found.nodes)
+            post_input = _post_input(total, routed, x, found)
+            if post_input is not None:
+                if cast_back:
+                    raise NoMatch(
+                        "moe.output", f"the output of {found.post!r} is cast to the input's dtype, which the "
+                        "fused layer does not do after it.", item,
+                    )  # fmt: skip
+                total, cast_back = _peel_shape_and_dtype(post_input, x, found.nodes)
+            _split_terms(total, routed, x, found, cast_back, router_items)
             role = HIDDEN
         roles_out.append(role)
     if roles_out.count(HIDDEN) != 1:
@@ -563,16 +649,42 @@ def _reshape_sizes(node: Any, x: fx.Node) -> tuple[int, ...] | None:
     return None
 
 
-def _peel_output_cast(item: Any, x: fx.Node, nodes: set) -> Any:
-    """The output below a cast to the input's dtype (the only cast that keeps the layer's dtype)."""
-    hidden, casts = peel_casts(item)
-    for cast in casts:
-        if cast.like is None or peel_reshapes(cast.like) is not x:
-            raise NoMatch(
-                "moe.output", f"the block's output is cast to {cast.describe()}, not to its input's dtype.", item
-            )
-    _cover(nodes, item, hidden)
-    return hidden
+def _peel_shape_and_dtype(node: Any, x: fx.Node, covered: set) -> tuple[Any, bool]:
+    """The value below reshapes and casts to the input's dtype (in any order), and whether a cast was
+    among them (a cast to another dtype is refused: the layer returns the input's dtype)."""
+    cast_back = False
+    while True:
+        reshaped = peel_reshapes(node)
+        _cover(covered, node, reshaped)
+        inner, casts = peel_casts(reshaped)
+        if not casts:
+            return reshaped, cast_back
+        for cast in casts:
+            if cast.like is None or peel_reshapes(cast.like) is not x:
+                raise NoMatch(
+                    "moe.output", f"the block's output is cast to {cast.describe()}, not to its input's dtype.", node
+                )
+        _cover(covered, reshaped, inner)
+        cast_back, node = True, inner
+
+
+def _post_input(node: Any, routed: Any, x: fx.Node, found: _Output) -> Any:
+    """``post(sum)``: a child called last, on the sum alone, keeping its shape (a norm after the
+    experts); records it and returns its input, or None when the output is not such a call."""
+    if node is routed or not (
+        isinstance(node, fx.Node) and node.op == "call_module" and len(node.args) == 1 and not node.kwargs
+    ):
+        return None
+    arg = node.args[0]
+    shape, arg_shape = getattr(value(node), "shape", None), getattr(value(arg), "shape", None)
+    if shape is None or shape != arg_shape:
+        raise NoMatch(
+            "moe.output", f"the block returns {node.target!r} of its output, which changes its shape (or the shape "
+            "is unknown).", node,
+        )  # fmt: skip
+    found.post, found.post_flat = node.target, tuple(arg_shape) != tuple(value(x).shape)
+    found.nodes.add(node)
+    return arg
 
 
 def _cover(covered: set, top: Any, bottom: Any) -> None:
@@ -582,9 +694,10 @@ def _cover(covered: set, top: Any, bottom: Any) -> None:
         walk = operand(walk, 0)
 
 
-def _split_terms(node: Any, routed: Any, x: fx.Node, covered: set) -> tuple[SharedPlan, ...]:
-    """``routed + shared_1 + ...`` (any order), each shared term ``S(x)`` or ``sigmoid(G(x)) * S(x)``."""
-    terms, pending = [], [node]
+def _split_terms(node: Any, routed: Any, x: fx.Node, found: _Output, cast_back: bool, router_items: dict) -> None:
+    """``routed [* scale] + shared_1 + ...`` (any order), each shared term ``S(x)`` or ``sigmoid(G(x)) * S(x)``;
+    every term cast to float32, or none (then the sum is cast back to the input's dtype)."""
+    terms, pending, covered = [], [node], found.nodes
     while pending:
         term = peel_reshapes(pending.pop(0))
         if is_op(term, "add") and len(operands(term)) == 2 and not term.kwargs:
@@ -592,14 +705,45 @@ def _split_terms(node: Any, routed: Any, x: fx.Node, covered: set) -> tuple[Shar
             pending[:0] = list(operands(term))
             continue
         terms.append(term)
-    if sum(1 for t in terms if t is routed) != 1:
+    peeled = [_peel_float32(t, covered) for t in terms]
+    found.combine_fp32 = any(t is not p for t, p in zip(terms, peeled))
+    if found.combine_fp32 and (not all(t is not p for t, p in zip(terms, peeled)) or not cast_back):
+        raise NoMatch(
+            "moe.output", "the experts' outputs are added in float32 only in part, or the float32 sum is not cast "
+            "back to the input's dtype.", node,
+        )  # fmt: skip
+    terms = [peel_reshapes(t) for t in peeled]
+    found_routed = [t for t in terms if t is routed or _scaled_routed(t, routed, found)]
+    if len(found_routed) != 1:
         raise NoMatch("moe.output", "the block's output is not the routed experts' output plus shared experts.", node)
-    return tuple(_shared_term(t, x, covered) for t in terms if t is not routed)
+    found.shared = tuple(_shared_term(t, x, covered, router_items) for t in terms if t is not found_routed[0])
 
 
-def _shared_term(term: Any, x: fx.Node, covered: set) -> SharedPlan:
+def _peel_float32(term: Any, covered: set) -> Any:
+    inner, casts = peel_casts(term)
+    if len(casts) == 1 and casts[0].dtype == torch.float32:
+        covered.add(term)
+        return inner
+    return term
+
+
+def _scaled_routed(term: Any, routed: Any, found: _Output) -> bool:
+    """``routed * scale``, the scale a number (an attribute of the block, or a literal)."""
+    if not (is_op(term, "mul") and len(operands(term)) == 2 and not term.kwargs):
+        return False
+    for out, factor in (operands(term), operands(term)[::-1]):
+        if peel_reshapes(out) is routed and not isinstance(value(factor), torch.Tensor):
+            found.routed_scale = source_of(factor, "the routed experts' scale", (float, int))
+            found.nodes.add(term)
+            _cover(found.nodes, out, routed)
+            return True
+    return False
+
+
+def _shared_term(term: Any, x: fx.Node, covered: set, router_items: dict[int, int]) -> SharedPlan:
     if isinstance(term, fx.Node) and term.op == "call_module":
-        return SharedPlan(term.target, input=_module_input(term, x))
+        as_input = _module_input(term, x, router_items)
+        return SharedPlan(term.target, as_input, router_outputs=_router_outputs(term, router_items))
     if is_op(term, "mul"):
         for gate, expert in (operands(term)[:2], operands(term)[1::-1]):
             inner = operand(gate, 0) if is_op(gate, "sigmoid") else None
@@ -617,16 +761,32 @@ def _shared_term(term: Any, x: fx.Node, covered: set) -> SharedPlan:
     )
 
 
-def _module_input(call: fx.Node, x: fx.Node) -> bool:
-    """True when a child is called on the block's input as is, False on the flattened tokens."""
-    if len(call.args) != 1 or call.kwargs or not (call.args[0] is x or _is_tokens(call.args[0], x)):
-        raise NoMatch("moe.shared", f"{call.target!r} is not called on the block's tokens alone.", call)
-    return call.args[0] is x
+def _module_input(call: fx.Node, x: fx.Node, router_items: dict[int, int] | None = None) -> bool:
+    """True when a child is called on the block's input (or a reshape of it to the input's shape),
+    False on the flattened tokens; other arguments only outputs of the router (``router_items``)."""
+    rest = [*call.args[1:], *call.kwargs.values()]
+    tokens = call.args[0] if call.args else None
+    shape, x_shape = getattr(value(tokens), "shape", None), getattr(value(x), "shape", None)
+    as_input = tokens is x or (peel_reshapes(tokens) is x and shape is not None and shape == x_shape)
+    if not (as_input or _is_tokens(tokens, x)) or any(id(a) not in (router_items or {}) for a in rest):
+        raise NoMatch(
+            "moe.shared",
+            f"{call.target!r} is not called on the block's tokens (and outputs of the router) alone.",
+            call,
+        )
+    return as_input
 
 
-def _account(trace: Trace, known: set, shared: tuple[SharedPlan, ...]) -> None:
+def _router_outputs(call: fx.Node, router_items: dict[int, int]) -> tuple[tuple[str | None, int], ...]:
+    """(keyword, or None for a positional argument, index of the router's output) of a child's
+    arguments after the tokens."""
+    positional = tuple((None, router_items[id(a)]) for a in call.args[1:])
+    return positional + tuple((k, router_items[id(a)]) for k, a in call.kwargs.items())
+
+
+def _account(trace: Trace, known: set, shared: tuple[SharedPlan, ...], post: str | None) -> None:
     """Every child the block calls has a role."""
-    names = {n.target for n in known if n is not None}
+    names = {n.target for n in known if n is not None} | {post}
     names |= {s.module for s in shared} | {s.gate for s in shared if s.gate is not None}
     for node in trace.graph.nodes:
         if node.op == "call_module" and node.target not in names:
@@ -647,11 +807,13 @@ def _check_in_place(graph: fx.Graph, covered: set, where: str) -> None:
 
 
 def _validate(module: nn.Module, found: MoEMatch) -> None:
-    if (
-        next(module.parameters(recurse=False), None) is not None
-        or next(module.buffers(recurse=False), None) is not None
-    ):
-        raise NoMatch("moe.block-tensors", "the block holds tensors of its own, which the fused layer would not keep.")
+    unread = [name for name, _ in _own_tensors(module) if name not in found.plan.block_tensors()]
+    if unread:
+        raise NoMatch(
+            "moe.block-tensors",
+            f"the block holds tensors of its own ({', '.join(unread)}) that its routing does not read, which the "
+            "fused layer would not keep.",
+        )
     sharded = next((name for name, p in module.named_parameters() if is_sharded(p)), None)
     if sharded is not None:
         raise NoMatch(
@@ -680,6 +842,10 @@ def _validate(module: nn.Module, found: MoEMatch) -> None:
             raise NoMatch(
                 "moe.loop-form", f"the experts loop skips expert id {skipped!r}, which is a real expert of {experts}."
             )
+
+
+def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
 
 
 def _forward_replaced(module: nn.Module) -> bool:

@@ -71,6 +71,7 @@ class LoopMatch:
     member_list: str | None = None  # the ModuleList whose members are the experts
     member_call: fx.Node | None = None
     nodes: set[fx.Node] = field(default_factory=set)
+    accumulate_fp32: bool = False  # the outputs are added into float32 zeros (the sum is cast back)
 
 
 def match_loop(trace: Trace, children: Lookup) -> LoopMatch:
@@ -235,8 +236,15 @@ def _rows_source(rows: fx.Node, token_idx: fx.Node, found: LoopMatch) -> fx.Node
 
 def _check_accumulator(accumulator: fx.Node, tokens: fx.Node, found: LoopMatch) -> None:
     if is_op(accumulator, "zeros_like") and operand(accumulator, 0) is tokens:
-        found.nodes.add(accumulator)
-        return
+        dtype = accumulator.kwargs.get("dtype")
+        read = is_op(dtype, "getattr") and operand(dtype, 0) is tokens and operand(dtype, 1) == "dtype"
+        tokens_dtype = dtype is None or read  # zeros_like(x, dtype=x.dtype)
+        if set(accumulator.kwargs) <= {"dtype", "device"} and len(accumulator.args) == 1 and (
+            tokens_dtype or dtype is torch.float32
+        ):
+            found.accumulate_fp32 = dtype is torch.float32
+            found.nodes.add(accumulator)
+            return
     if is_op(accumulator, "zeros") and getattr(value(accumulator), "shape", None) == getattr(
         value(tokens), "shape", None
     ):
@@ -331,7 +339,11 @@ def _split_halves(gate: fx.Node, up: fx.Node, nodes: set[fx.Node]) -> tuple[fx.N
 
 
 def _gated(h: fx.Node, children: Lookup, nodes: set[fx.Node]):
-    """``act(gate) * up`` or the clamped SwiGLU → (gate, up, activation, alpha, limit)."""
+    """``act(gate) * up``, the clamped SwiGLU, or a child computing the softcapped SwiGLU of (gate, up)
+    → (gate, up, activation, alpha, limit)."""
+    softcapped = _softcapped_swiglu(h, children, nodes)
+    if softcapped is not None:
+        return softcapped
     if not is_op(h, "mul"):
         raise NoMatch("moe.expert-form", "the expert's hidden value is not a gated product act(gate) * up.", h)
     nodes.add(h)
@@ -343,8 +355,26 @@ def _gated(h: fx.Node, children: Lookup, nodes: set[fx.Node]):
         if found is not None:
             name, gate = found
             nodes.add(act)
+            clamped = _clamped_halves(gate, up, nodes)
+            if clamped is not None:
+                gate, up, limit = clamped
+                return gate, up, f"clamped_{name}", None, limit
             return gate, up, name, None, None
     raise NoMatch("moe.expert-form", "neither factor of the gated product is a known activation of the gate.", h)
+
+
+def _clamped_halves(gate: fx.Node, up: fx.Node, nodes: set[fx.Node]):
+    """``act(clamp(gate, max=L)) * clamp(up, -L, L)`` → (gate, up, L's source); None for other forms."""
+    if not (is_op(gate, "clamp") and is_op(up, "clamp")):
+        return None
+    limit = operand(gate, 2, "max")
+    if operand(gate, 1, "min") is not None or limit is None or operand(up, 2, "max") is not limit:
+        return None
+    low = operand(up, 1, "min")
+    if not (is_op(low, "neg") and operand(low, 0) is limit):
+        return None
+    nodes.update({gate, up, low})
+    return operand(gate, 0), operand(up, 0), source_of(limit, "the GLU's clamp limit", (float, int))
 
 
 def _clamped_swiglu(h: fx.Node, nodes: set[fx.Node]):
@@ -376,6 +406,59 @@ def _clamped_swiglu(h: fx.Node, nodes: set[fx.Node]):
         alpha,
         source_of(limit, "the SwiGLU limit", (float, int)),
     )
+
+
+def _softcapped_swiglu(call: fx.Node, children: Lookup, nodes: set[fx.Node]):
+    """``act(gate, up)``, a child computing ``(cap_a(g) * sigmoid(g) * cap_l(u)).to(gate.dtype)`` with
+    ``g, u = gate.float(), up.float()`` and ``cap_c(v) = tanh(v / c) * c`` (children, c an attribute)
+    → (gate, up, "softcapped_swiglu", a, l); None for any other call."""
+    if call.op != "call_module" or len(call.args) != 2 or call.kwargs:
+        return None
+    trace = children(call.target)
+    if trace is None or trace.partial or trace.output is None:
+        return None
+    gate, up = (p for p in trace.placeholders()) if len(trace.placeholders()) == 2 else (None, None)
+    product, casts = peel_casts(trace.output.args[0])
+    if gate is None or len(casts) != 1 or casts[0].like is not gate or not is_op(product, "mul"):
+        return None
+    first, third = operands(product)[:2]
+    if not is_op(first, "mul"):
+        first, third = third, first
+    if not is_op(first, "mul"):
+        return None
+    a, b = operands(first)[:2]
+    capped, sigmoid = (a, b) if is_op(b, "sigmoid") else (b, a)
+    g = operand(sigmoid, 0) if is_op(sigmoid, "sigmoid") else None
+    gate_cap = _softcap(capped, g, gate, children, call.target)
+    up_cap = _softcap(third, operand(third, 0) if isinstance(third, fx.Node) else None, up, children, call.target)
+    if gate_cap is None or up_cap is None:
+        return None
+    nodes.add(call)
+    return call.args[0], call.args[1], "softcapped_swiglu", gate_cap, up_cap
+
+
+def _softcap(call: fx.Node, inner: fx.Node | None, placeholder: fx.Node, children: Lookup, owner: str) -> Source | None:
+    """``cap(inner)`` with ``inner = placeholder.float()`` and cap a child computing ``tanh(v / c) * c``:
+    the source of c (a path below the experts), else None."""
+    if not (isinstance(call, fx.Node) and call.op == "call_module" and call.args == (inner,) and not call.kwargs):
+        return None
+    base, casts = peel_casts(inner)
+    if base is not placeholder or len(casts) != 1 or casts[0].dtype != torch.float32:
+        return None
+    trace = children(f"{owner}.{call.target}")
+    if trace is None or trace.partial or trace.output is None or len(trace.placeholders()) != 1:
+        return None
+    out = trace.output.args[0]
+    tanh = operand(out, 0) if is_op(out, "mul") else None
+    cap = operand(out, 1) if tanh is not None else None
+    divided = operand(tanh, 0) if is_op(tanh, "tanh") else None
+    if not (is_op(divided, "truediv", "div") and operand(divided, 0) is trace.placeholders()[0]):
+        return None
+    if operand(divided, 1) is not cap or not isinstance(cap, fx.Node) or cap.meta.get("self_attr") is None:
+        return None
+    if len([n for n in trace.graph.nodes if n.op in ("call_function", "call_method", "call_module")]) != 3:
+        return None
+    return Source(path=f"{owner}.{call.target}.{source_of(cap, 'the softcap', (float, int)).path}")
 
 
 _GELU = {"none": "gelu", "tanh": "gelu_tanh"}

@@ -125,8 +125,11 @@ class _Walk:
         return inner, casts
 
     def topk(self, node: fx.Node, index: int) -> fx.Node:
-        """``node`` is ``topk(...)[index]``; returns the topk node."""
-        if not (is_op(node, "getitem") and operand(node, 1) == index and is_op(operand(node, 0), "topk")):
+        """``node`` is ``topk(...)[index]`` (or ``.values``/``.indices``); returns the topk node."""
+        field = "indices" if index else "values"
+        picked = is_op(node, "getitem") and operand(node, 1) == index
+        picked = picked or (is_op(node, "getattr") and operand(node, 1) == field)
+        if not (picked and is_op(operand(node, 0), "topk")):
             what = "values" if index == 0 else "indices"
             raise NoMatch(
                 "moe.routing-form",
@@ -350,17 +353,26 @@ def _match_logits(node: fx.Node, walk: _Walk) -> tuple[fx.Node, LogitsPlan, fx.N
             "moe.router-logits", f"the router logits are {op_name(linear) or linear.op}, not a linear layer.", linear
         )
     x, in_casts = walk.peel(operand(linear, 0))
+    while is_op(x, *_RESHAPES) and peel_casts(peel_reshapes(x))[1]:  # ``x.float().reshape(-1, H)``
+        reshaped = peel_reshapes(x)
+        _mark(walk.nodes, x, reshaped)
+        x, more = walk.peel(reshaped)
+        in_casts += more
     weight, w_casts = walk.peel(operand(linear, 1, "weight"))
     bias = operand(linear, 2, "bias")
     weight_path = _param(weight)
     bias_path = _param(bias) if bias is not None else None
     if weight_path is None or (bias is not None and bias_path is None):
         raise NoMatch("moe.router-logits", "the router's weight or bias is not a parameter.", linear)
+    # ``x.to(W.dtype)``: the input cast to the router weight's dtype (as the weight is, uncast).
+    like_weight = len(in_casts) == 1 and in_casts[0].like is weight and not w_casts
+    if like_weight:
+        in_casts = []
     for casts, what in ((out_casts, "logits"), (in_casts, "router input"), (w_casts, "router weight")):
         if any(c.dtype != torch.float32 for c in casts):
             raise NoMatch("moe.routing-cast", f"the {what} is cast to {casts[0].describe()}, not float32.", linear)
     walk.nodes.add(linear)
-    plan = LogitsPlan(weight_path, bias_path, bool(in_casts), bool(w_casts), bool(out_casts))
+    plan = LogitsPlan(weight_path, bias_path, bool(in_casts), bool(w_casts), bool(out_casts), like_weight)
     return node, plan, x
 
 

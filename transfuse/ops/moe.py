@@ -52,8 +52,15 @@ __all__ = [
 
 ROUTING_SCORINGS = ("softmax", "sigmoid", "topk_softmax")
 # Activations of the gate half; "clamped_swiglu" is ``(clamp(up, ±limit) + 1) · g·σ(α·g)`` with
-# ``g = clamp(gate, max=limit)`` (gpt-oss).
-EXPERT_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "clamped_swiglu")
+# ``g = clamp(gate, max=limit)`` (gpt-oss); "clamped_<act>" is ``act(clamp(gate, max=limit)) · clamp(up, ±limit)``;
+# "softcapped_swiglu" is ``(cap_α(g) · σ(g) · cap_limit(u)).to(dtype)`` with ``g, u`` the gate and up in float32
+# and ``cap_c(v) = tanh(v / c) · c`` (alpha and limit are the two softcaps there).
+_PLAIN_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+EXPERT_ACTIVATIONS = (
+    *_PLAIN_ACTIVATIONS, "clamped_swiglu", *(f"clamped_{a}" for a in _PLAIN_ACTIVATIONS), "softcapped_swiglu",
+)  # fmt: skip
+# What the Triton provider's kernels compute.
+_TRITON_ACTIVATIONS = (*_PLAIN_ACTIVATIONS, "clamped_swiglu")
 
 
 @dataclass(frozen=True)
@@ -212,6 +219,15 @@ def gated_activation(
         gate = gate.clamp(min=None, max=limit)
         up = up.clamp(min=-limit, max=limit)
         return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    if activation == "softcapped_swiglu":
+        g, u = gate.float(), up.float()
+        capped_gate = torch.tanh(g / alpha) * alpha
+        capped_up = torch.tanh(u / limit) * limit
+        return (capped_gate * torch.sigmoid(g) * capped_up).to(h.dtype)
+    if activation.startswith("clamped_"):
+        gate = gate.clamp(min=None, max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        activation = activation[len("clamped_") :]
     if activation == "silu":
         return F.silu(gate) * up
     if activation == "relu":
@@ -434,9 +450,9 @@ def _triton_routes(logits, correction_bias, top_k, scoring, float32, grouped, n_
     return True
 
 
-def _triton_runs_experts(x, weights, ids, w13, w2, b13, b2, *flags) -> bool:
+def _triton_runs_experts(x, weights, ids, w13, w2, b13, b2, activation, *flags) -> bool:
     tensors = [t for t in (x, weights, ids, w13, w2, b13, b2) if t is not None]
-    if not on_device(*tensors) or x.dim() != 2 or ids.dim() != 2:
+    if activation not in _TRITON_ACTIVATIONS or not on_device(*tensors) or x.dim() != 2 or ids.dim() != 2:
         return False
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or w13.dtype != x.dtype or w2.dtype != x.dtype:
         return False

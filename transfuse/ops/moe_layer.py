@@ -47,19 +47,23 @@ TOKENS, INPUT, HIDDEN, LOGITS, WEIGHTS, IDS = "tokens", "input", "hidden", "logi
 
 @dataclass(frozen=True)
 class LogitsPlan:
-    """``F.linear`` of the tokens with the router weight (and bias), with the casts the model makes."""
+    """``F.linear`` of the tokens with the router weight (and bias), with the casts the model makes
+    (``input_like_weight``: the tokens cast to the weight's dtype)."""
 
     weight: str
     bias: str | None = None
     input_fp32: bool = False
     weight_fp32: bool = False
     output_fp32: bool = False
+    input_like_weight: bool = False
 
     def logits(self, layer: nn.Module, tokens: Tensor) -> Tensor:
         weight = _tensor(layer, self.weight)
         bias = _tensor(layer, self.bias) if self.bias is not None else None
         if self.input_fp32:
             tokens = tokens.float()
+        if self.input_like_weight:
+            tokens = tokens.to(weight.dtype)
         if self.weight_fp32:
             weight = weight.float()
         out = F.linear(tokens, weight, bias)
@@ -71,6 +75,7 @@ class RouterPlan:
     """Where the routing weights and expert ids come from.
 
     module: the router child; called with the tokens (``input`` False) or the block's input.
+    extra: tensors of the layer itself passed to the router after the tokens (a correction bias).
     returns: roles of the module's outputs in order (a single role: it returns one tensor).
     logits: how to compute the logits here (None: they are the module's "logits" output).
     spec: how logits become weights and ids (None: the module's "weights" and "ids" outputs).
@@ -81,6 +86,7 @@ class RouterPlan:
     module: str
     returns: tuple[str | None, ...]
     input: bool = False
+    extra: tuple[str, ...] = ()
     logits: LogitsPlan | None = None
     spec: RoutingSpec | None = None
     correction_bias: str | None = None
@@ -101,12 +107,17 @@ class ExpertsPlan:
 
 @dataclass(frozen=True)
 class SharedPlan:
-    """A shared expert added to the routed output, optionally scaled by ``sigmoid(gate(x))``."""
+    """A shared expert added to the routed output, optionally scaled by ``sigmoid(gate(x))``.
+
+    router_outputs: (keyword, or None for the next positional argument; index of the router's output)
+        of what the module is called with after the tokens (a weight the router computes for it).
+    """
 
     module: str
     input: bool = False
     gate: str | None = None
     gate_input: bool = False
+    router_outputs: tuple[tuple[str | None, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -123,14 +134,31 @@ class MoEPlan:
     # (dotted path below the layer, value): attributes the plan was made for (the traced code
     # branched on them); a layer whose attributes now differ raises instead of computing another path.
     assumes: tuple[tuple[str, bool | int | float | str | None], ...] = ()
+    # The routed output times a number (``ExpertNumbers.routed_scale``) before the shared experts are added.
+    routed_scaled: bool = False
+    # The routed and shared outputs added in float32, the sum cast back to the input's dtype.
+    combine_fp32: bool = False
+    # A child called on the sum last (a norm), on it flattened to [tokens, hidden] when ``post_flat``,
+    # else shaped like the input.
+    post: str | None = None
+    post_flat: bool = False
+
+    def block_tensors(self) -> set[str]:
+        """The tensors the layer holds itself (not below a child) that it reads."""
+        r = self.router
+        return {p for p in (*r.extra, r.correction_bias) if p is not None and "." not in p}
 
     def describe(self) -> str:
         routing = (
             self.router.spec.describe() if self.router.spec is not None else f"router {self.router.module!r} as is"
         )
         parts = [routing, self.experts.spec.describe()]
+        if self.routed_scaled:
+            parts.append("routed output scaled")
         if self.shared:
-            parts.append(f"{len(self.shared)} shared")
+            parts.append(f"{len(self.shared)} shared{' added in float32' if self.combine_fp32 else ''}")
+        if self.post is not None:
+            parts.append(f"then {self.post}")
         return "; ".join(parts)
 
 
@@ -188,6 +216,7 @@ class RoutingNumbers:
 class ExpertNumbers:
     alpha: float = 1.0
     limit: float = math.inf
+    routed_scale: float = 1.0
 
 
 @functools.lru_cache(maxsize=1)
@@ -208,6 +237,8 @@ class MoE(nn.Module):
 
     children: the block's children under their own names (their parameters are not copied).
     routing: the numbers of a plan with a ``RoutingSpec`` (None when the router is called as is).
+    tensors: the block's own parameters and buffers that the plan reads, kept under their names;
+        ``persistent`` says which buffers are in the state dict (all, when not given).
     """
 
     __transfuse_layer__ = True
@@ -218,10 +249,17 @@ class MoE(nn.Module):
         plan: MoEPlan,
         routing: RoutingNumbers | None,
         experts: ExpertNumbers | None = None,
+        tensors: dict[str, Tensor] | None = None,
+        persistent: dict[str, bool] | None = None,
     ):
         super().__init__()
         for name, child in children.items():
             self.add_module(name, child)
+        for name, tensor in (tensors or {}).items():
+            if isinstance(tensor, nn.Parameter):
+                self.register_parameter(name, tensor)
+            else:
+                self.register_buffer(name, tensor, persistent=(persistent or {}).get(name, True))
         self.plan = plan
         self.routing = routing
         self.expert_numbers = experts or ExpertNumbers()
@@ -258,7 +296,7 @@ class MoE(nn.Module):
         return _block_compute(self, hidden_states, plan=self.plan, routing=self.routing, numbers=self.expert_numbers)
 
     def _route(self, hidden_states: Tensor, tokens: Tensor):
-        return _block_route(self, self.plan.router, self.routing, hidden_states, tokens)
+        return _block_route(self, self.plan.router, self.routing, hidden_states, tokens)[:3]
 
     def extra_repr(self) -> str:
         top_k = f"top_k={self.routing.top_k}, " if self.routing is not None else ""
@@ -278,6 +316,7 @@ def moe_block(
     scale: float | None = None,
     alpha: float = 1.0,
     limit: float = math.inf,
+    routed_scale: float = 1.0,
 ):
     """What ``MoE`` computes, for a module that keeps the block's own children: the forward an
     emitted modeling file gives a fused block (``self`` as ``layer``, its plan a class attribute,
@@ -287,7 +326,7 @@ def moe_block(
         if top_k is None:
             raise TypeError("moe_block: a plan that routes needs top_k.")
         routing = RoutingNumbers(top_k, n_group, topk_group, renorm_eps, renorm_min, scale)
-    return _block_forward(layer, hidden_states, plan, routing, ExpertNumbers(alpha, limit))
+    return _block_forward(layer, hidden_states, plan, routing, ExpertNumbers(alpha, limit, routed_scale))
 
 
 def moe_block_applies(layer: nn.Module, plan: MoEPlan) -> bool:
@@ -334,7 +373,7 @@ def _block_compute(layer: nn.Module, hidden_states: Tensor, *, plan: MoEPlan, ro
     if layer.training and plan.train_error is not None:
         raise RuntimeError(plan.train_error)
     tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
-    logits, weights, ids = _block_route(layer, plan.router, routing, hidden_states, tokens)
+    logits, weights, ids, router_out = _block_route(layer, plan.router, routing, hidden_states, tokens)
     e = plan.experts
     out = moe_experts(
         tokens, weights, ids, _tensor(layer, e.w13), _tensor(layer, e.w2), e.spec,
@@ -342,8 +381,17 @@ def _block_compute(layer: nn.Module, hidden_states: Tensor, *, plan: MoEPlan, ro
         b2=_tensor(layer, e.b2) if e.b2 is not None else None,
         alpha=numbers.alpha, limit=numbers.limit,
     )  # fmt: skip
+    if plan.routed_scaled:
+        out = out * numbers.routed_scale
+    if plan.combine_fp32:
+        out = out.float()
     for shared in plan.shared:
-        out = out + _block_shared(layer, shared, hidden_states, tokens).reshape(out.shape)
+        term = _block_shared(layer, shared, hidden_states, tokens, router_out).reshape(out.shape)
+        out = out + (term.float() if plan.combine_fp32 else term)
+    if plan.combine_fp32:
+        out = out.to(hidden_states.dtype)
+    if plan.post is not None:
+        out = getattr(layer, plan.post)(out if plan.post_flat else out.reshape(hidden_states.shape))
     hidden = out if plan.flat_output else out.reshape(hidden_states.shape)
     values = {HIDDEN: hidden, LOGITS: logits, WEIGHTS: weights, IDS: ids}
     returned = tuple(values[role] for role in plan.outputs)
@@ -356,10 +404,10 @@ def _block_route(layer: nn.Module, r: RouterPlan, n, hidden_states: Tensor, toke
         WEIGHTS in r.returns and (_observed(module) or (layer.training and r.train_as_module))
     )
     if call_module or r.logits is None:
-        out = module(hidden_states if r.input else tokens)
+        out = module(hidden_states if r.input else tokens, *(_tensor(layer, p) for p in r.extra))
         found = dict(zip(r.returns, out if len(r.returns) > 1 else (out,)))
         if call_module:
-            return found.get(LOGITS), found[WEIGHTS], found[IDS]
+            return found.get(LOGITS), found[WEIGHTS], found[IDS], out
         logits = found[LOGITS]
     else:
         logits = r.logits.logits(layer, tokens)
@@ -369,11 +417,14 @@ def _block_route(layer: nn.Module, r: RouterPlan, n, hidden_states: Tensor, toke
         logits, n.top_k, r.spec, correction_bias=bias, n_group=n.n_group, topk_group=n.topk_group,
         renorm_eps=n.renorm_eps, renorm_min=n.renorm_min, scale=n.scale, out_dtype=dtype,
     )  # fmt: skip
-    return logits, weights, ids
+    return logits, weights, ids, None
 
 
-def _block_shared(layer: nn.Module, shared: SharedPlan, hidden_states: Tensor, tokens: Tensor) -> Tensor:
-    out = getattr(layer, shared.module)(hidden_states if shared.input else tokens)
+def _block_shared(layer: nn.Module, shared: SharedPlan, hidden_states: Tensor, tokens: Tensor, router_out) -> Tensor:
+    """``router_out``: what the router module returned (None when the layer routed itself)."""
+    args = [router_out[i] for key, i in shared.router_outputs if key is None]
+    kwargs = {key: router_out[i] for key, i in shared.router_outputs if key is not None}
+    out = getattr(layer, shared.module)(hidden_states if shared.input else tokens, *args, **kwargs)
     if shared.gate is None:
         return out
     gate = getattr(layer, shared.gate)(hidden_states if shared.gate_input else tokens)
