@@ -24,7 +24,6 @@ from .layers import GatedRMSNorm, LinearPart, MergedProjection, MoE, RMSNorm, la
 from .linear_cross_entropy import causal_lm_loss, linear_cross_entropy
 from .moe import ExpertsSpec, RoutingSpec, moe_experts, moe_experts_native, moe_route, moe_route_native
 from .moe_layer import StackedExperts, moe_block, moe_block_applies
-from . import moe_grouped  # noqa: F401, E402 (registers moe_experts' provider for training)
 from .platform import Platform, current_platform
 from .rms_norm import GATE_ACTIVATIONS, RMSNormSpec, gated_rms_norm, gated_rms_norm_native, rms_norm, rms_norm_native
 from .rotary import rotary, rotary_native
