@@ -21,6 +21,8 @@ included). Variants:
   256: fewer, larger blocks mean fewer weight-gradient accumulations and a higher peak);
 - ``--host VARIANT...``: the host's time to issue a step's forward and backward, and cProfile's
   functions by their own time (``host_<model>_<variant>.txt``): for steps bound by the host;
+- ``--gc off`` or ``--gc freeze``: the timed steps without Python's cyclic collector, or with
+  everything alive before them frozen out of its reach (what the collector costs a step);
 - ``*+peft``: the same with LoRA r=16 on q/k/v/o/gate/up/down (only the adapters train); on the
   dense model only (PEFT wraps packed experts too, which the fused MoE layer does not compute).
 
@@ -63,6 +65,7 @@ SMOKE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_k
 VARIANTS = ["transformers", "transfuse", "transfuse-lce", "liger", "transformers-compiled", "transfuse-compiled",
             "transfuse-lce-compiled",
             "transformers+peft", "transfuse+peft", "liger+peft"]  # fmt: skip
+GC_MODE = "on"  # --gc
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -158,7 +161,22 @@ def _time_steps(model, ids, steps: int, optimizer, device: str) -> tuple[list[fl
         return loss
 
     for _ in range(2):
-        loss = step()
+        step()
+    if GC_MODE == "off":
+        gc.disable()
+    elif GC_MODE == "freeze":
+        gc.collect()
+        gc.freeze()
+    try:
+        return _timed(step, steps, device)
+    finally:
+        if GC_MODE == "off":
+            gc.enable()
+        elif GC_MODE == "freeze":
+            gc.unfreeze()
+
+
+def _timed(step, steps: int, device: str) -> tuple[list[float], float, float]:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sync()
     if device == "cuda":
@@ -491,9 +509,16 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="toy sizes on the CPU (the liger variants are skipped)")
     parser.add_argument("--profile", nargs="*", default=[], help="variants whose step's GPU kernels to list")
     parser.add_argument("--host", nargs="*", default=[], help="variants whose host time to break down (cProfile)")
+    parser.add_argument(
+        "--gc", choices=["on", "off", "freeze"], default="on",
+        help="Python's cyclic collector during the timed steps: on (as a user runs), off, or freeze (everything "
+        "alive after the model is built moved out of its reach, as gc.freeze() does): what it costs a host-bound step",
+    )  # fmt: skip
     parser.add_argument("--only", help=argparse.SUPPRESS)  # one variant, in this process (Liger's own process)
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
+    global GC_MODE
+    GC_MODE = args.gc
     if args.only:
         print(json.dumps(run_variant(args.only, args.models[0], args.steps, args.smoke, device)))
         return 0
