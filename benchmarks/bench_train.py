@@ -21,6 +21,8 @@ included). Variants:
   256: fewer, larger blocks mean fewer weight-gradient accumulations and a higher peak);
 - ``--host VARIANT...``: the host's time to issue a step's forward and backward, and cProfile's
   functions by their own time (``host_<model>_<variant>.txt``): for steps bound by the host;
+- ``--rounds N``: every variant N times, taking turns in the one process (step times are then the
+  median of the rounds' medians, each round's in the table): host-bound steps move with the host;
 - ``--gc off`` or ``--gc freeze``: the timed steps without Python's cyclic collector, or with
   everything alive before them frozen out of its reach (what the collector costs a step);
 - ``*+peft``: the same with LoRA r=16 on q/k/v/o/gate/up/down (only the adapters train); on the
@@ -479,6 +481,18 @@ def _in_own_process(variant: str, name: str, args) -> dict:
     return json.loads(lines[-1])
 
 
+def _merge_rounds(runs: list[dict]) -> dict:
+    """One row of a variant's rounds: the first round's row with the median of the rounds' step
+    times (and each round's, in ``round_ms``)."""
+    merged = dict(runs[0])
+    done = [r for r in runs if "error" not in r]
+    if len(runs) > 1 and done:
+        for key in ("step_ms", "adamw_step_ms", "tokens_per_s"):
+            merged[key] = statistics.median(r[key] for r in done)
+        merged["round_ms"] = [round(r["step_ms"], 2) for r in done]
+    return merged
+
+
 def _table(results: list[dict], rate: float) -> list[str]:
     lines = [
         "| model | variant | step ms | tokens/s | vs transformers | FLOP floor ms | peak GiB | + AdamW ms | AdamW peak GiB | loss | fusions |",
@@ -495,7 +509,8 @@ def _table(results: list[dict], rate: float) -> list[str]:
         lines.append(
             f"| {r['model']} | {r['variant']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {speedup} | {floor} | "
             f"{r['peak_gib']:.2f} | {r['adamw_step_ms']:.1f} | {r['adamw_peak_gib']:.2f} | {r['loss']:.4f} | "
-            f"{r.get('fusions', '')}{' graph breaks: %d' % r['graph_breaks'] if 'graph_breaks' in r else ''} |"
+            f"{r.get('fusions', '')}{' graph breaks: %d' % r['graph_breaks'] if 'graph_breaks' in r else ''}"
+            f"{' rounds: ' + ', '.join(map(str, r['round_ms'])) if 'round_ms' in r else ''} |"
         )
     return lines
 
@@ -509,6 +524,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="toy sizes on the CPU (the liger variants are skipped)")
     parser.add_argument("--profile", nargs="*", default=[], help="variants whose step's GPU kernels to list")
     parser.add_argument("--host", nargs="*", default=[], help="variants whose host time to break down (cProfile)")
+    parser.add_argument("--rounds", type=int, default=1, help="times each variant runs, taking turns (the median is kept)")
     parser.add_argument(
         "--gc", choices=["on", "off", "freeze"], default="on",
         help="Python's cyclic collector during the timed steps: on (as a user runs), off, or freeze (everything "
@@ -525,15 +541,19 @@ def main() -> int:
     rate = 0.0 if args.smoke else _matmul_rate(device)
     results = []
     for name in args.models:
-        for variant in args.variants:
-            if (variant.startswith("liger") and args.smoke) or (variant.endswith("+peft") and name != "llama"):
-                continue
-            if variant.startswith("liger"):
-                result = _in_own_process(variant, name, args)
-            else:
-                result = run_variant(variant, name, args.steps, args.smoke, device, tuple(args.profile), tuple(args.host))
-            results.append(result)
-            print(json.dumps(result), flush=True)
+        rounds: dict[str, list[dict]] = {}
+        for index in range(args.rounds):  # the variants take turns, so a slow spell of the host hits all
+            for variant in args.variants:
+                if (variant.startswith("liger") and args.smoke) or (variant.endswith("+peft") and name != "llama"):
+                    continue
+                if variant.startswith("liger"):
+                    result = _in_own_process(variant, name, args)
+                else:
+                    profile, host = (tuple(args.profile), tuple(args.host)) if index == 0 else ((), ())
+                    result = run_variant(variant, name, args.steps, args.smoke, device, profile, host)
+                rounds.setdefault(variant, []).append(result)
+                print(json.dumps(result), flush=True)
+        results += [_merge_rounds(runs) for runs in rounds.values()]
     lines = [
         "`python " + " ".join(sys.argv) + "`",
         "",
