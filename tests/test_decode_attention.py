@@ -135,3 +135,18 @@ def test_compiled_generation_with_the_cache_written_in_place_matches_the_eager_m
         real = mask.bool()[:, None, :, None].expand_as(want_layer.keys[:, :, : ids.shape[1]])
         torch.testing.assert_close(got_layer.keys[:, :, : ids.shape[1]][real], want_layer.keys[:, :, : ids.shape[1]][real])
         torch.testing.assert_close(got_layer.keys[:, :, ids.shape[1] :], want_layer.keys[:, :, ids.shape[1] :], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("slices", [1, 3, 40])
+def test_the_positions_split_over_programs_give_the_same_answer(triton_first, monkeypatch, slices):
+    """One program per (sequence, key/value head), a few slices combined by the second kernel, or
+    one slice per block of positions: each against the native definition, padding included."""
+    from transfuse.ops.triton import decode_attention as kernels
+
+    query, key, value, keys, values, allowed = _inputs(2, 8, 2, 32, 150, 160, torch.float32, masked=True)
+    allowed[1, 100:] = False  # whole slices with nothing to attend to
+    monkeypatch.setattr(kernels, "TARGET_PROGRAMS", 4 * slices)
+    monkeypatch.setattr(kernels, "MIN_SLICE", 1)
+    want = decode_attention_native(query, key, value, keys.clone(), values.clone(), 150, allowed, 0.2)
+    got = ops.decode_attention(query, key, value, keys, values, 150, allowed, 0.2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
