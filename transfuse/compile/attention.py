@@ -25,6 +25,7 @@ graph.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import weakref
@@ -188,8 +189,7 @@ def _room(cache: Any, index: int, key: Tensor, value: Tensor) -> tuple[Tensor, T
     The layer's tensors stay what transformers expects, views of its own shape; whoever replaces
     them (``crop`` keeps a shorter view, beam search's reorder makes new tensors) is followed: a
     view that is no longer a prefix of the buffers is copied into new ones, once."""
-    from transformers.cache_utils import Cache, DynamicLayer
-
+    Cache, DynamicLayer = _cache_classes()
     layers = getattr(cache, "layers", None)
     if getattr(cache, "offloading", False) or type(cache).update is not Cache.update or layers is None:
         return None
@@ -210,6 +210,13 @@ def _room(cache: Any, index: int, key: Tensor, value: Tensor) -> tuple[Tensor, T
     layer.keys = buffers[0][:, :, : seen + 1]
     layer.values = buffers[1][:, :, : seen + 1]
     return buffers[0], buffers[1], seen
+
+
+@functools.cache
+def _cache_classes() -> tuple[type, type]:
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    return Cache, DynamicLayer
 
 
 def _prefix(view: Tensor, buffer: Tensor) -> bool:
