@@ -20,7 +20,10 @@ the statements, so it dominates every use.
 A forward with two paths is proved on one (``rewriter/specialise.py``): where the proof fails
 on the whole body, it is tried again on the body specialised to an optional argument being
 None (bart's ``key_value_states``: q, k and v then read ``hidden_states``) or to an attribute
-compared with None being None or not (MLA's ``self.q_lora_rank``), and the forward runs that
+compared with None being None or not (MLA's ``self.q_lora_rank``; a projection that some
+instances lack, whose None test is then no other use of it), or an attribute tested for truth
+being false or true (a flag that takes k and v from another layer), or two of these at once
+(gemma4: ``self.v_proj is not None and not self.is_kv_shared_layer``), and the forward runs that
 body under that test and the original otherwise.
 """
 
@@ -30,6 +33,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import libcst as cst
+import libcst.matchers as m
 import torch.fx as fx
 from torch import nn
 
@@ -37,6 +41,7 @@ from ..rewriter.analysis import ClassAnalysis
 from ..rewriter.fusion import Fused, Refusal, SourceFuser
 from ..rewriter.graph import NoMatch, ancestors, is_op, operands, value
 from ..rewriter.source import EditContext
+from ..rewriter.syntax import comment_line
 from ..rewriter.specialise import cases, guarded, specialise
 from ..rewriter.weights import Merge, MergeError
 from .projections import adapter_refusal, free_child_name, linear_children, merge_calls, wrapped_children
@@ -44,8 +49,9 @@ from .projections import adapter_refusal, free_child_name, linear_children, merg
 __all__ = ["QKVFuser", "QKVMatch", "linear_calls_by_input"]
 
 # Refusals of the proof that may not hold on one path of a forward that branches on an optional
-# argument (``key_value_states`` of a shared self/cross-attention class).
-_PATH_DEPENDENT = ("qkv.inputs-differ", "qkv.placement", "qkv.called-twice")
+# argument (``key_value_states`` of a shared self/cross-attention class) or on an attribute (a
+# projection's own None test is another use of it).
+_PATH_DEPENDENT = ("qkv.inputs-differ", "qkv.placement", "qkv.called-twice", "qkv.other-use")
 
 
 @dataclass(frozen=True)
@@ -126,16 +132,14 @@ class QKVFuser(SourceFuser):
             if refusal.tag not in _PATH_DEPENDENT:
                 raise
             # A forward with two paths (an attention class shared by self- and cross-attention, MLA
-            # with or without a low-rank query): on one, the projections may provably read one value.
-            for subject, none in cases(tree):
-                specialised = specialise(tree, subject, none)
-                if specialised is None:
-                    continue
+            # with or without a low-rank query, a projection that may be None): on one, the
+            # projections may provably read one value.
+            for specialised, tests in _paths(tree):
                 try:
                     edited = merge_calls(specialised, found.parts, found.into, found.linears, context, self.kind)
                 except NoMatch:
                     continue
-                return guarded(tree, edited, subject, none, f"{', '.join(found.parts)} read one value")
+                return _guarded(tree, edited, tests, f"{', '.join(found.parts)} read one value")
             raise
 
     def declaration(self, found: QKVMatch) -> Merge:
@@ -219,3 +223,88 @@ def _split_inputs(analysis: ClassAnalysis, by_input: dict[fx.Node, list[fx.Node]
             analysis.where(arguments[0]),
         )
     return None
+
+
+def _paths(tree: cst.FunctionDef):
+    """The forward specialised to one path, then to two conditions at once, as (body, the tests that
+    select it): an optional argument or an attribute being None (``rewriter/specialise.py``), or an
+    attribute tested for truth (``if self.is_shared:``) being false or true. gemma4's attention
+    needs two: ``self.v_proj is not None`` (v is k where it is None) and ``not
+    self.is_kv_shared_layer`` (k and v come from another layer where it is true)."""
+    singles = [(body, [test]) for body, test in _specialisations(tree)]
+    yield from singles
+    for body, tests in singles:
+        for deeper, test in _specialisations(body):
+            if test not in tests:
+                yield deeper, [*tests, test]
+
+
+def _specialisations(tree: cst.FunctionDef):
+    for subject, none in cases(tree):
+        specialised = specialise(tree, subject, none)
+        if specialised is not None:
+            yield specialised, f"{subject} is {'' if none else 'not '}None"
+    for subject in _flags(tree):
+        for truth in (False, True):
+            specialised = _specialise_flag(tree, subject, truth)
+            if specialised is not None:
+                yield specialised, subject if truth else f"not {subject}"
+
+
+def _truth_tested(expression: cst.BaseExpression) -> list[cst.Attribute]:
+    """The attributes of ``self`` whose truth alone an if's test uses: the test itself, under ``not``,
+    or an operand of ``and``/``or`` in such a place (their value is not the test's value elsewhere)."""
+    if m.matches(expression, m.Attribute(value=m.Name("self"), attr=m.Name())):
+        return [expression]
+    if m.matches(expression, m.UnaryOperation(operator=m.Not())):
+        return _truth_tested(expression.expression)
+    if isinstance(expression, cst.BooleanOperation):
+        return _truth_tested(expression.left) + _truth_tested(expression.right)
+    return []
+
+
+def _tested_flags(tree: cst.FunctionDef) -> list[cst.Attribute]:
+    tests = [node.test for node in m.findall(tree.body, m.If() | m.IfExp() | m.While())]
+    negated = [node.expression for node in m.findall(tree.body, m.UnaryOperation(operator=m.Not()))]
+    return [found for test in (*tests, *negated) for found in _truth_tested(test)]
+
+
+def _flags(tree: cst.FunctionDef) -> list[str]:
+    """Attributes of ``self`` tested for truth and never compared with None (those are ``cases``')."""
+    none_tested = {subject for subject, _ in cases(tree)}
+    found = []
+    for node in _tested_flags(tree):
+        subject = f"self.{node.attr.value}"
+        if subject not in none_tested and subject not in found:
+            found.append(subject)
+    return found
+
+
+def _specialise_flag(tree: cst.FunctionDef, subject: str, truth: bool) -> cst.FunctionDef | None:
+    """``tree`` with the attribute ``subject`` false (or true) where only its truth is tested, folded.
+    The truth tests become the constant, then ``specialise`` folds what is constant and refuses an
+    attribute the body assigns. Its None tests on the subject are moot: ``_flags`` keeps none."""
+    attribute = subject.partition(".")[2]
+    tested = {id(node) for node in _tested_flags(tree) if node.attr.value == attribute}
+    substituted = tree.visit(_Constant(tested, truth))
+    return specialise(substituted, subject, none=False)
+
+
+class _Constant(cst.CSTTransformer):
+    def __init__(self, nodes: set[int], truth: bool):
+        self.nodes, self.truth = nodes, truth
+
+    def leave_Attribute(self, original_node, updated_node):
+        return cst.Name(repr(self.truth)) if id(original_node) in self.nodes else updated_node
+
+
+def _guarded(tree: cst.FunctionDef, edited: cst.FunctionDef, tests: list[str], why: str) -> cst.FunctionDef:
+    """``if <tests joined by and>: <edited body> else: <original body>``, the docstring kept on top."""
+    test = " and ".join(tests)
+    function = guarded(tree, edited, "None", True, why)  # its test and comment are replaced here
+    *head, branch = function.body.body
+    branch = branch.with_changes(
+        test=cst.parse_expression(test),
+        leading_lines=[comment_line(f"transfuse: where {test} this forward is specialised: {why}")],
+    )
+    return function.with_changes(body=function.body.with_changes(body=[*head, branch]))
