@@ -9,7 +9,12 @@ Llama normalises in float32 and casts back before the weight multiply; Gemma
 multiplies by ``1 + weight`` in float32 and casts last.
 
 The whole module is replaced, so the match must account for every op in the graph,
-and the source must have no branch the trace could have hidden. Everything else is
+and the source must have no branch the trace could have hidden, except a branch whose
+test reads only the instance's own attributes (``if self.with_scale``, ``if self.weight is
+not None``): it is decided as the traced instance decided it, the attributes it read
+become the match's assumptions, an instance whose attributes differ is refused (or, for
+the scalars the analyses are specialised on, traced on its own path), and the fused layer
+holds them and raises if one changes. Everything else is
 refused with its reason: mean subtraction (LayerNorm), a second input (gated norms),
 computation after the norm, a reduction over another dimension, an eps that is not a
 float attribute (eps is read per instance from that attribute).
@@ -18,6 +23,7 @@ float attribute (eps is read per instance from that attribute).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -29,12 +35,13 @@ import torch.fx as fx
 from torch import nn
 
 from ..ops import GATE_ACTIVATIONS, RMSNormSpec, layer
+from ..ops.layers import Assumption, GatedRMSNorm
 from ..rewriter.analysis import ClassAnalysis
 from ..rewriter.fusion import Fused, Fuser, Refusal
 from ..rewriter.graph import (
     Cast, NoMatch, ancestors, calls_fused_op, is_op, op_name, operand, operands, peel_casts, value,
 )  # fmt: skip
-from ..rewriter.source import EditContext, control_flow, helper_functions, method_source, self_method_calls
+from ..rewriter.source import EditContext, MethodSource, helper_functions, method_source, self_method_calls
 from ..rewriter.syntax import comment_line
 from ..rewriter.tracer import unwrapped_forward
 
@@ -52,6 +59,8 @@ class RMSNormMatch:
     input: str
     gate: str | None = None  # a gated norm's second input ...
     activation: str | None = None  # ... and the activation applied to it (a GATE_ACTIVATIONS name)
+    # Attributes the forward's branches read, with the values that chose the traced path.
+    assumes: tuple[Assumption, ...] = ()
 
 
 class RMSNormFuser(Fuser):
@@ -66,14 +75,36 @@ class RMSNormFuser(Fuser):
             return None  # already fused (an emitted modeling file's norm)
         try:
             found = _match_graph(analysis)
-            _check_source(analysis)
+            path = _check_source(analysis)
+            if path.optional:
+                param, branch, source = path.optional[0]
+                raise NoMatch(
+                    "rms_norm.control-flow",
+                    f"{source.node.name.value} branches on whether {param} is None at line {source.line(branch)}; "
+                    "the trace shows the path with it only.",
+                )
+            _check_assumed(path.assumes.values())
         except NoMatch as refusal:
             if not _looks_like_a_norm(analysis):
                 return None
             return Refusal(refusal.tag, refusal.reason, analysis.where(refusal.node))
-        return found
+        return dataclasses.replace(found, assumes=tuple(path.assumes[name] for name in sorted(path.assumes)))
 
     def validate(self, module: nn.Module, found: RMSNormMatch) -> Refusal | None:
+        for assumption in found.assumes:
+            now = getattr(module, assumption.name, None)
+            if not assumption.holds(now):
+                return Refusal(
+                    "rms_norm.specialised",
+                    f"the traced path was taken for {assumption.describe()}, and this instance has "
+                    f"{assumption.name} = {type(now).__name__ if isinstance(now, torch.Tensor) else repr(now)}: its "
+                    "forward takes another path, which was not traced.",
+                )
+            if assumption.tensor and assumption.name != found.weight:
+                return Refusal(
+                    "rms_norm.specialised",
+                    f"the forward branches on the tensor {assumption.name!r}, which is not the norm's weight.",
+                )
         eps = getattr(module, found.eps_attr, None)
         if type(eps) is not float:
             return Refusal("rms_norm.eps-not-float", f"eps attribute {found.eps_attr!r} is {eps!r}, not a float.")
@@ -94,21 +125,53 @@ class RMSNormFuser(Fuser):
         else:
             op = context.require("transfuse.ops", "rms_norm")
             call = f"{op}({found.input}, {weight}, self.{found.eps_attr}, {spec_cls}({flags}))"
-        body = cst.parse_statement(f"return {call}")
-        body = body.with_changes(leading_lines=[comment_line(f"transfuse: one fused op ({found.spec.describe()})")])
+        body = [cst.parse_statement(f"return {call}")]
+        comment = comment_line(f"transfuse: one fused op ({found.spec.describe()})")
+        if found.assumes:
+            check = context.require("transfuse.ops.layers", "check_assumptions")
+            assumed = ", ".join(repr(tuple(a)) for a in found.assumes)
+            body.insert(0, cst.parse_statement(f"{check}(self, ({assumed},))"))
+            comment = comment_line(
+                f"transfuse: one fused op ({found.spec.describe()}), for {', '.join(a.describe() for a in found.assumes)}"
+            )
+        body[0] = body[0].with_changes(leading_lines=[comment])
         node = context.source.node
         first = node.body.body[0] if node.body.body else None
         docstring = [first] if first is not None and m.matches(first, m.SimpleStatementLine([m.Expr(m.SimpleString())])) else []
-        return node.with_changes(body=node.body.with_changes(body=[*docstring, body]))
+        return node.with_changes(body=node.body.with_changes(body=[*docstring, *body]))
 
     def fuse(self, module: nn.Module, found: RMSNormMatch) -> Fused:
         weight = module._parameters[found.weight] if found.weight is not None else None
         eps, name = getattr(module, found.eps_attr), found.weight or "weight"
+        assumes = found.assumes
         if found.gate is not None:
-            fused = layer("GatedRMSNorm")(weight, eps, found.spec, weight_name=name, activation=found.activation)
+            fused = layer("GatedRMSNorm")(
+                weight, eps, found.spec, weight_name=name, activation=found.activation, assumes=assumes
+            )
             return Fused(replaced=("",), into=type(fused).__name__, replacement=fused)
-        fused = layer("RMSNorm")(weight, eps, found.spec, weight_name=name)
+        fused = layer("RMSNorm")(weight, eps, found.spec, weight_name=name, assumes=assumes)
         return Fused(replaced=("",), into=type(fused).__name__, replacement=fused)
+
+
+@functools.cache
+def _layer_own() -> frozenset[str]:
+    """Attributes the fused layers hold themselves: an assumption cannot be kept under these names."""
+    return frozenset(vars(GatedRMSNorm(None, 1e-6))) | frozenset(dir(GatedRMSNorm))
+
+
+def _check_assumed(assumes) -> None:
+    """The fused layer holds each assumed scalar attribute under its name and checks it per call."""
+    for assumption in assumes:
+        if assumption.name == "training":
+            raise NoMatch(
+                "rms_norm.control-flow",
+                "the forward branches on self.training; the fused layer would compute one mode's path in both.",
+            )
+        if not assumption.tensor and assumption.name in _layer_own():
+            raise NoMatch(
+                "rms_norm.control-flow",
+                f"the forward branches on self.{assumption.name}, a name the fused layer uses for its own state.",
+            )
 
 
 def _looks_like_a_norm(analysis: ClassAnalysis) -> bool:
@@ -173,7 +236,10 @@ def _match_graph(analysis: ClassAnalysis) -> RMSNormMatch:
     extra = [
         n
         for n in trace.graph.nodes
-        if n.op in ("call_function", "call_method", "call_module") and n not in matched and not _is_dtype_read(n)
+        if n.op in ("call_function", "call_method", "call_module")
+        and n not in matched
+        and not _is_dtype_read(n)
+        and not _is_attribute_arithmetic(n)
     ]
     if extra:
         raise NoMatch(
@@ -197,6 +263,12 @@ def _depends_on_input(node: fx.Node) -> bool:
                 seen.add(parent)
                 pending.append(parent)
     return False
+
+
+def _is_attribute_arithmetic(node: fx.Node) -> bool:
+    """A Python scalar computed from ``self``'s attributes alone (a branch's test, ``self.k == 2``):
+    no tensor; where such a value reaches the norm, the op that reads it is what is matched."""
+    return not isinstance(value(node), torch.Tensor) and not _depends_on_input(node)
 
 
 def _is_dtype_read(node: fx.Node) -> bool:
@@ -449,24 +521,23 @@ def _match_builtin(node: fx.Node, x: fx.Node, matched: set[fx.Node], cast_output
     return RMSNormMatch(spec, name, attr, x.target)
 
 
-def _check_source(analysis: ClassAnalysis) -> None:
+def _check_source(analysis: ClassAnalysis) -> _TracedPath:
     """Prove on the source what one trace cannot: no branch or loop that another input could take,
-    in the forward or in any helper it calls (a ``self.`` method or a function of the model's code)."""
+    in the forward or in any helper it calls (a ``self.`` method or a function of the model's code).
+
+    A branch whose test reads only attributes of ``self`` (``if self.with_scale``, ``if self.weight
+    is not None``) is decided as the traced instance decided it, and only the path taken is checked;
+    the attributes it read are the match's assumptions. A test of whether one of the forward's
+    optional inputs is None is kept for the gated matcher to explain (``_TracedPath.optional``)."""
     forward = unwrapped_forward(analysis.cls)
     source = method_source(forward)
     if source is None:
         raise NoMatch("rms_norm.no-source", f"the source of {analysis.cls.__name__}.forward is not available.")
+    path = _TracedPath(analysis)
     pending, seen = [source], {forward}
     while pending:
         current = pending.pop()
-        flow = control_flow(current)
-        if flow:
-            kind, line = flow[0]
-            raise NoMatch(
-                "rms_norm.control-flow",
-                f"{current.node.name.value} has {'an' if kind[0] in 'aeiou' else 'a'} {kind} at line {line}; "
-                "the trace shows one path only.",
-            )
+        path.walk(current, is_forward=current.function is inspect.unwrap(forward))
         helpers = [getattr(analysis.cls, name, None) for name in self_method_calls(current)]
         helpers += helper_functions(current)
         for helper in helpers:
@@ -481,3 +552,172 @@ def _check_source(analysis: ClassAnalysis) -> None:
                     "is not available, so its control flow cannot be checked.",
                 )
             pending.append(helper_source)
+    return path
+
+
+# ---- branches decided per instance ------------------------------------------------------------
+
+_TENSOR = object()  # what a test of a parameter or buffer reads: a tensor (only ``is None`` is decidable)
+_COMPARE = {
+    cst.Is: lambda a, b: a is b, cst.IsNot: lambda a, b: a is not b,
+    cst.Equal: lambda a, b: a == b, cst.NotEqual: lambda a, b: a != b,
+    cst.LessThan: lambda a, b: a < b, cst.LessThanEqual: lambda a, b: a <= b,
+    cst.GreaterThan: lambda a, b: a > b, cst.GreaterThanEqual: lambda a, b: a >= b,
+}  # fmt: skip
+
+
+class _TracedPath(cst.CSTVisitor):
+    """Walks the path the trace took through a method: a branch on ``self``'s attributes is decided
+    as the traced instance decided it and only the branch taken is walked; any other branch, loop,
+    ``with``, ``try`` or early return is refused. ``assumes`` are the attributes the decisions read,
+    with their values; ``optional`` the tests of an optional input being None (parameter, If)."""
+
+    def __init__(self, analysis: ClassAnalysis):
+        super().__init__()
+        self.analysis = analysis
+        self.assumes: dict[str, Assumption] = {}
+        self.optional: list[tuple[str, cst.If, MethodSource]] = []
+        self._source: MethodSource | None = None
+        self._params: dict[str, cst.Param] = {}
+
+    def walk(self, source: MethodSource, is_forward: bool) -> None:
+        self._source = source
+        params = source.node.params
+        self._params = {p.name.value: p for p in [*params.params, *params.kwonly_params]} if is_forward else {}
+        source.node.body.visit(self)
+
+    def _refuse(self, node: cst.CSTNode, kind: str) -> None:
+        article = "an" if kind[0] in "aeiou" else "a"
+        raise NoMatch(
+            "rms_norm.control-flow",
+            f"{self._source.node.name.value} has {article} {kind} at line {self._source.line(node)}; the trace "
+            "shows one path only.",
+        )
+
+    def visit_If(self, node: cst.If) -> bool:
+        branch = node.body if self._decide(node.test, node) else node.orelse
+        if branch is not None:
+            branch.visit(self)
+        return False
+
+    def visit_IfExp(self, node: cst.IfExp) -> bool:
+        (node.body if self._decide(node.test, node) else node.orelse).visit(self)
+        return False
+
+    def visit_For(self, node) -> None:
+        self._refuse(node, "for")
+
+    def visit_While(self, node) -> None:
+        self._refuse(node, "while")
+
+    def visit_Try(self, node) -> None:
+        self._refuse(node, "try")
+
+    def visit_With(self, node) -> None:
+        self._refuse(node, "with")
+
+    def visit_Match(self, node) -> None:
+        self._refuse(node, "match")
+
+    def visit_Return(self, node: cst.Return) -> None:
+        last = self._source.node.body.body[-1] if self._source.node.body.body else None
+        if not (isinstance(last, cst.SimpleStatementLine) and node in last.body):
+            self._refuse(node, "return")
+
+    def _decide(self, test: cst.BaseExpression, branch: cst.CSTNode) -> bool:
+        """The traced instance's value of ``test``; a test reading anything but ``self``'s attributes
+        and constants (or an optional input against None) is refused."""
+        optional = self._optional_input(test)
+        if optional is not None:
+            param, given_is_true = optional
+            if isinstance(branch, cst.If):
+                self.optional.append((param, branch, self._source))
+            else:
+                self._refuse(branch, "conditional expression on an optional input")
+            return given_is_true
+        try:
+            return bool(self._evaluate(test))
+        except _Undecidable:
+            kind = "if" if isinstance(branch, cst.If) else "ifexp"
+            self._refuse(branch, kind)
+
+    def _optional_input(self, test) -> tuple[str, bool] | None:
+        """``p is not None`` / ``p is None`` of a forward parameter ``p`` that defaults to None, given a
+        tensor in the traced call, never rebound: (p, the test's value on the traced call)."""
+        if not (isinstance(test, cst.Comparison) and len(test.comparisons) == 1):
+            return None
+        target = test.comparisons[0]
+        if not (isinstance(test.left, cst.Name) and m.matches(target.comparator, m.Name("None"))):
+            return None
+        if not isinstance(target.operator, (cst.Is, cst.IsNot)):
+            return None
+        param = self._params.get(test.left.value)
+        if param is None or param.default is None or not m.matches(param.default, m.Name("None")):
+            return None
+        if m.findall(self._source.node.body, m.AssignTarget(target=m.Name(param.name.value))):
+            return None
+        placeholder = next((p for p in self.analysis.trace.placeholders() if p.target == param.name.value), None)
+        if placeholder is None or not isinstance(value(placeholder), torch.Tensor):
+            return None  # traced without it: the None path, which no matcher explains
+        return param.name.value, isinstance(target.operator, cst.IsNot)
+
+    def _evaluate(self, node: cst.BaseExpression):
+        if isinstance(node, cst.Name) and node.value in ("True", "False", "None"):
+            return {"True": True, "False": False, "None": None}[node.value]
+        if isinstance(node, (cst.Integer, cst.Float, cst.SimpleString)):
+            return node.evaluated_value
+        if m.matches(node, m.Attribute(value=m.Name("self"))):
+            return self._attribute(node.attr.value)
+        if isinstance(node, cst.UnaryOperation) and isinstance(node.operator, cst.Not):
+            return not self._truth(self._evaluate(node.expression))
+        if isinstance(node, cst.BooleanOperation):
+            left = self._evaluate(node.left)
+            if self._truth(left) == isinstance(node.operator, cst.Or):
+                return left  # short-circuit: the right operand never runs
+            return self._evaluate(node.right)
+        if isinstance(node, cst.Comparison):
+            left = self._evaluate(node.left)
+            for target in node.comparisons:
+                right = self._evaluate(target.comparator)
+                identity = isinstance(target.operator, (cst.Is, cst.IsNot))
+                compare = _COMPARE.get(type(target.operator))
+                if compare is None or ((left is _TENSOR or right is _TENSOR) and not identity):
+                    raise _Undecidable
+                if not compare(left, right):
+                    return False
+                left = right
+            return True
+        raise _Undecidable
+
+    @staticmethod
+    def _truth(v) -> bool:
+        if v is _TENSOR:
+            raise _Undecidable  # a tensor's truth is its data
+        return bool(v)
+
+    def _attribute(self, name: str):
+        """``self.<name>`` on the traced instance: a scalar the trace read, a parameter or buffer it
+        held (a tensor), or None or a string read off the instance itself; its value is assumed."""
+        if m.findall(self._source.node, m.AssignTarget(target=m.Attribute(value=m.Name("self"), attr=m.Name(name)))):
+            raise _Undecidable  # the method rebinds it: its value at the test is not the instance's
+        trace = self.analysis.trace
+        scalar = trace.self_attrs.get(name)
+        if scalar is not None:
+            found, assumption = scalar.meta["val"], Assumption(name, scalar.meta["val"])
+        elif any(n.op == "get_attr" and n.target == name and "self_attr" not in n.meta for n in trace.graph.nodes):
+            found, assumption = _TENSOR, Assumption(name, tensor=True)
+        else:
+            instance = trace.graph.find_nodes(op="placeholder", target="self")[0].meta.get("val")
+            try:
+                found = getattr(instance, name)
+            except (ReferenceError, AttributeError):
+                raise _Undecidable from None  # the traced instance is gone, or has no such attribute
+            if found is not None and type(found) is not str:
+                raise _Undecidable
+            assumption = Assumption(name, found)
+        self.assumes[name] = assumption
+        return found
+
+
+class _Undecidable(Exception):
+    """A branch test that does not read only ``self``'s attributes and constants."""

@@ -8,6 +8,7 @@ replace a layer class with ``register_layer``; fusers look classes up with ``lay
 from __future__ import annotations
 
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,17 @@ from .moe_layer import MoE
 from .rms_norm import RMSNormSpec, gated_rms_norm, rms_norm
 from .sharding import ColwiseShards, is_sharded
 
-__all__ = ["GatedRMSNorm", "LinearPart", "MergedProjection", "MoE", "RMSNorm", "layer", "register_layer"]
+__all__ = [
+    "Assumption",
+    "GatedRMSNorm",
+    "LinearPart",
+    "MergedProjection",
+    "MoE",
+    "RMSNorm",
+    "check_assumptions",
+    "layer",
+    "register_layer",
+]
 
 
 class MergedProjection(nn.Module):
@@ -205,8 +216,46 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if is_sharded(tensor) else tensor
 
 
+class Assumption(NamedTuple):
+    """An attribute the replaced module's code branched on, with the value it had then: with
+    ``tensor``, any tensor (a parameter or buffer, not None); else ``value``, of the same type."""
+
+    name: str
+    value: bool | int | float | str | None = None
+    tensor: bool = False
+
+    def holds(self, now) -> bool:
+        if self.tensor:
+            return isinstance(now, torch.Tensor)
+        return type(now) is type(self.value) and now == self.value
+
+    def describe(self) -> str:
+        return f"{self.name} a tensor" if self.tensor else f"{self.name} = {self.value!r}"
+
+
+_MISSING = object()
+
+
+def check_assumptions(module: nn.Module, assumes) -> None:
+    """Raise if an attribute of ``module`` no longer has the value its fused code was made for (the
+    original code takes another path for the new value). ``assumes``: ``Assumption``s or their tuples."""
+    for assumption in assumes:
+        assumption = Assumption(*assumption)
+        now = getattr(module, assumption.name, _MISSING)
+        if not assumption.holds(now):
+            shown = "missing" if now is _MISSING else f"{type(now).__name__}" if assumption.tensor else repr(now)
+            raise ValueError(
+                f"This fused {type(module).__name__} was made for {assumption.describe()}, and it is now {shown}: "
+                "the original code takes another path for that value. Rewrite the model again (or emit it "
+                "again) after changing it."
+            )
+
+
 class RMSNorm(nn.Module):
-    """RMSNorm over the last dimension with the rounding of ``spec``; the weight is optional."""
+    """RMSNorm over the last dimension with the rounding of ``spec``; the weight is optional.
+
+    ``assumes``: attributes the original module's code branched on (``with_scale``, ``weight`` being
+    a tensor); the layer holds them with their values and raises if one changes (``check_assumptions``)."""
 
     __transfuse_layer__ = True
 
@@ -216,20 +265,31 @@ class RMSNorm(nn.Module):
         eps: float,
         spec: RMSNormSpec = RMSNormSpec(),
         weight_name: str = "weight",
+        assumes: tuple[Assumption, ...] = (),
     ):
         super().__init__()
         self.eps = float(eps)
         self.spec = spec
         self.weight_name = weight_name
         self.register_parameter(weight_name, weight)
+        self.assumes = tuple(Assumption(*a) for a in assumes)
+        for assumption in self.assumes:
+            if assumption.name == weight_name:
+                continue  # the layer's own weight (a tensor or None)
+            if assumption.tensor or hasattr(self, assumption.name):
+                raise ValueError(f"RMSNorm cannot hold the assumed attribute {assumption.describe()}: it is its own.")
+            setattr(self, assumption.name, assumption.value)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.assumes:
+            check_assumptions(self, self.assumes)
         return rms_norm(hidden_states, getattr(self, self.weight_name), self.eps, self.spec)
 
     def extra_repr(self) -> str:
         weight = getattr(self, self.weight_name)
         shape = tuple(weight.shape) if weight is not None else None
-        return f"{shape}, eps={self.eps}, {self.spec.describe()}"
+        assumed = "".join(f", {a.describe()}" for a in self.assumes)
+        return f"{shape}, eps={self.eps}, {self.spec.describe()}{assumed}"
 
 
 class GatedRMSNorm(RMSNorm):
@@ -242,11 +302,14 @@ class GatedRMSNorm(RMSNorm):
         spec: RMSNormSpec = RMSNormSpec(),
         weight_name: str = "weight",
         activation: str = "silu",
+        assumes: tuple[Assumption, ...] = (),
     ):
-        super().__init__(weight, eps, spec, weight_name)
+        super().__init__(weight, eps, spec, weight_name, assumes)
         self.activation = activation
 
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if self.assumes:
+            check_assumptions(self, self.assumes)
         return gated_rms_norm(hidden_states, gate, getattr(self, self.weight_name), self.eps, self.spec, self.activation)
 
     def extra_repr(self) -> str:
