@@ -11,10 +11,6 @@ random bf16 weights, greedy decoding with no end-of-sequence token. Variants:
                          CUDA graphs through torch.compile's "reduce-overhead")
   transfuse eager        transfuse.rewrite, DynamicCache
   transfuse compiled     transfuse.rewrite + transfuse.compile, DynamicCache
-  transfuse compiled, module guards off      the same with trust_modules=True
-  transfuse compiled, cache concatenated     the same model with a decode step's cache written by
-                         the cache's own update and attention in separate kernels (the path
-                         before ops.decode_attention)
 
 Per-token time: (time of generate with --new tokens - time with 1 token) / (--new - 1), the
 median over --rounds rounds in which the variants take turns. Every variant's tokens are
@@ -44,7 +40,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import transfuse  # noqa: E402
-from transfuse.compile import attention  # noqa: E402
 from bench_e2e import copy_bandwidth  # noqa: E402 (this directory is on the path of a script run from it)
 
 SHAPES = {
@@ -204,20 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         "transfuse eager": (fused, {}),
         "transfuse compiled": (compiled, {}),
         "transfuse compiled, module guards off": (trusted, {}),
-        "transfuse compiled, cache concatenated": (compiled, {}),
     }
     variants = [v for v in args.variants if v in models]
-
-    def run(variant: str, fn):
-        """``fn()`` as ``variant`` runs: the concatenating variant with decode_attention's in-place cache off."""
-        if variant != "transfuse compiled, cache concatenated":
-            return fn()
-        attention.DECODE_IN_PLACE = False
-        try:
-            return fn()
-        finally:
-            attention.DECODE_IN_PLACE = True
-
     floor_ms = weight_bytes(stock) / copy_bandwidth(device) * 1e3  # batch 1
     vocab = stock.config.vocab_size
     result: dict = {"command": command, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -229,15 +212,15 @@ def main(argv: list[str] | None = None) -> int:
         tokens, times = {}, {v: [] for v in variants}
         for variant in variants:  # first calls: compile and capture (for the compiled ones)
             model, extra = models[variant]
-            seconds = run(variant, lambda: timed(lambda: generate(model, ids, 2, **extra), device))
+            seconds = timed(lambda: generate(model, ids, 2, **extra), device)
             first_call.setdefault(variant, seconds)
-            tokens[variant] = run(variant, lambda: generate(model, ids, args.new, **extra))
+            tokens[variant] = generate(model, ids, args.new, **extra)
             print(f"batch {batch} {variant}: first calls {seconds:.1f} s", flush=True)
         for _ in range(args.rounds):
             for variant in variants:
                 model, extra = models[variant]
-                short = run(variant, lambda: timed(lambda: generate(model, ids, 1, **extra), device))
-                full = run(variant, lambda: timed(lambda: generate(model, ids, args.new, **extra), device))
+                short = timed(lambda: generate(model, ids, 1, **extra), device)
+                full = timed(lambda: generate(model, ids, args.new, **extra), device)
                 times[variant].append((full - short) / (args.new - 1) * 1e3)
         want = tokens.get("transfuse eager", next(iter(tokens.values())))
         rows = {}
@@ -247,9 +230,9 @@ def main(argv: list[str] | None = None) -> int:
                 "min_ms_per_token": min(times[variant]),
                 "all_ms": times[variant],
                 "agreement_with_transfuse_eager": agreement(tokens[variant], want, args.prompt),
-                "forced_agreement_with_transfuse_eager": run(variant, lambda: forced_agreement(
+                "forced_agreement_with_transfuse_eager": forced_agreement(
                     models[variant][0], ids, want, args.new, **models[variant][1]
-                )),
+                ),
             }
             print(f"batch {batch} {variant}: {rows[variant]['ms_per_token']:.3f} ms/token", flush=True)
         result["batches"][str(batch)] = rows
@@ -258,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         ids = torch.randint(0, vocab, (args.batch[0], args.prompt), device=device)
         for variant in [v for v in variants if v in args.profile_variants or not args.profile_variants]:
             model, extra = models[variant]
-            text = run(variant, lambda: profile(lambda: generate(model, ids, args.profile, **extra), device, args.profile))
+            text = profile(lambda: generate(model, ids, args.profile, **extra), device, args.profile)
             name = variant.replace(",", "").replace(" ", "_")
             with open(os.path.join(args.out, f"profile_{args.model}_{name}.txt"), "w") as f:
                 f.write(f"{command}\n{variant}, batch {args.batch[0]}, {args.profile} tokens\n\n{text}")

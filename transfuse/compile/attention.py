@@ -6,13 +6,9 @@ the same shapes at every decode step whatever the cache holds (a ``DynamicCache`
 without a recompile or a recapture), and the backend can split the graph at these ops.
 
 The op reads the cache and the 2D padding mask of the current call from a ``Step``, which
-``compiled_forward`` opens around each call of the compiled model. It writes the
-caller's own cache (so the cache the caller holds is the one that grows, and ``generate``
-crops it and returns it as usual): a decode step of transformers' plain dynamic layer writes the
-token into buffers with room, whose first positions are the layer's ``keys`` and ``values``,
-and attends in one op (``ops.decode_attention``: one Triton kernel on a GPU, where ``update``
-would concatenate the whole cache and attention take three more kernels); anything else goes
-through the cache's ``update``. It builds the mask from absolute positions
+``compiled_forward`` opens around each call of the compiled model. It writes through the
+cache's own ``update`` (so the cache the caller holds is the one that grows, and
+``generate`` crops it and returns it as usual), builds the mask from absolute positions
 (causal, the padding mask, a sliding window) and runs ``scaled_dot_product_attention``, or a
 plain softmax where a layer soft-caps its scores or has attention sinks.
 
@@ -25,10 +21,7 @@ graph.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
-import os
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,8 +29,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-from ..ops.decode_attention import decode_attention
 
 __all__ = ["IMPLEMENTATION", "Step", "attention_forward", "cached_attention", "current_step", "step"]
 
@@ -143,15 +134,6 @@ def cached_attention(
     current = current_step() or Step()
     cache = current.cache
     new = query.shape[2]
-    if DECODE_IN_PLACE and new == 1 and not softcap and sinks is None and not sliding_window and cache is not None:
-        room = _room(cache, layer, key, value)
-        if room is not None:  # a decode step: the cache written in place and attended in one op
-            keys, values, seen = room
-            allowed = None
-            if current.padding is not None:
-                mask, _ = _mask(current, query, seen + 1, seen, 1, 0, causal)
-                allowed = mask.reshape(mask.shape[0], -1)
-            return decode_attention(query, key, value, keys, values, seen, allowed, scaling)
     if cache is not None:
         seen = cache.get_seq_length(layer)
         key, value = cache.update(key, value, layer)
@@ -168,72 +150,6 @@ def cached_attention(
             enable_gqa=key.shape[1] != query.shape[1],
         )
     return output.transpose(1, 2).contiguous()
-
-
-# A decode step writes the cache in place and attends in one op (``decode_attention``); False (or
-# ``TRANSFUSE_DECODE_IN_PLACE=0``): through the cache's ``update`` and the attention below, as before.
-DECODE_IN_PLACE = os.environ.get("TRANSFUSE_DECODE_IN_PLACE", "1") != "0"
-# Each cache layer's buffers with room for more tokens (weakly keyed: they go with the cache).
-_ROOM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# Positions a buffer gains when it grows: at least this many, or a quarter of what it holds.
-ROOM_GROWTH = 256
-
-
-def _room(cache: Any, index: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, int] | None:
-    """(key buffer, value buffer, tokens cached) for a decode step of transformers' plain dynamic
-    layer, after making its ``keys`` and ``values`` the buffers' first ``tokens + 1`` positions:
-    ``decode_attention`` writes the new token there, where ``update`` would concatenate the whole
-    cache with it. Anything else (an offloading cache, another layer kind, an empty layer) gets
-    None and goes through ``update``.
-
-    The layer's tensors stay what transformers expects, views of its own shape; whoever replaces
-    them (``crop`` keeps a shorter view, beam search's reorder makes new tensors) is followed: a
-    view that is no longer a prefix of the buffers is copied into new ones, once."""
-    Cache, DynamicLayer = _cache_classes()
-    layers = getattr(cache, "layers", None)
-    if getattr(cache, "offloading", False) or type(cache).update is not Cache.update or layers is None:
-        return None
-    if index >= len(layers) or type(layers[index]) is not DynamicLayer or not layers[index].is_initialized:
-        return None
-    layer = layers[index]
-    keys, values = layer.keys, layer.values
-    if keys is None or keys.dim() != 4 or keys.shape[-2] == 0 or keys.dtype != key.dtype or values.dtype != value.dtype:
-        return None
-    seen = keys.shape[-2]
-    if keys.shape[:2] != key.shape[:2] or keys.shape[-1] != key.shape[-1] or values.shape[-1] != value.shape[-1]:
-        return None
-    buffers = _ROOM.get(layer)
-    if buffers is None or not (_prefix(keys, buffers[0]) and _prefix(values, buffers[1])) or seen >= buffers[0].shape[2]:
-        capacity = seen + 1 + max(ROOM_GROWTH, seen // 4)
-        buffers = tuple(_grown(t, capacity) for t in (keys, values))
-        _ROOM[layer] = buffers
-    layer.keys = buffers[0][:, :, : seen + 1]
-    layer.values = buffers[1][:, :, : seen + 1]
-    return buffers[0], buffers[1], seen
-
-
-@functools.cache
-def _cache_classes() -> tuple[type, type]:
-    from transformers.cache_utils import Cache, DynamicLayer
-
-    return Cache, DynamicLayer
-
-
-def _prefix(view: Tensor, buffer: Tensor) -> bool:
-    """``view`` is the first positions of ``buffer`` (along dim 2), as ``_room`` handed it out or ``crop`` cut it."""
-    return (
-        view.data_ptr() == buffer.data_ptr()
-        and view.stride() == buffer.stride()
-        and view.shape[:2] == buffer.shape[:2]
-        and view.shape[3] == buffer.shape[3]
-    )
-
-
-def _grown(tensor: Tensor, capacity: int) -> Tensor:
-    batch, heads, tokens, dim = tensor.shape
-    buffer = tensor.new_empty((batch, heads, capacity, dim))
-    buffer[:, :, :tokens].copy_(tensor)
-    return buffer
 
 
 # The op the graph holds. The backend calls ``cached_attention`` directly in its place: the

@@ -19,7 +19,6 @@ from .dispatch import (
     set_priority,
     trace,
 )
-from .decode_attention import decode_attention, decode_attention_native
 from .fused_add_rms_norm import fused_add_rms_norm, fused_add_rms_norm_native
 from .layers import GatedRMSNorm, LinearPart, MergedProjection, MoE, RMSNorm, layer, register_layer
 from .linear_cross_entropy import causal_lm_loss, linear_cross_entropy
@@ -49,8 +48,6 @@ __all__ = [
     "act_and_mul_linear",
     "causal_lm_loss",
     "current_platform",
-    "decode_attention",
-    "decode_attention_native",
     "fused_add_rms_norm",
     "fused_add_rms_norm_native",
     "gated_rms_norm",

@@ -7,8 +7,7 @@ which is how CI tests their logic without a GPU. Kernels live in one module per 
 ``rms_norm.py`` (rms_norm, fused_add_rms_norm, gated_rms_norm), ``act_and_mul.py`` and ``rotary.py`` (each with its
 backward kernels and the ``torch.autograd.Function`` that pairs them: the provider's ``autograd``) and
 ``cross_entropy.py`` (a loss and its gradient in one kernel, and the in-place scale of the saved
-gradients, for ``linear_cross_entropy``) and ``decode_attention.py`` (a decode step's cache write
-and attention, for the compile path).
+gradients, for ``linear_cross_entropy``).
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ import torch
 
 from ..act_and_mul import GELU_AND_MUL, SILU_AND_MUL
 from ..checks import KERNEL_DTYPES, rows_fit, same_rows, weight_fits
-from ..decode_attention import DECODE_ATTENTION
 from ..dispatch import Provider
 from ..fused_add_rms_norm import FUSED_ADD_RMS_NORM
 from ..linear_cross_entropy import CROSS_ENTROPY_GRAD, SCALE_
@@ -149,16 +147,6 @@ def _scale_args(x, scale) -> bool:
     )
 
 
-def _decode_attention_args(query, key, value, keys, values, n, allowed, scaling) -> bool:
-    """One float dtype, unit stride along the head dimension (at most 256 wide), a boolean mask row."""
-    tensors = (query, key, value, keys, values)
-    if not on_device(*tensors) or query.dtype not in KERNEL_DTYPES or query.shape[-1] > 256 or value.shape[-1] > 256:
-        return False
-    if any(t.dtype != query.dtype or t.stride(-1) != 1 for t in tensors):
-        return False
-    return allowed is None or (allowed.dtype == torch.bool and allowed.stride(-1) == 1 and on_device(allowed))
-
-
 def _provider(op, module: str, name: str, supports_args, backward_and_output: bool = False) -> None:
     """Register ``name`` of ``module`` as the op's triton provider, with ``name_autograd`` (the same
     kernels with their backward) for calls that need a backward, and with ``backward_and_output``
@@ -180,7 +168,3 @@ _provider(GELU_AND_MUL, "act_and_mul", "gelu_and_mul", _act_and_mul_args, backwa
 _provider(ROTARY, "rotary", "rotary", _rotary_args)
 CROSS_ENTROPY_GRAD.register(Provider("triton", _lazy("cross_entropy", "cross_entropy_grad"), available, _cross_entropy_grad_args))
 SCALE_.register(Provider("triton", _lazy("cross_entropy", "scale_"), available, _scale_args))
-# Inference only (a decode step): no backward.
-DECODE_ATTENTION.register(
-    Provider("triton", _lazy("decode_attention", "decode_attention"), available, _decode_attention_args)
-)
