@@ -15,7 +15,11 @@ not None``): it is decided as the traced instance decided it, the attributes it 
 become the match's assumptions, an instance whose attributes differ is refused (or, for
 the scalars the analyses are specialised on, traced on its own path), and the fused layer
 holds them and raises if one changes. Everything else is
-refused with its reason: mean subtraction (LayerNorm), a second input (gated norms),
+refused with its reason: mean subtraction (LayerNorm), a second input that is not a gate
+(an output gate ``(norm(x) * act(gate.float())).to(x.dtype)``, or a gate before the norm,
+``norm(x.float() * act(gate.float()))`` over the row or over groups of an int attribute's size,
+whose ``if gate is not None`` branch, holding only that product, is proved to leave the norm of
+the input alone without a gate),
 computation after the norm, a reduction over another dimension, an eps that is not a
 float attribute (eps is read per instance from that attribute).
 """
@@ -61,6 +65,9 @@ class RMSNormMatch:
     activation: str | None = None  # ... and the activation applied to it (a GATE_ACTIVATIONS name)
     # Attributes the forward's branches read, with the values that chose the traced path.
     assumes: tuple[Assumption, ...] = ()
+    gate_first: bool = False  # the gate multiplies the upcast input before the norm (Mamba-2) ...
+    group_attr: str | None = None  # ... normalised in groups of this attribute's size (None: whole rows)
+    optional_gate: bool = False  # ... and without a gate the norm of the input alone (proved on the source)
 
 
 class RMSNormFuser(Fuser):
@@ -74,15 +81,10 @@ class RMSNormFuser(Fuser):
         if calls_fused_op(analysis.trace.graph):
             return None  # already fused (an emitted modeling file's norm)
         try:
-            found = _match_graph(analysis)
+            found, product = _match_graph(analysis)
             path = _check_source(analysis)
             if path.optional:
-                param, branch, source = path.optional[0]
-                raise NoMatch(
-                    "rms_norm.control-flow",
-                    f"{source.node.name.value} branches on whether {param} is None at line {source.line(branch)}; "
-                    "the trace shows the path with it only.",
-                )
+                found = dataclasses.replace(found, optional_gate=_gate_is_optional(found, product, path.optional))
             _check_assumed(path.assumes.values())
         except NoMatch as refusal:
             if not _looks_like_a_norm(analysis):
@@ -105,6 +107,13 @@ class RMSNormFuser(Fuser):
                     "rms_norm.specialised",
                     f"the forward branches on the tensor {assumption.name!r}, which is not the norm's weight.",
                 )
+        if found.group_attr is not None:
+            size = getattr(module, found.group_attr, None)
+            weight = module._parameters.get(found.weight) if found.weight is not None else None
+            if type(size) is not int or size <= 0 or (weight is not None and weight.shape[-1] % size):
+                return Refusal(
+                    "rms_norm.groups", f"the group size {found.group_attr!r} is {size!r}, not a divisor of the width."
+                )
         eps = getattr(module, found.eps_attr, None)
         if type(eps) is not float:
             return Refusal("rms_norm.eps-not-float", f"eps attribute {found.eps_attr!r} is {eps!r}, not a float.")
@@ -119,7 +128,14 @@ class RMSNormFuser(Fuser):
         spec_cls = context.require("transfuse.ops", "RMSNormSpec")
         flags = ", ".join(f"{f.name}={getattr(found.spec, f.name)}" for f in dataclasses.fields(found.spec))
         weight = f"self.{found.weight}" if found.weight is not None else "None"
-        if found.gate is not None:
+        if found.gate_first:
+            op = context.require("transfuse.ops.rms_norm", "input_gated_rms_norm")
+            groups = f"self.{found.group_attr}" if found.group_attr is not None else "None"
+            call = (
+                f"{op}({found.input}, {found.gate}, {weight}, self.{found.eps_attr}, {spec_cls}({flags}), "
+                f"{found.activation!r}, {groups})"
+            )
+        elif found.gate is not None:
             op = context.require("transfuse.ops", "gated_rms_norm")
             call = f"{op}({found.input}, {found.gate}, {weight}, self.{found.eps_attr}, {spec_cls}({flags}), {found.activation!r})"
         else:
@@ -145,9 +161,11 @@ class RMSNormFuser(Fuser):
         eps, name = getattr(module, found.eps_attr), found.weight or "weight"
         assumes = found.assumes
         if found.gate is not None:
+            group_size = getattr(module, found.group_attr) if found.group_attr is not None else None
             fused = layer("GatedRMSNorm")(
-                weight, eps, found.spec, weight_name=name, activation=found.activation, assumes=assumes
-            )
+                weight, eps, found.spec, weight_name=name, activation=found.activation, assumes=assumes,
+                gate_first=found.gate_first, group_size=group_size, optional_gate=found.optional_gate,
+            )  # fmt: skip
             return Fused(replaced=("",), into=type(fused).__name__, replacement=fused)
         fused = layer("RMSNorm")(weight, eps, found.spec, weight_name=name, assumes=assumes)
         return Fused(replaced=("",), into=type(fused).__name__, replacement=fused)
@@ -187,7 +205,8 @@ def _looks_like_a_norm(analysis: ClassAnalysis) -> bool:
     return False
 
 
-def _match_graph(analysis: ClassAnalysis) -> RMSNormMatch:
+def _match_graph(analysis: ClassAnalysis) -> tuple[RMSNormMatch, fx.Node | None]:
+    """What the graph shows, and for a norm gated before it, the node of the gate's product."""
     trace = analysis.trace
     if trace.partial:
         raise NoMatch("rms_norm.partial-trace", f"the forward could not be traced to the end ({trace.describe_stop()}).")
@@ -221,16 +240,22 @@ def _match_graph(analysis: ClassAnalysis) -> RMSNormMatch:
     if not isinstance(result, fx.Node):
         raise NoMatch("rms_norm.output", "the forward does not return a single tensor.")
     matched: set[fx.Node] = set()
+    product = None
     if len(used) == 2:
         try:
             found = _match_gated(result, x, used[1], matched)
-        except NoMatch as refusal:
-            raise NoMatch(
-                "rms_norm.inputs",
-                f"the forward reads two tensor inputs ({names}), and is not a gated norm "
-                f"(rms_norm(x) * act({used[1].name}) in float32, cast back): {refusal.reason}",
-                refusal.node,
-            ) from None
+        except NoMatch as after:
+            try:
+                matched = set()
+                found, product = _match_input_gated(result, x, used[1], matched)
+            except NoMatch as before:
+                raise NoMatch(
+                    "rms_norm.inputs",
+                    f"the forward reads two tensor inputs ({names}), and is not a gated norm: not "
+                    f"rms_norm(x) * act({used[1].name}) in float32, cast back ({after.reason}), nor gated before "
+                    f"the norm, rms_norm(x.float() * act({used[1].name}.float())) ({before.reason})",
+                    before.node or after.node,
+                ) from None
     else:
         found = _match_result(result, x, matched)
     extra = [
@@ -247,7 +272,7 @@ def _match_graph(analysis: ClassAnalysis) -> RMSNormMatch:
             f"the forward computes more than the norm ({op_name(extra[0]) or extra[0].op} at {extra[0].name}).",
             extra[0],
         )
-    return found
+    return found, product
 
 
 def _depends_on_input(node: fx.Node) -> bool:
@@ -328,6 +353,122 @@ def _match_gated(result: fx.Node, x: fx.Node, gate: fx.Node, matched: set[fx.Nod
     _mark_chain(act, gate, matched)
     found = _match_result(normed, x, matched)  # its own casts are its spec's: the gate reads its output
     return dataclasses.replace(found, gate=gate.target, activation=activation)
+
+
+def _match_input_gated(
+    result: fx.Node, x: fx.Node, gate: fx.Node, matched: set[fx.Node]
+) -> tuple[RMSNormMatch, fx.Node]:
+    """``w * norm(x.float() * act(gate.float()))`` with the norm over the last dimension or over groups
+    of it (``view(..., G, size)``, normalised, viewed back), the weight with any rounding
+    ``_match_result`` knows → (the match, the gate's product)."""
+    core, outer = _peel(result, matched)
+    cast_output = _casts_to_input(outer, x, "the result")
+    weight, normed = _split_weight(core, matched)
+    normed, middle = _peel(normed, matched)
+    cast_before_weight = _casts_to_input(middle, x, "the normalised value")
+    if weight is None and cast_before_weight:
+        cast_output, cast_before_weight = True, False  # one cast at the end either way
+    normed, grouped = _ungroup(normed, matched)
+    value_normed, eps_attr = _normalised_value(normed, matched)
+    group_attr = None
+    if grouped:
+        value_normed, group_attr = _grouped_view(value_normed, matched)
+    product = value_normed
+    a, b = operands(product)[:2] if is_op(product, "mul") else (None, None)
+    for act, xc in ((b, a), (a, b)):
+        activation = _gate_activation(act, gate)
+        if activation is not None:
+            break
+    else:
+        raise NoMatch(
+            "rms_norm.gate-form",
+            f"the value normalised is not the input times an activation ({', '.join(GATE_ACTIVATIONS)}) of the "
+            "gate in float32.",
+            product,
+        )
+    base, casts = peel_casts(xc) if isinstance(xc, fx.Node) else (None, [])
+    if base is not x or len(casts) != 1 or casts[0].dtype != torch.float32:
+        raise NoMatch("rms_norm.gate-rounding", "the input is not cast to float32 (once) before the gate multiplies it.", xc)
+    if (x.target, gate.target) != _GATED_SIGNATURE:
+        raise NoMatch(
+            "rms_norm.signature",
+            f"the inputs are named ({x.target}, {gate.target}), not {_GATED_SIGNATURE}; callers passing them by "
+            "keyword would not reach the fused layer.",
+        )
+    matched.add(product)
+    _mark_chain(act, gate, matched)
+    _mark_chain(xc, base, matched)
+    name, offset, weight_fp32 = weight or (None, False, False)
+    spec = RMSNormSpec(True, cast_before_weight, offset, weight_fp32, cast_output)
+    found = RMSNormMatch(
+        spec, name, eps_attr, x.target, gate=gate.target, activation=activation, gate_first=True, group_attr=group_attr
+    )
+    return found, product
+
+
+def _is_view(node) -> bool:
+    return is_op(node, "view", "reshape")
+
+
+def _ungroup(node: fx.Node, matched: set[fx.Node]) -> tuple[fx.Node, bool]:
+    """``v.view(shape)`` merging v's last two dimensions back into one → (v, True); else (node, False)."""
+    if not _is_view(node):
+        return node, False
+    inner = node.args[0]
+    before, after = getattr(value(inner), "shape", None), getattr(value(node), "shape", None)
+    if before is None or after is None or len(before) < 2 or tuple(after) != (*before[:-2], before[-2] * before[-1]):
+        raise NoMatch("rms_norm.groups", "the normalised value is reshaped other than back from groups.", node)
+    matched.add(node)
+    return inner, True
+
+
+def _grouped_view(node: fx.Node, matched: set[fx.Node]) -> tuple[fx.Node, str]:
+    """``v.view(*v.shape[:-1], G, size)``, ``size`` an int attribute of the module → (v, its name)."""
+    if not _is_view(node):
+        raise NoMatch("rms_norm.groups", "the value viewed back from groups is not a view of the gated input.", node)
+    inner = node.args[0]
+    sizes = node.args[1:] if len(node.args) > 2 else tuple(node.args[1])
+    before, after = getattr(value(inner), "shape", None), getattr(value(node), "shape", None)
+    if before is None or after is None or tuple(after) != (*before[:-1], after[-2], after[-1]):
+        raise NoMatch("rms_norm.groups", "the view into groups does not split the last dimension alone.", node)
+    size = sizes[-1] if sizes else None
+    attr = size.meta.get("self_attr") if isinstance(size, fx.Node) else None
+    if attr is None or type(size.meta.get("val")) is not int:
+        raise NoMatch(
+            "rms_norm.groups",
+            "the group size is not read from an int attribute of the module, so it cannot be read per instance.",
+            node,
+        )
+    matched.add(node)
+    return inner, attr
+
+
+def _gate_is_optional(found: RMSNormMatch, product: fx.Node | None, optional) -> bool:
+    """Whether the forward's one test of an optional input is ``if gate is not None: v = v * <...>``
+    guarding exactly the gate's product: then without a gate the norm of the input alone runs."""
+    param, branch, source = optional[0]
+    where = f"{source.node.name.value} branches on whether {param} is None at line {source.line(branch)}"
+    if len(optional) > 1 or not found.gate_first or param != found.gate:
+        raise NoMatch("rms_norm.control-flow", f"{where}; the trace shows the path with it only.")
+    body = branch.body.body if isinstance(branch.body, cst.IndentedBlock) else ()
+    statement = body[0] if len(body) == 1 else None
+    assign = statement.body[0] if isinstance(statement, cst.SimpleStatementLine) and len(statement.body) == 1 else None
+    proved = (
+        branch.orelse is None
+        and m.matches(branch.test, m.Comparison(comparisons=[m.ComparisonTarget(operator=m.IsNot())]))
+        and isinstance(assign, cst.Assign)
+        and len(assign.targets) == 1
+        and isinstance(assign.targets[0].target, cst.Name)
+        and m.matches(assign.value, m.BinaryOperation(left=m.Name(assign.targets[0].target.value), operator=m.Multiply()))
+        and product.meta.get("location") == (source.filename, source.line(statement))
+    )
+    if not proved:
+        raise NoMatch(
+            "rms_norm.control-flow",
+            f"{where}, and its body is not only the gate's product (v = v * act(gate)); the trace shows the path "
+            "with it only.",
+        )
+    return True
 
 
 def _gate_activation(node, gate: fx.Node) -> str | None:
@@ -422,6 +563,18 @@ def _mark_chain(top: fx.Node, bottom: fx.Node, matched: set[fx.Node]) -> None:
 
 def _match_normalisation(node: fx.Node, x: fx.Node, matched: set[fx.Node]) -> tuple[bool, str]:
     """``xc * rsqrt(mean(xc², -1, keepdim=True) + eps)`` with ``xc`` the (cast) input → (upcast, eps attr)."""
+    xc, eps_attr = _normalised_value(node, matched)
+    base, casts = peel_casts(xc)
+    if base is not x:
+        raise NoMatch("rms_norm.form", "the normalised value is not the module's input.", xc)
+    if any(c.dtype != torch.float32 for c in casts):
+        raise NoMatch("rms_norm.cast", f"the input is cast to {casts[0].describe()} before normalising.", xc)
+    _mark_chain(xc, base, matched)
+    return bool(casts), eps_attr
+
+
+def _normalised_value(node: fx.Node, matched: set[fx.Node]) -> tuple[fx.Node, str]:
+    """``v * rsqrt(mean(v², -1, keepdim=True) + eps)`` → (v, eps attr)."""
     if is_op(node, "sub", "div"):
         raise NoMatch("rms_norm.form", f"the norm is computed with {op_name(node)}, not as x * rsqrt(...).", node)
     if not is_op(node, "mul"):
@@ -432,20 +585,14 @@ def _match_normalisation(node: fx.Node, x: fx.Node, matched: set[fx.Node]) -> tu
         raise NoMatch("rms_norm.form", "neither factor of the final product is rsqrt(...) or (...) ** -0.5.", node)
     total = operand(inv, 0)
     eps_attr, mean = _split_eps(total)
-    square_of = _match_mean_square(mean, x)
+    square_of = _match_mean_square(mean, xc)
     if is_op(xc, "sub") or is_op(square_of, "sub"):
         raise NoMatch("rms_norm.mean-subtracted", "the input has its mean subtracted: this is LayerNorm, not RMSNorm.", xc)
     if square_of is not xc:
         raise NoMatch("rms_norm.form", "the value squared is not the value normalised.", node)
-    base, casts = peel_casts(xc)
-    if base is not x:
-        raise NoMatch("rms_norm.form", "the normalised value is not the module's input.", xc)
-    if any(c.dtype != torch.float32 for c in casts):
-        raise NoMatch("rms_norm.cast", f"the input is cast to {casts[0].describe()} before normalising.", xc)
     matched.update({node, inv, total, mean})
-    _mark_chain(xc, base, matched)
     matched.add(mean.args[0])
-    return bool(casts), eps_attr
+    return xc, eps_attr
 
 
 def _is_norm_product(node) -> bool:

@@ -18,7 +18,7 @@ from torch.nn.modules import module as module_globals
 from .act_and_mul import CONSUMABLE
 from .low_rank import linear_with_adapters
 from .moe_layer import MoE
-from .rms_norm import RMSNormSpec, gated_rms_norm, rms_norm
+from .rms_norm import RMSNormSpec, gated_rms_norm, input_gated_rms_norm, rms_norm
 from .sharding import ColwiseShards, is_sharded
 
 __all__ = [
@@ -293,7 +293,11 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(RMSNorm):
-    """``(rms_norm(x) * act(gate in float32)).to(x.dtype)``: an RMSNorm with an output gate."""
+    """An RMSNorm with a gate: ``(rms_norm(x) * act(gate in float32)).to(x.dtype)`` (an output gate),
+    or with ``gate_first``, ``rms_norm(x in float32 * act(gate in float32))`` normalised in groups of
+    ``group_size`` features (None: whole rows). ``optional_gate``: called without a gate, the gate-first
+    norm computes the norm of ``x`` alone (the original's path for ``gate=None``); otherwise a gate is
+    required."""
 
     def __init__(
         self,
@@ -303,17 +307,32 @@ class GatedRMSNorm(RMSNorm):
         weight_name: str = "weight",
         activation: str = "silu",
         assumes: tuple[Assumption, ...] = (),
+        gate_first: bool = False,
+        group_size: int | None = None,
+        optional_gate: bool = False,
     ):
         super().__init__(weight, eps, spec, weight_name, assumes)
         self.activation = activation
+        self.gate_first = gate_first
+        self.group_size = group_size
+        self.optional_gate = optional_gate
 
-    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         if self.assumes:
             check_assumptions(self, self.assumes)
-        return gated_rms_norm(hidden_states, gate, getattr(self, self.weight_name), self.eps, self.spec, self.activation)
+        weight = getattr(self, self.weight_name)
+        if gate is None and not self.optional_gate:
+            raise TypeError(f"This fused {type(self).__name__} needs its gate: the original norm was traced with one.")
+        if self.gate_first:
+            return input_gated_rms_norm(
+                hidden_states, gate, weight, self.eps, self.spec, self.activation, self.group_size
+            )
+        return gated_rms_norm(hidden_states, gate, weight, self.eps, self.spec, self.activation)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, gate: {self.activation}"
+        where = "before the norm" if self.gate_first else "after the norm"
+        groups = f", groups of {self.group_size}" if self.group_size is not None else ""
+        return f"{super().extra_repr()}, gate: {self.activation} {where}{groups}"
 
 
 _LAYERS: dict[str, type[nn.Module]] = {

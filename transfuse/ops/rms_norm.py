@@ -22,8 +22,11 @@ __all__ = [
     "GATED_RMS_NORM",
     "RMSNormSpec",
     "RMS_NORM",
+    "INPUT_GATED_RMS_NORM",
     "gated_rms_norm",
     "gated_rms_norm_native",
+    "input_gated_rms_norm",
+    "input_gated_rms_norm_native",
     "rms_norm",
     "rms_norm_native",
     "rms_norm_out_dtype",
@@ -203,3 +206,73 @@ def gated_rms_norm(
     if torch.compiler.is_compiling():
         return gated_rms_norm_native(*args)  # plain torch ops: Inductor fuses them
     return GATED_RMS_NORM(*args)
+
+
+# ---- gated before the norm, in groups: ``rms_norm(x.float() * act(gate.float()))`` -----------
+#
+# The gated norm of Mamba-2's mixers (mamba2, bamba, granitemoehybrid, zamba2, nemotron_h): the
+# input upcast to float32 times the activation of the gate in float32, then normalised, each group
+# of ``group_size`` consecutive features on its own (None: the whole row), then the weight with the
+# rounding of the spec. Without a gate, the same norm of the upcast input.
+
+
+def input_gated_rms_norm_native(
+    x: Tensor,
+    gate: Tensor | None,
+    weight: Tensor | None,
+    eps: float,
+    upcast: bool,
+    cast_before_weight: bool,
+    offset: bool,
+    weight_fp32: bool,
+    cast_output: bool,
+    activation: str,
+    group_size: int | None,
+) -> Tensor:
+    dtype = x.dtype
+    h = x.to(torch.float32) if upcast else x
+    if gate is not None:
+        h = h * _gate_activation(gate.to(torch.float32), activation)
+    shape = h.shape
+    if group_size is not None:
+        h = h.view(*shape[:-1], shape[-1] // group_size, group_size)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if group_size is not None:
+        h = h.view(shape)
+    if cast_before_weight:
+        h = h.to(dtype)
+    if weight is not None:
+        w = weight.to(torch.float32) if weight_fp32 else weight
+        if offset:
+            w = 1.0 + w
+        h = w * h
+    if cast_output:
+        h = h.to(dtype)
+    return h
+
+
+INPUT_GATED_RMS_NORM = Op("input_gated_rms_norm", input_gated_rms_norm_native)
+
+
+def input_gated_rms_norm(
+    x: Tensor,
+    gate: Tensor | None,
+    weight: Tensor | None,
+    eps: float,
+    spec: RMSNormSpec,
+    activation: str,
+    group_size: int | None = None,
+) -> Tensor:
+    """``rms_norm(x in float32 * act(gate in float32))`` over groups of ``group_size`` features (None:
+    the whole last dimension), the weight with the rounding of ``spec``; without a gate, the norm of
+    ``x`` alone. Native only: no kernel computes it yet."""
+    if activation not in GATE_ACTIVATIONS:
+        raise ValueError(
+            f"input_gated_rms_norm has no activation {activation!r}; it has: {', '.join(GATE_ACTIVATIONS)}."
+        )
+    if group_size is not None and (group_size <= 0 or x.shape[-1] % group_size):
+        raise ValueError(f"input_gated_rms_norm: groups of {group_size} do not divide the last dimension {x.shape[-1]}.")
+    args = (x, gate, weight, eps, *spec.flags(), activation, group_size)
+    if torch.compiler.is_compiling():
+        return input_gated_rms_norm_native(*args)  # plain torch ops: Inductor fuses them
+    return INPUT_GATED_RMS_NORM(*args)
