@@ -1,6 +1,7 @@
 """QKV on one path of a forward: a projection that may be None, a flag that takes k and v from
-elsewhere, and the two together. Toys imitating the idioms, each against its unmodified self
-(outputs bit for bit in fp32, gradients), refusals, and the real tiny types."""
+elsewhere, and the two together; and the projections of one value called before a child that
+also reads it. Toys imitating the idioms, each against its unmodified self (outputs bit for bit
+in fp32, gradients), refusals, and the real tiny types."""
 
 from __future__ import annotations
 
@@ -91,6 +92,58 @@ class FlagSetInForward(nn.Module):
             self.warm = x.shape[0] > 100
             k, v = self.k(x), self.v(x)
         return q * k + v
+
+
+class Gate(nn.Module):
+    """A child that reads the projections' input: what it does to the value the class cannot see."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(32, 16, bias=False)
+
+    def forward(self, x):
+        return torch.sigmoid(self.a(x))
+
+
+class ProjectionsAroundAChild(nn.Module):
+    """Linear attention's inputs: q, k and v read ``x``, then a child reads it, then two more
+    projections of it (kimi_linear's ``forget_gate`` before ``b_proj`` and ``g_a_proj``) → the three
+    before the child merge; the two after stay as written."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(32, 32, bias=False)
+        self.k = nn.Linear(32, 32, bias=False)
+        self.v = nn.Linear(32, 32, bias=False)
+        self.gate = Gate()
+        self.b = nn.Linear(32, 16, bias=False)
+        self.g = nn.Linear(32, 16, bias=False)
+        self.o = nn.Linear(16, 32, bias=False)
+
+    def forward(self, x):
+        mixed = torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
+        q, k, v = mixed.split(32, dim=-1)
+        decay = self.gate(x)
+        beta = torch.sigmoid(self.b(x))
+        state = (q * k).unflatten(-1, (2, 16)).sum(-2) * decay + beta
+        return self.o(state * self.g(x)) + v
+
+
+class ChildAfterTheFirst(nn.Module):
+    """A child reads ``x`` right after the first projection: fewer than two come before it → refused,
+    naming the child."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(32, 32)
+        self.k = nn.Linear(32, 32)
+        self.v = nn.Linear(32, 32)
+        self.gate = Gate()
+
+    def forward(self, x):
+        q = self.q(x)
+        decay = self.gate(x)
+        return q * self.k(x) + self.v(x) * decay.repeat(1, 1, 2)
 
 
 class Injections(nn.Module):
@@ -198,10 +251,34 @@ def test_a_flag_the_forward_assigns_is_not_specialised():
         assert torch.equal(model(x), stock(x))
 
 
-@pytest.mark.parametrize("model_type", ["gemma4_text", "qwen4_exp_text"])
+@pytest.mark.parametrize("model_type", ["gemma4_text", "qwen4_exp_text", "kimi_linear", "bailing_hybrid"])
 def test_real_types_fuse_every_qkv_opportunity(model_type):
     row = coverage.run_type(model_type)
     assert row["status"] == "ok", row.get("error")
     assert row["fused"]["qkv"] == row["opportunities"]["qkv"] > 0
     assert not any(tag.startswith("qkv.") for tag in row["refusals"]), row["refusals"]
     assert row["generation_equal"] is True
+
+
+def test_the_projections_before_a_child_that_reads_their_input_merge():
+    torch.manual_seed(0)
+    stock, x = Holder(ProjectionsAroundAChild()), torch.randn(2, 5, 32)
+    model = _rewritten(stock, x)
+    report = transfuse.report(model)
+    assert [(f.path, f.replaced) for f in report.fusions] == [("inner", ("q", "k", "v"))], report
+    assert report.skipped == []
+    diff = transfuse.diff(model)
+    assert "self.qkv_proj(x).split(" in diff and "self.b(x)" in diff and "-        return self.o(state * self.g(x))" not in diff
+    _same_outputs_and_gradients(stock, model, x)
+
+
+def test_a_child_right_after_the_first_projection_is_refused_by_name():
+    torch.manual_seed(0)
+    stock, x = Holder(ChildAfterTheFirst()), torch.randn(2, 5, 32)
+    model = _rewritten(stock, x)
+    report = transfuse.report(model)
+    assert report.fusions == []
+    (skip,) = report.skipped
+    assert skip.tag == "qkv.input-mutated" and skip.reason == "x is passed to self.gate between the projections."
+    with torch.no_grad():
+        assert torch.equal(model(x), stock(x))

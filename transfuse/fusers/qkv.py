@@ -7,8 +7,10 @@ their call order; more than three (gated attention: q, k, v and a gate) merge in
 Two merge when three do not read one value (MLA's ``q_a_proj`` and ``kv_a_proj_with_mqa``, k
 and v of cross-attention, the input projections of linear attention), into ``pair_proj``,
 unless they are a GLU (their outputs multiplied, each through ops of that value alone), which
-is the gate/up fuser's. The split sizes are read from the merged module at run time, never
-written into the source.
+is the gate/up fuser's. Where another call (a child module, a function) takes the same value
+between the projections, the two or more called before it merge and the rest stay as written
+(linear attention's q, k and v before ``self.forget_gate(x)``, then ``b_proj``). The split sizes
+are read from the merged module at run time, never written into the source.
 
 What one trace cannot show is proved on the source before the edit: each projection is
 called exactly once as ``self.<name>(<name>)`` and used nowhere else in the class; the
@@ -113,7 +115,7 @@ class QKVFuser(SourceFuser):
         groups = _groups(analysis, by_input, linear_children(analysis))
         if not groups:
             return _split_inputs(analysis, by_input)
-        calls = groups[0]
+        calls = _before_other_readers(groups[0])
         try:
             names = [c.target for c in calls]
             twice = sorted({n for n in names if names.count(n) > 1})
@@ -168,6 +170,21 @@ def _groups(analysis: ClassAnalysis, by_input: dict[fx.Node, list[fx.Node]], lin
         for calls in by_input.values()
         if len(calls) == 2 and calls[0].target != calls[1].target and not _multiplied(analysis, calls, linears)
     ]
+
+
+def _before_other_readers(calls: list[fx.Node]) -> list[fx.Node]:
+    """The calls before the first other call that takes their input (a child module, a function),
+    where two or more come before it: those merge, and the ones after it stay as written. What such
+    a call does to the value is not this class's to see (kimi_linear's ``self.forget_gate(x)``
+    between q, k, v and ``b_proj``); the source proof then covers only the calls before it."""
+    source, ours = calls[0].args[0], set(calls)
+    order = {node: i for i, node in enumerate(calls[0].graph.nodes)}
+    span = [n for n in order if order[calls[0]] < order[n] < order[calls[-1]]]
+    for node in span:
+        if node not in ours and node.op in ("call_module", "call_function") and source in node.all_input_nodes:
+            before = [c for c in calls if order[c] < order[node]]
+            return before if len(before) >= 2 else calls
+    return calls
 
 
 def _multiplied(analysis: ClassAnalysis, calls: list[fx.Node], linears: set[str]) -> bool:
