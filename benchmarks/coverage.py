@@ -17,8 +17,9 @@ Opportunities, counted per module instance while the stock model runs once:
 - ``rms_norm``: a module whose class name contains ``rmsnorm`` (any case), or one with a single
   1-D ``weight`` whose forward source reads ``rsqrt``;
 - ``gate_up``: two ``nn.Linear`` children of one module called on the same tensor whose outputs
-  feed another linear child of that module as ``act(one) * other`` (checked on the values, for
-  silu, gelu, gelu-tanh, relu and sigmoid): a GLU;
+  feed another child of that module as ``act(one) * other`` (checked on the values, for silu,
+  gelu, gelu-tanh, relu, squared relu and sigmoid; the child is the down projection, or a norm before it as in
+  bitnet): a GLU;
 - ``qkv``: any other set of two or more ``nn.Linear`` children of one module called on the same
   tensor (q, k and v; with a gate; k and v of cross-attention; MLA's low-rank pair; the input
   projections of linear-attention blocks): what an n-way merge could fuse;
@@ -73,14 +74,15 @@ def _rms_norm_like(module) -> bool:
         return False
 
 
-def _feeds_a_glu(path: str, pair: list[str], seen: dict) -> bool:
-    """Another linear of the same module reads ``act(one) * other`` of the pair's outputs (a GLU)."""
+def _feeds_a_glu(path: str, pair: list[str], seen: dict, read: dict) -> bool:
+    """Another child of the same module (``read``: its first input) reads ``act(one) * other`` of the
+    pair's outputs (a GLU)."""
     import torch
     import torch.nn.functional as F
 
-    acts = (F.silu, F.gelu, lambda t: F.gelu(t, approximate="tanh"), F.relu, torch.sigmoid)
+    acts = (F.silu, F.gelu, lambda t: F.gelu(t, approximate="tanh"), F.relu, lambda t: F.relu(t).square(), torch.sigmoid)
     a, b = (seen[(path, name)][1] for name in pair)
-    for (parent, name), (x, _) in seen.items():
+    for (parent, name), x in read.items():
         if parent != path or name in pair or x.shape != a.shape or a.shape != b.shape:
             continue
         for act in acts:
@@ -111,6 +113,17 @@ def count_opportunities(model, ids) -> tuple[dict[str, int], dict[str, list[str]
     calls: dict[tuple[str, int], set[str]] = defaultdict(set)
     inputs = []  # kept alive through the forward, so that no two inputs share an id
     seen: dict[tuple[str, str], tuple] = {}  # (parent, linear) -> (input, output) of its first call
+    read: dict[tuple[str, str], object] = {}  # (parent, child) -> first input, for parents of linears
+    readers = {
+        child: (path, name)
+        for path, module in model.named_modules()
+        if any(isinstance(c, nn.Linear) for c in module.children())
+        for name, child in module.named_children()
+    }
+
+    def reader_hook(child, args):
+        if args and torch.is_tensor(args[0]):
+            read.setdefault(readers[child], args[0])
 
     def hook(child, args, output):
         if args and torch.is_tensor(args[0]) and torch.is_tensor(output):
@@ -120,6 +133,7 @@ def count_opportunities(model, ids) -> tuple[dict[str, int], dict[str, list[str]
             seen.setdefault((path, name), (args[0], output))
 
     handles = [child.register_forward_hook(hook) for child in parent_of]
+    handles += [child.register_forward_pre_hook(reader_hook) for child in readers]
     try:
         with torch.no_grad():
             model(input_ids=ids, use_cache=False)
@@ -132,7 +146,7 @@ def count_opportunities(model, ids) -> tuple[dict[str, int], dict[str, list[str]
             groups[path].add(frozenset(names))
     for path, sets in groups.items():
         for names in sets:
-            kind = "gate_up" if len(names) == 2 and _feeds_a_glu(path, sorted(names), seen) else "qkv"
+            kind = "gate_up" if len(names) == 2 and _feeds_a_glu(path, sorted(names), seen, read) else "qkv"
             where[kind].append(f"{path}:{'+'.join(sorted(names))}")
     return {kind: len(where[kind]) for kind in KINDS}, dict(where)
 

@@ -251,11 +251,14 @@ def test_a_flag_the_forward_assigns_is_not_specialised():
         assert torch.equal(model(x), stock(x))
 
 
-@pytest.mark.parametrize("model_type", ["gemma4_text", "qwen4_exp_text", "kimi_linear", "bailing_hybrid"])
+@pytest.mark.parametrize("model_type", ["gemma4_text", "qwen4_exp_text", "kimi_linear", "bailing_hybrid", "bitnet"])
 def test_real_types_fuse_every_qkv_opportunity(model_type):
+    """bitnet: its GLU (squared relu, a norm between the product and the down projection) is counted
+    as gate_up, not as a qkv opportunity."""
     row = coverage.run_type(model_type)
     assert row["status"] == "ok", row.get("error")
     assert row["fused"]["qkv"] == row["opportunities"]["qkv"] > 0
+    assert row["fused"]["gate_up"] == row["opportunities"]["gate_up"] > 0
     assert not any(tag.startswith("qkv.") for tag in row["refusals"]), row["refusals"]
     assert row["generation_equal"] is True
 
