@@ -305,3 +305,21 @@ def test_torch_compile_of_a_rewritten_model_matches_the_original():
     with torch.no_grad():
         got = compiled(input_ids=ids).logits
     assert (got - expected).abs().max().item() <= 1e-5
+
+
+def test_a_part_called_in_training_after_an_evaluation_passes_its_gradient_to_the_merged_tensors():
+    """Forwards that keep a path calling the original projections (a shared self/cross-attention
+    class, a layer that shares its keys) call the ``LinearPart``s: their views of the merged rows,
+    first made under ``no_grad`` (an evaluation, a rewrite's check), must not cut the gradient."""
+    stock, fused = tiny_model("llama"), tiny_model("llama")
+    fused.load_state_dict(stock.state_dict())
+    transfuse.rewrite(fused)
+    attention, original = fused.model.layers[0].self_attn, stock.model.layers[0].self_attn
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        attention.k_proj(x)  # the views made with gradients off
+    for module in (attention.k_proj, original.k_proj):
+        (module(x) * torch.arange(x.shape[1])[None, :, None]).sum().backward()
+    rows = slice(*attention.k_proj._rows)
+    torch.testing.assert_close(attention.qkv_proj.weight.grad[rows], original.k_proj.weight.grad)
+    assert attention.qkv_proj.weight.grad[: rows.start].abs().sum() == 0  # q's rows: nothing

@@ -171,11 +171,15 @@ class LinearPart(nn.Linear):
         # give it new storage: the view is then made again from it).
         if cached is not None and cached[0] is merged and cached[1] == source.data_ptr():
             view, ptr = cached[2], cached[3]
-            if _local(view).data_ptr() == ptr:
+            # A view made while gradients were off (an evaluation, a rewrite's check) has no path back
+            # to the merged tensor: where a gradient is wanted now, it is made again.
+            untracked = view.grad_fn is None and merged.requires_grad and torch.is_grad_enabled()
+            if _local(view).data_ptr() != ptr:
+                # Someone replaced the view's data (PEFT's safe merge assigns ``weight.data``): write it back.
+                with torch.no_grad():
+                    source[self._rows[0] : self._rows[1]].copy_(_local(view))
+            elif not untracked:
                 return view
-            # Someone replaced the view's data (PEFT's safe merge assigns ``weight.data``): write it back.
-            with torch.no_grad():
-                source[self._rows[0] : self._rows[1]].copy_(_local(view))
         rows = source[self._rows[0] : self._rows[1]]
         shards = self._merged.shards
         # Under tensor parallelism, this rank's rows of the part as the DTensor shard of the full part.
@@ -255,7 +259,10 @@ class RMSNorm(nn.Module):
     """RMSNorm over the last dimension with the rounding of ``spec``; the weight is optional.
 
     ``assumes``: attributes the original module's code branched on (``with_scale``, ``weight`` being
-    a tensor); the layer holds them with their values and raises if one changes (``check_assumptions``)."""
+    a tensor); the layer holds them with their values and raises if one changes (``check_assumptions``).
+    ``eps_name``: the original module's name for the epsilon (``variance_epsilon``): the layer answers
+    to it too, and setting either name sets both (code outside the module reads it: Mamba-2's CUDA
+    path hands ``self.norm.variance_epsilon`` to its own kernel)."""
 
     __transfuse_layer__ = True
 
@@ -266,8 +273,10 @@ class RMSNorm(nn.Module):
         spec: RMSNormSpec = RMSNormSpec(),
         weight_name: str = "weight",
         assumes: tuple[Assumption, ...] = (),
+        eps_name: str = "eps",
     ):
         super().__init__()
+        self.eps_name = eps_name
         self.eps = float(eps)
         self.spec = spec
         self.weight_name = weight_name
@@ -279,6 +288,12 @@ class RMSNorm(nn.Module):
             if assumption.tensor or hasattr(self, assumption.name):
                 raise ValueError(f"RMSNorm cannot hold the assumed attribute {assumption.describe()}: it is its own.")
             setattr(self, assumption.name, assumption.value)
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        alias = self.__dict__.get("eps_name", "eps")
+        if alias != "eps" and name in ("eps", alias):
+            self.__dict__[alias if name == "eps" else "eps"] = value  # the epsilon under both names
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.assumes:
@@ -310,8 +325,9 @@ class GatedRMSNorm(RMSNorm):
         gate_first: bool = False,
         group_size: int | None = None,
         optional_gate: bool = False,
+        eps_name: str = "eps",
     ):
-        super().__init__(weight, eps, spec, weight_name, assumes)
+        super().__init__(weight, eps, spec, weight_name, assumes, eps_name)
         self.activation = activation
         self.gate_first = gate_first
         self.group_size = group_size
