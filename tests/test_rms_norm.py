@@ -236,3 +236,35 @@ def test_unmatched_rmsnorm_class_is_listed_with_its_reason():
     transfuse.rewrite(model, example_inputs=(torch.randn(2, 32),))
     (skip,) = transfuse.report(model).skipped
     assert skip.cls == "LooksLikeRMSNorm" and skip.tag.startswith("rms_norm.")
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mamba2"])
+def test_the_fused_norm_answers_to_the_original_epsilon_and_keeps_the_modules_numbers(model_type):
+    """Code outside a norm reads its attributes (Mamba-2's CUDA path hands ``norm.variance_epsilon``
+    and ``norm.weight`` to its own kernel): the fused layer has them, and a changed epsilon changes
+    its answer as it changes the original's."""
+    torch.manual_seed(0)
+    stock = tiny_model(model_type).eval()
+    fused = transfuse.rewrite(tiny_model(model_type).eval())
+    pairs = [
+        (name, module, dict(fused.named_modules())[name])
+        for name, module in stock.named_modules()
+        if hasattr(module, "variance_epsilon") and isinstance(dict(fused.named_modules())[name], RMSNorm)
+    ]
+    assert pairs, "no fused norm with the original's epsilon name"
+    for name, original, layer in pairs:
+        for key, value in vars(original).items():
+            if not key.startswith("_") and type(value) in (int, float, bool, str):
+                assert getattr(layer, key) == value, f"{name}.{key}"
+        assert layer.weight is not None and layer.weight.shape == original.weight.shape
+    ids = torch.randint(0, stock.config.vocab_size, (2, 9))
+    for _, original, layer in pairs:
+        original.variance_epsilon = layer.variance_epsilon = 0.5
+        assert layer.eps == 0.5
+    with torch.no_grad():
+        changed = fused(ids).logits
+        torch.testing.assert_close(changed, stock(ids).logits, rtol=1e-5, atol=1e-5)
+        for _, original, layer in pairs:
+            original.variance_epsilon = layer.variance_epsilon = 1e-6
+        torch.testing.assert_close(fused(ids).logits, stock(ids).logits, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(changed, fused(ids).logits)  # the epsilon mattered

@@ -165,10 +165,22 @@ class RMSNormFuser(Fuser):
             fused = layer("GatedRMSNorm")(
                 weight, eps, found.spec, weight_name=name, activation=found.activation, assumes=assumes,
                 gate_first=found.gate_first, group_size=group_size, optional_gate=found.optional_gate,
+                eps_name=found.eps_attr,
             )  # fmt: skip
-            return Fused(replaced=("",), into=type(fused).__name__, replacement=fused)
-        fused = layer("RMSNorm")(weight, eps, found.spec, weight_name=name, assumes=assumes)
+        else:
+            fused = layer("RMSNorm")(weight, eps, found.spec, weight_name=name, assumes=assumes, eps_name=found.eps_attr)
+        _keep_scalars(module, fused)
         return Fused(replaced=("",), into=type(fused).__name__, replacement=fused)
+
+
+def _keep_scalars(module: nn.Module, fused: nn.Module) -> None:
+    """The replaced module's public numbers, flags and names (``hidden_size``, ``norm_before_gate``)
+    on the fused layer where it has no attribute of that name: code outside the module may read them
+    (the ones its own forward read are the layer's: the epsilon, the group size, the assumptions)."""
+    for key, value in vars(module).items():
+        if key.startswith("_") or type(value) not in (int, float, bool, str) or hasattr(fused, key):
+            continue
+        setattr(fused, key, value)
 
 
 @functools.cache
