@@ -199,8 +199,7 @@ def _profile(model, ids, rows: int = 25) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
-        model(input_ids=ids, labels=ids).loss.backward()
-        model.zero_grad(set_to_none=True)
+        _train_step(model, ids)
         torch.cuda.synchronize()
     events = prof.key_averages()
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -318,6 +317,12 @@ def _host(model, ids, steps: int = 5, rows: int = 40) -> str:
     return text.getvalue()
 
 
+def _train_step(model, ids) -> None:
+    """Forward with labels, backward, gradients dropped: one step of the measurements below."""
+    model(input_ids=ids, labels=ids).loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
 def _module_host_times(model, ids, steps: int, rows: int = 25) -> str:
     """Host time inside each module class's forward (inclusive of its children; hooks time each call
     with ``perf_counter``), per step, over ``steps`` training forwards: where the forward's host time goes."""
@@ -339,9 +344,7 @@ def _module_host_times(model, ids, steps: int, rows: int = 25) -> str:
         handles.append(module.register_forward_hook(after))
     try:
         for _ in range(steps):
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            model.zero_grad(set_to_none=True)
+            _train_step(model, ids)
     finally:
         for handle in handles:
             handle.remove()
@@ -377,9 +380,7 @@ def _op_host_times(model, ids, steps: int) -> str:
     launch.Kernel.launch = timed(launch_kernel, lambda kernel: f"launch {kernel.fn.__name__}")
     try:
         for _ in range(steps):
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            model.zero_grad(set_to_none=True)
+            _train_step(model, ids)
     finally:
         dispatch.Op.__call__, launch.Kernel.launch = call, launch_kernel
     lines = ["Host time in each dispatched op and each Triton launch (ms per step, calls per step, us per call):"]
@@ -406,9 +407,7 @@ def _syncs(model, ids) -> str:
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            model.zero_grad(set_to_none=True)
+            _train_step(model, ids)
         finally:
             torch.cuda.set_sync_debug_mode(0)
     if not found:

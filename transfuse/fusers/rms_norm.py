@@ -177,10 +177,10 @@ def _keep_scalars(module: nn.Module, fused: nn.Module) -> None:
     """The replaced module's public numbers, flags and names (``hidden_size``, ``norm_before_gate``)
     on the fused layer where it has no attribute of that name: code outside the module may read them
     (the ones its own forward read are the layer's: the epsilon, the group size, the assumptions)."""
-    for key, value in vars(module).items():
-        if key.startswith("_") or type(value) not in (int, float, bool, str) or hasattr(fused, key):
+    for key, number in vars(module).items():
+        if key.startswith("_") or type(number) not in (int, float, bool, str) or hasattr(fused, key):
             continue
-        setattr(fused, key, value)
+        setattr(fused, key, number)
 
 
 @functools.cache
@@ -338,15 +338,22 @@ def _match_result(result: fx.Node, x: fx.Node, matched: set[fx.Node]) -> RMSNorm
 _GATED_SIGNATURE = ("hidden_states", "gate")
 
 
+def _activation_factor(product: fx.Node, gate: fx.Node) -> tuple[str | None, fx.Node | None, fx.Node | None]:
+    """(activation, its factor, the other factor) of a product one of whose factors is an activation
+    of the gate in float32 (the second factor tried first); (None, None, None) otherwise."""
+    a, b = operands(product)[:2] if is_op(product, "mul") else (None, None)
+    for act, other in ((b, a), (a, b)):
+        activation = _gate_activation(act, gate)
+        if activation is not None:
+            return activation, act, other
+    return None, None, None
+
+
 def _match_gated(result: fx.Node, x: fx.Node, gate: fx.Node, matched: set[fx.Node]) -> RMSNormMatch:
     """``(norm(x) * act(gate.float())).to(x.dtype)``, the norm any form ``_match_result`` knows."""
     core, outer = _peel(result, matched)
-    a, b = operands(core)[:2] if is_op(core, "mul") else (None, None)
-    for act, normed in ((b, a), (a, b)):
-        activation = _gate_activation(act, gate)
-        if activation is not None:
-            break
-    else:
+    activation, act, normed = _activation_factor(core, gate)
+    if activation is None:
         raise NoMatch(
             "rms_norm.gate-form",
             f"neither factor of the last product is an activation ({', '.join(GATE_ACTIVATIONS)}) of the gate in "
@@ -386,12 +393,8 @@ def _match_input_gated(
     if grouped:
         value_normed, group_attr = _grouped_view(value_normed, matched)
     product = value_normed
-    a, b = operands(product)[:2] if is_op(product, "mul") else (None, None)
-    for act, xc in ((b, a), (a, b)):
-        activation = _gate_activation(act, gate)
-        if activation is not None:
-            break
-    else:
+    activation, act, xc = _activation_factor(product, gate)
+    if activation is None:
         raise NoMatch(
             "rms_norm.gate-form",
             f"the value normalised is not the input times an activation ({', '.join(GATE_ACTIVATIONS)}) of the "

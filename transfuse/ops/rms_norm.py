@@ -79,6 +79,15 @@ def rms_norm_native(
     dtype = x.dtype
     h = x.to(torch.float32) if upcast else x
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return _weighted(h, dtype, weight, cast_before_weight, offset, weight_fp32, cast_output)
+
+
+def _weighted(
+    h: Tensor, dtype: torch.dtype, weight: Tensor | None, cast_before_weight: bool, offset: bool,
+    weight_fp32: bool, cast_output: bool,
+) -> Tensor:
+    """A normalised ``h`` cast back (or not), times the weight (or ``1 + weight``), cast last (or not):
+    the rounding every RMSNorm spelling shares after its sum of squares."""
     if cast_before_weight:
         h = h.to(dtype)
     if weight is not None:
@@ -239,16 +248,7 @@ def input_gated_rms_norm_native(
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     if group_size is not None:
         h = h.view(shape)
-    if cast_before_weight:
-        h = h.to(dtype)
-    if weight is not None:
-        w = weight.to(torch.float32) if weight_fp32 else weight
-        if offset:
-            w = 1.0 + w
-        h = w * h
-    if cast_output:
-        h = h.to(dtype)
-    return h
+    return _weighted(h, dtype, weight, cast_before_weight, offset, weight_fp32, cast_output)
 
 
 INPUT_GATED_RMS_NORM = Op("input_gated_rms_norm", input_gated_rms_norm_native)

@@ -154,7 +154,11 @@ def row_levels(x: Tensor) -> tuple[int, int, int] | None:
 
     A head-wise norm of a merged projection's output (Qwen3's ``q_norm`` of ``[B, S, heads, D]``
     cut from ``[B, S, (q + k + v) * D]``) is two levels: the heads of a token, then the tokens."""
-    if x.dim() == 0 or (x.stride(-1) != 1 and x.shape[-1] != 1):
+    if x.dim() == 0:
+        return None
+    if x.is_contiguous():  # the common case, on every call: no walk over the dimensions
+        return 1, x.shape[-1], x.shape[-1]
+    if x.stride(-1) != 1 and x.shape[-1] != 1:
         return None
     # Merge leading dimensions from the innermost out while each continues the one inside it.
     groups: list[list[int]] = []  # [size, stride] per group, innermost first
