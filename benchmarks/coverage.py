@@ -14,8 +14,9 @@ different). Writes ``DIR/COVERAGE.md`` (a summary line, the totals per kind, one
 
 Opportunities, counted per module instance while the stock model runs once:
 
-- ``rms_norm``: a module whose class name contains ``rmsnorm`` (any case), or one with a single
-  1-D ``weight`` whose forward source reads ``rsqrt``;
+- ``rms_norm``: a module whose class name contains ``rmsnorm`` (any case), or a leaf module with
+  a single 1-D ``weight``, or with no parameters at all (llama4's L2 norm), whose class source
+  reads ``rsqrt``;
 - ``gate_up``: two ``nn.Linear`` children of one module called on the same tensor whose outputs
   feed another child of that module as ``act(one) * other`` (checked on the values, for silu,
   gelu, gelu-tanh, relu, squared relu and sigmoid; the child is the down projection, or a norm before it as in
@@ -66,10 +67,11 @@ def _rms_norm_like(module) -> bool:
     if "rmsnorm" in name:
         return True
     params = dict(module.named_parameters(recurse=False))
-    if set(params) != {"weight"} or params["weight"].dim() != 1 or list(module.children()):
+    weighted = set(params) == {"weight"} and params["weight"].dim() == 1
+    if not (weighted or not params) or list(module.children()):
         return False
     try:
-        return "rsqrt" in inspect.getsource(type(module).forward)
+        return "rsqrt" in inspect.getsource(type(module))
     except (OSError, TypeError):
         return False
 

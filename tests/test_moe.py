@@ -13,7 +13,7 @@ from transfuse.tiny import tiny_model
 
 FAMILIES = [
     "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3",
-    "gpt_oss", "granitemoe", "phimoe", "ernie4_5_moe", "jamba",
+    "gpt_oss", "granitemoe", "phimoe", "ernie4_5_moe", "jamba", "llama4_text",
 ]  # fmt: skip
 # Flags the tiny default leaves off, so that both ways of each are fused somewhere.
 OVERRIDES = {"qwen3_moe": {"norm_topk_prob": True}, "olmoe": {"norm_topk_prob": True}}
@@ -130,9 +130,10 @@ def test_the_drop_in_loader_fuses_the_moe_blocks_of_a_stock_checkpoint(model_typ
     assert (_logits(fused, ids) - _logits(stock, ids)).abs().max().item() <= 1e-5
 
 
-def test_router_hooks_still_see_the_router_outputs():
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "llama4_text"])
+def test_router_hooks_still_see_the_router_outputs(model_type):
     """transformers records router logits with forward hooks on the router: it is then called."""
-    model = tiny_model("qwen3_moe")
+    model = tiny_model(model_type)
     ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         expected = model(input_ids=ids, output_router_logits=True).router_logits
@@ -143,11 +144,13 @@ def test_router_hooks_still_see_the_router_outputs():
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, expected))
 
 
-def test_training_gradients_match_the_original():
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "llama4_text"])
+def test_training_gradients_match_the_original(model_type):
     torch.manual_seed(0)
-    original = tiny_model("qwen3_moe").train()
-    fused = tiny_model("qwen3_moe")
+    original = tiny_model(model_type).train()
+    fused = tiny_model(model_type)
     transfuse.rewrite(fused, fusions=["moe"])
+    assert transfuse.report(fused).counts()["moe"] == 2
     fused.train()
     ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(9))
     for model in (original, fused):
@@ -180,6 +183,27 @@ def test_toy_blocks_fuse_and_match(cls):
     assert type(fused_out) is type(block_out)
     if isinstance(block_out, tuple):
         assert len(fused_out) == len(block_out) and torch.equal(fused_out[1], block_out[1])
+
+
+@pytest.mark.parametrize("softmax", [False, True], ids=["sigmoid", "softmax"])
+def test_experts_run_on_every_token_fuse_with_the_weights_on_their_input(softmax):
+    """llama4's form: every expert computes every token's row scaled by its masked top-k score. The
+    fused layer runs the chosen experts only, with the same outputs and gradients (router included)."""
+    torch.manual_seed(0)
+    original = toys.TinyMoEModel(toys.MaskedScoresMoE(softmax=softmax))
+    model, x, (before, _) = _rewrite_toy(toys.MaskedScoresMoE(softmax=softmax))
+    assert isinstance(model.block, MoE), transfuse.report(model)
+    assert model.block.plan.experts.weights_on_input and "weights on the input" in model.block.plan.describe()
+    assert model.block.plan.router.spec.scoring == ("topk_softmax" if softmax else "topk_sigmoid")
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), before, rtol=0, atol=1e-6)
+    original.load_state_dict(model.state_dict())
+    x = x.clone().requires_grad_()
+    for m in (original, model):
+        (m(x) * torch.linspace(-1, 1, x.shape[-1])).sum().backward()
+    for (name, a), (_, b) in zip(original.named_parameters(), model.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert original.block.router.weight.grad.abs().sum() > 0
 
 
 def test_module_list_experts_are_stacked_and_keep_their_state_dict_keys():
@@ -223,6 +247,8 @@ REFUSED = [
     (toys.SkipsFirstExpertMoE, "moe.loop-form"),
     (toys.RangeLoopMoE, "moe.combine"),
     (toys.EveryTokenMoE, "moe.dense-experts"),
+    (toys.BiasedMaskedScoresMoE, "moe.dense-experts"),
+    (toys.ReadBeforeAddMoE, "moe.output"),
 ]
 
 

@@ -148,6 +148,9 @@ def _reference_route(logits, bias, k, spec, n_group=1, topk_group=1, eps=None, m
         if spec.scoring == "topk_softmax":
             top, idx = row.topk(k)
             w = top.softmax(-1)
+        elif spec.scoring == "topk_sigmoid":
+            top, idx = row.topk(k)
+            w = top.sigmoid()
         else:
             scores = row.softmax(-1) if spec.scoring == "softmax" else row.sigmoid()
             choice = scores + (bias.double() if bias is not None else 0)
@@ -175,6 +178,8 @@ ROUTINGS = [
     RoutingSpec("softmax"),
     RoutingSpec("softmax", renormalize=True),
     RoutingSpec("topk_softmax"),
+    RoutingSpec("topk_sigmoid"),
+    RoutingSpec("topk_sigmoid", float32=False, renormalize=True),
     RoutingSpec("sigmoid", correction_bias=True, renormalize=True, scaled=True),
     RoutingSpec("sigmoid", correction_bias=True, grouped=True, renormalize=True, scaled=True),
     RoutingSpec("softmax", correction_bias=True, renormalize=True),
@@ -185,7 +190,7 @@ def _route_args(spec: RoutingSpec, tokens=7, experts=16, seed=1):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(tokens, experts, generator=g)
     bias = torch.randn(experts, generator=g) * 0.1 if spec.correction_bias else None
-    numbers = dict(n_group=4, topk_group=2, renorm_eps=1e-20 if spec.scoring == "sigmoid" else None,
+    numbers = dict(n_group=4, topk_group=2, renorm_eps=1e-20 if spec.scoring.endswith("sigmoid") else None,
                    renorm_min=1e-3 if spec.correction_bias and spec.scoring == "softmax" else None, scale=2.5)  # fmt: skip
     return logits, bias, numbers
 

@@ -799,6 +799,66 @@ class EveryTokenMoE(nn.Module):
         return routed.view(self.router.out_features, *tokens.shape).sum(0).view_as(hidden_states)
 
 
+class BiasedEveryTokenExperts(EveryTokenExperts):
+    """As EveryTokenExperts, with a bias on the down projection: a zero row no longer gives zero."""
+
+    def __init__(self, hidden=32, inter=16, experts=8):
+        super().__init__(hidden, inter, experts)
+        self.bias = nn.Parameter(torch.randn(experts, 1, hidden))
+
+    def forward(self, x):
+        x = x.view(self.gate_up.shape[0], -1, x.shape[-1])
+        gate, up = torch.bmm(x, self.gate_up).chunk(2, dim=-1)
+        return (torch.bmm(F.silu(gate) * up, self.down) + self.bias).view(-1, x.shape[-1])
+
+
+class MaskedScoresMoE(nn.Module):
+    """Every expert computes every token, its row scaled by the token's score for the expert: a sigmoid
+    (or softmax) of the top-k logits scattered into -inf, so zero at the experts not chosen; a shared
+    expert added in place (llama4's form) → fused, the routing weights on the input."""
+
+    def __init__(self, hidden=32, experts=8, top_k=2, softmax=False, experts_cls=EveryTokenExperts):
+        super().__init__()
+        self.top_k, self.softmax = top_k, softmax
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.experts = experts_cls(hidden, 16, experts)
+        self.shared = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, hidden_states):
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+        logits = self.router(tokens)
+        top, ids = torch.topk(logits, self.top_k, dim=1)
+        masked = torch.full_like(logits, float("-inf")).scatter_(1, ids, top)
+        scores = (masked.float().softmax(dim=-1) if self.softmax else torch.sigmoid(masked.float())).to(masked.dtype)
+        rows = tokens.repeat(self.router.out_features, 1) * scores.transpose(0, 1).reshape(-1, 1)
+        out = self.shared(tokens)
+        out.add_(self.experts(rows).reshape(self.router.out_features, -1, tokens.shape[-1]).sum(dim=0))
+        return out.view_as(hidden_states)
+
+
+class BiasedMaskedScoresMoE(MaskedScoresMoE):
+    """Experts with a bias (a zero row gives the bias, not zero) → refused (moe.dense-experts)."""
+
+    def __init__(self):
+        super().__init__(experts_cls=BiasedEveryTokenExperts)
+
+
+class ReadBeforeAddMoE(MaskedScoresMoE):
+    """The shared output is read before the routed sum is added into it in place → refused: the
+    value read there is not the sum."""
+
+    def forward(self, hidden_states):
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+        logits = self.router(tokens)
+        top, ids = torch.topk(logits, self.top_k, dim=1)
+        scores = torch.sigmoid(torch.full_like(logits, float("-inf")).scatter_(1, ids, top))
+        rows = tokens.repeat(self.router.out_features, 1) * scores.transpose(0, 1).reshape(-1, 1)
+        out = self.shared(tokens)
+        before = out * 2
+        out.add_(self.experts(rows).reshape(self.router.out_features, -1, tokens.shape[-1]).sum(dim=0))
+        return (out + before).view_as(hidden_states)
+
+
 class SkippingExperts(PackedExperts):
     skip = 0
 

@@ -55,8 +55,9 @@ from ..rewriter.inline import call_inputs, inline_calls
 from ..rewriter.source import BoundRewrite, EditContext, method_source
 from ..rewriter.syntax import comment_line, dataclass_literal
 from ..rewriter.tracer import Trace, unwrapped_forward
+from .moe_dense import match_dense_experts, match_expert_sum, match_scaled_rows
 from .moe_experts import GLUMember, LoopMatch, match_glu_member, match_loop
-from .moe_routing import RoutingMatch, Source, match_routing, peel_reshapes, source_of
+from .moe_routing import RoutingMatch, Source, match_masked_scores, match_routing, peel_reshapes, source_of
 
 __all__ = ["MoEEmission", "MoEFuser", "MoEMatch"]
 
@@ -197,17 +198,35 @@ class MoEFuser(Fuser):
 
 
 class _NotMoE(Exception):
-    """The module has no experts loop: not a mixture of experts (a refusal only where a child holds
-    packed per-expert tensors, ``_dense_experts``)."""
+    """The module has no experts loop: not a mixture of experts, unless a child holding packed
+    per-expert tensors computes them on every token (``_dense_experts``)."""
 
 
-def _dense_experts(analysis: ClassAnalysis) -> Refusal | None:
+def _dense_experts(analysis: ClassAnalysis) -> MoEMatch | Refusal | None:
     """A block with a router (a linear child with one output per expert) and a child holding two or
-    more 3-D tensors with that leading size (packed experts), but no experts loop: experts run on
-    every token (llama4's batched matmul over all of them), a form this fusion does not know.
-    Reported, so that it is not passed over in silence."""
+    more 3-D tensors with that leading size (packed experts), but no experts loop: the experts run
+    on every token (llama4's batched matmuls over all of them). Fused when the scores that scale
+    their rows are zero at every expert not chosen (``moe_dense``); else refused with the reason."""
     if calls_fused_op(analysis.trace.graph):
         return None  # an emitted block, which calls the fused op itself
+    holder = _packed_holder(analysis)
+    if holder is None:
+        return None
+    name, shapes = holder
+    calls = [n for n in analysis.trace.graph.nodes if n.op == "call_module" and n.target == name]
+    try:
+        if len(calls) != 1:
+            raise NoMatch(
+                "moe.dense-experts", f"{name} holds per-expert tensors ({shapes}) and is called {len(calls)} times, "
+                "not once on the routed rows.",
+            )  # fmt: skip
+        return _match_dense_block(analysis, calls[0])
+    except NoMatch as refusal:
+        return Refusal(refusal.tag, refusal.reason, analysis.where(refusal.node))
+
+
+def _packed_holder(analysis: ClassAnalysis) -> tuple[str, str] | None:
+    """(name, shapes) of the child holding packed per-expert tensors that a router's width counts."""
     routers = set()  # the output widths of linear children (a router may return a tuple: llama4's)
     for n in analysis.trace.graph.nodes:
         if n.op == "call_module" and issubclass(analysis.children.get(n.target, object), nn.Linear):
@@ -221,15 +240,53 @@ def _dense_experts(analysis: ClassAnalysis) -> Refusal | None:
         tensors = [t for t in read if isinstance(t, torch.Tensor) and t.dim() == 3]
         experts = {t.shape[0] for t in tensors}
         if len(tensors) >= 2 and len(experts) == 1 and experts <= routers and min(experts) >= 2:
-            shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
-            return Refusal(
-                "moe.dense-experts",
-                f"{name} holds per-expert tensors ({shapes}), but no expert loop adds weight · expert(rows) per "
-                "routed token: experts computed for every token (a batched matmul over all of them) are not a "
-                "form this fusion knows.",
-                analysis.where(),
-            )
+            return name, ", ".join(str(tuple(t.shape)) for t in tensors)
     return None
+
+
+def _match_dense_block(analysis: ClassAnalysis, call: fx.Node) -> MoEMatch:
+    """Experts run on every token's rows scaled by dense scores (``moe_dense``), the scores zero at the
+    experts not chosen: the routed mixture with its weights on the input."""
+    trace = analysis.trace
+    x_input = _block_input(trace)
+    child = analysis.child(call.target)
+    if child is None:
+        raise NoMatch("moe.dense-experts", f"the experts {call.target!r} were not traced.", call)
+    _complete(child.trace, "experts'", call)
+    dense = match_dense_experts(child.trace, lambda path: _trace_of(analysis.child(f"{call.target}.{path}")))
+    _check_in_place(child.trace.graph, dense.nodes, "experts")
+    tokens, scores, row_nodes = match_scaled_rows(call, dense.experts)
+    routed, sum_nodes = match_expert_sum(call, dense.experts, dense.hidden)
+    routers = _router_calls((scores,), {call})
+    router_names = {n.target for n in routers}
+    inlined = inline_calls(
+        trace, lambda path: _trace_of(analysis.child(path)) if path.split(".")[0] in router_names else None
+    )
+    x = inlined[x_input]
+    if not _is_tokens(inlined[tokens], x):
+        raise NoMatch("moe.tokens", "the experts do not read the block's input flattened to [tokens, hidden].", tokens)
+    router, routing = _match_router(analysis, inlined, routers, None, None, x, scores=scores)
+    roles = {id(inlined[routed]): HIDDEN, id(routing.logits): LOGITS}
+    items = [u for u in routers[0].users if is_op(u, "getitem") and isinstance(operand(u, 1), int)]
+    output = _match_output(inlined, x, inlined[routed], roles, {id(inlined[u]): operand(u, 1) for u in items})
+    _account(trace, {call} | set(routers), output.shared, output.post)
+    block_nodes = {inlined[n] for n in row_nodes | sum_nodes if n in inlined.env}
+    _check_in_place(inlined.graph, routing.nodes | output.nodes | block_nodes, "block")
+    prefix, p = f"{call.target}.", dense.packed
+    experts = ExpertsPlan(prefix + p.w13, prefix + p.w2, p.spec, weights_on_input=True)
+    plan = MoEPlan(
+        router, experts, output.shared, output.roles, output.returns_tuple, output.flat,
+        assumes=_assumptions(analysis, sorted(router_names) + [call.target]),
+        combine_fp32=output.combine_fp32, routed_scaled=output.routed_scale is not None,
+        post=output.post, post_flat=output.post_flat,
+    )  # fmt: skip
+    branches = (("", analysis.cls),) if "training" in trace.specialisation else ()
+    if not router.train_as_module and _reads_training(analysis, router.module):
+        branches += ((router.module, analysis.child(router.module).cls),)
+    return MoEMatch(
+        plan, call.target, None, routing, _prefixed(p.alpha, prefix), _prefixed(p.limit, prefix), None, branches,
+        input=x_input.target, routed_scale=output.routed_scale,
+    )  # fmt: skip
 
 
 def _small_members(members: nn.ModuleList) -> bool:
@@ -364,14 +421,20 @@ class _Output:
     post_flat: bool = False  # ... on it flattened to [tokens, hidden] (else shaped like the input)
 
 
-def _match_block(analysis: ClassAnalysis, loop: LoopMatch, call: fx.Node | None) -> MoEMatch:
-    trace = analysis.trace
+def _block_input(trace: Trace) -> fx.Node:
+    """The block's one tensor input (the hidden states), in a trace that reached the end."""
     _complete(trace, "block's")
     used = [p for p in trace.placeholders() if p.users]
     if len(used) != 1:
         raise NoMatch(
             "moe.inputs", f"the block reads {len(used)} tensor inputs, not only the hidden states.", trace.output
         )
+    return used[0]
+
+
+def _match_block(analysis: ClassAnalysis, loop: LoopMatch, call: fx.Node | None) -> MoEMatch:
+    trace = analysis.trace
+    used = [_block_input(trace)]
     tokens, ids, weights = _experts_inputs(analysis, loop, call)
     experts_calls = {call} if call is not None else {loop.member_call}
     routers = _router_calls((ids, weights), experts_calls)
@@ -505,8 +568,11 @@ def _is_tokens(node: Any, x: fx.Node) -> bool:
     return shape is not None and x_shape is not None and len(shape) == 2 and shape[-1] == x_shape[-1]
 
 
-def _match_router(analysis, inlined, routers: list[fx.Node], ids, weights, x) -> tuple[RouterPlan, RoutingMatch | None]:
-    """The routing, recognised (computed by the layer) or, failing that, the router child called as is."""
+def _match_router(
+    analysis, inlined, routers: list[fx.Node], ids, weights, x, scores=None
+) -> tuple[RouterPlan, RoutingMatch | None]:
+    """The routing, recognised (computed by the layer) or, failing that, the router child called as is;
+    of dense ``scores`` instead of ids and weights when given (then recognised, or refused)."""
     if len(routers) != 1:
         names = ", ".join(n.target for n in routers) or "none"
         raise NoMatch(
@@ -521,17 +587,22 @@ def _match_router(analysis, inlined, routers: list[fx.Node], ids, weights, x) ->
             call,
         )  # fmt: skip
     extra = _block_tensor_arguments(analysis, call)
-    try:
-        routing = match_routing(inlined[ids], inlined[weights])
-    except NoMatch as refusal:
-        return _opaque_router(call, ids, weights, refusal, extra), None
+    if scores is not None:
+        routing = match_masked_scores(inlined[scores])
+    else:
+        try:
+            routing = match_routing(inlined[ids], inlined[weights])
+        except NoMatch as refusal:
+            return _opaque_router(call, ids, weights, refusal, extra), None
     router_trace = _trace_of(analysis.child(call.target))
     if router_trace is not None:
         _shape_independent(router_trace, "router's", call)  # its routing is computed by the fused layer
     if not (routing.tokens is x or _is_tokens(routing.tokens, x)):
         raise NoMatch("moe.router", "the router scores something other than the block's tokens.", routing.tokens)
     returned = inlined[call]
-    meaning = {id(inlined[weights]): WEIGHTS, id(inlined[ids]): IDS, id(routing.logits): LOGITS}
+    meaning = {id(routing.logits): LOGITS}
+    if scores is None:
+        meaning |= {id(inlined[weights]): WEIGHTS, id(inlined[ids]): IDS}
     returns = tuple(meaning.get(id(r)) for r in (returned if isinstance(returned, (tuple, list)) else (returned,)))
     plan = RouterPlan(
         module=call.target,
@@ -614,6 +685,26 @@ def _match_output(inlined, x: fx.Node, routed: Any, roles: dict[int, str], route
     return found
 
 
+def _added_in_place(node: Any, covered: set) -> Any:
+    """``out.add_(t)``, then ``out`` read: what every later reader of ``out`` sees is ``out + t``, the
+    ``add_`` node, returned in its place when no reader comes before the ``add_`` and ``t`` has out's
+    dtype (``add_`` rounds to out's dtype where ``+`` would promote); else ``node`` itself."""
+    if not isinstance(node, fx.Node):
+        return node
+    adds = [u for u in node.users if is_op(u, "add_") and operand(u, 0) is node]
+    if len(adds) != 1 or adds[0] in covered or len(operands(adds[0])) != 2 or adds[0].kwargs:
+        return node
+    add = adds[0]
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    if any(order[u] < order[add] for u in node.users if u is not add):
+        return node
+    dtype = getattr(value(operand(add, 1)), "dtype", None)
+    if dtype is None or dtype != getattr(value(node), "dtype", None):
+        return node
+    covered.add(add)
+    return add
+
+
 def _output_shape(item: Any, x: fx.Node) -> tuple[int, ...]:
     """The shape the block returns its output in, to tell a ``[tokens, hidden]`` output from one
     shaped like the input. Traced when the probe reached the experts; otherwise (a probe that
@@ -656,6 +747,7 @@ def _peel_shape_and_dtype(node: Any, x: fx.Node, covered: set) -> tuple[Any, boo
     while True:
         reshaped = peel_reshapes(node)
         _cover(covered, node, reshaped)
+        reshaped = _added_in_place(reshaped, covered)
         inner, casts = peel_casts(reshaped)
         if not casts:
             return reshaped, cast_back
@@ -699,8 +791,9 @@ def _split_terms(node: Any, routed: Any, x: fx.Node, found: _Output, cast_back: 
     every term cast to float32, or none (then the sum is cast back to the input's dtype)."""
     terms, pending, covered = [], [node], found.nodes
     while pending:
-        term = peel_reshapes(pending.pop(0))
-        if is_op(term, "add") and len(operands(term)) == 2 and not term.kwargs:
+        term = _added_in_place(peel_reshapes(pending.pop(0)), covered)
+        in_place = is_op(term, "add_") and term in covered  # one ``_added_in_place`` vouched for
+        if (is_op(term, "add") or in_place) and len(operands(term)) == 2 and not term.kwargs:
             covered.add(term)
             pending[:0] = list(operands(term))
             continue

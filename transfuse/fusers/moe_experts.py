@@ -30,7 +30,10 @@ from ..rewriter.source import method_source
 from ..rewriter.tracer import Trace, unwrapped_forward
 from .moe_routing import Source, source_of
 
-__all__ = ["GLUMember", "LoopMatch", "PackedExpert", "activation_of", "match_glu_member", "match_loop"]
+__all__ = [
+    "GLUMember", "Lookup", "LoopMatch", "PackedExpert", "activation_of", "gated", "match_glu_member", "match_loop",
+    "split_halves",
+]
 
 Lookup = Callable[[str], "Trace | None"]
 
@@ -306,14 +309,14 @@ def _projection(node: fx.Node, expert: fx.Node, nodes: set[fx.Node]) -> tuple[fx
 def _packed(expert_out: fx.Node, expert: fx.Node, children: Lookup, found: LoopMatch) -> tuple[PackedExpert, fx.Node]:
     """The packed expert computing ``expert_out``, and the rows it reads."""
     h, w2, b2, w2_t = _projection(expert_out, expert, found.nodes)
-    gate, up, activation, alpha, limit = _gated(h, children, found.nodes)
-    projection, (interleaved, gate_first) = _split_halves(gate, up, found.nodes)
+    gate, up, activation, alpha, limit = gated(h, children, found.nodes)
+    projection, (interleaved, gate_first) = split_halves(gate, up, found.nodes)
     rows, w13, b13, w13_t = _projection(projection, expert, found.nodes)
     spec = ExpertsSpec(activation, interleaved, gate_first, w13_t, w2_t)
     return PackedExpert(w13, w2, spec, b13, b2, alpha, limit), rows
 
 
-def _split_halves(gate: fx.Node, up: fx.Node, nodes: set[fx.Node]) -> tuple[fx.Node, tuple[bool, bool]]:
+def split_halves(gate: fx.Node, up: fx.Node, nodes: set[fx.Node]) -> tuple[fx.Node, tuple[bool, bool]]:
     """Gate and up as ``chunk(2, -1)`` halves or ``[..., ::2]``/``[..., 1::2]`` → (projection, (interleaved, gate first))."""
     parts = {}
     for role, node in (("gate", gate), ("up", up)):
@@ -338,7 +341,7 @@ def _split_halves(gate: fx.Node, up: fx.Node, nodes: set[fx.Node]) -> tuple[fx.N
     return g_src, (g_kind == "interleaved", g_at == 0)
 
 
-def _gated(h: fx.Node, children: Lookup, nodes: set[fx.Node]):
+def gated(h: fx.Node, children: Lookup, nodes: set[fx.Node]):
     """``act(gate) * up``, the clamped SwiGLU, or a child computing the softcapped SwiGLU of (gate, up)
     → (gate, up, activation, alpha, limit)."""
     softcapped = _softcapped_swiglu(h, children, nodes)

@@ -11,6 +11,10 @@ from one model to the next). Every spelling of each step is one node kind here:
 * weights: the top-k values, or the scores gathered at the chosen ids;
 * then optionally ``/ (sum [+ eps])`` or ``/ clamp(sum, min=m)``, ``* scale``, one cast.
 
+Experts run on every token (llama4's) read dense scores ``[T, E]`` instead: the sigmoid (or a
+softmax) of the logits' top-k scattered into ``-inf``, zero at every expert not chosen
+(``match_masked_scores``).
+
 Numbers (k, groups, eps, scale) are kept as ``Source``s: the attribute that supplied
 each, read per instance, or the literal. The casts decide the rounding and are kept in
 the spec and the ``LogitsPlan``.
@@ -29,7 +33,7 @@ from ..ops.moe import RoutingSpec
 from ..ops.moe_layer import INPUT, LOGITS, LogitsPlan
 from ..rewriter.graph import NoMatch, is_op, op_name, operand, operands, peel_casts, value
 
-__all__ = ["RoutingMatch", "Source", "match_routing", "peel_reshapes", "source_of"]
+__all__ = ["RoutingMatch", "Source", "match_masked_scores", "match_routing", "peel_reshapes", "source_of"]
 
 
 @dataclass(frozen=True)
@@ -170,6 +174,60 @@ def match_routing(ids: fx.Node, weights: fx.Node) -> RoutingMatch:
         scaled=scale is not None,
     )
     found.weights_dtype = _weights_dtype(casts, found)
+    found.nodes |= walk.nodes
+    return found
+
+
+def match_masked_scores(scores: fx.Node) -> RoutingMatch:
+    """Dense scores ``[T, E]``: ``f(full_like(logits, -inf).scatter(1, ids, top))`` with ``top, ids`` the
+    top-k of the logits and ``f`` a sigmoid or a softmax over the experts, [in float32,] cast once: the
+    chosen experts' weights where they were chosen, exactly 0 elsewhere (``f(-inf)``). The same
+    weights and ids as ``topk_sigmoid`` (``topk_softmax``) routing gives, token by token."""
+    walk = _Walk()
+    core, casts = walk.peel(scores)
+    if len(casts) > 1:
+        raise NoMatch("moe.routing-cast", "the dense routing scores are cast more than once.", scores)
+    if is_op(core, "sigmoid"):
+        scoring = "topk_sigmoid"
+    elif is_op(core, "softmax") and _is_last_dim(core, 1, "dim"):
+        scoring = "topk_softmax"
+    else:
+        raise NoMatch(
+            "moe.dense-experts",
+            f"the experts' rows are scaled by {op_name(core) or core.op} ({core.name}), not by a sigmoid or softmax of "
+            "the router's top-k logits, zero at the experts not chosen: every expert contributes to every token.",
+            core,
+        )
+    walk.nodes.add(core)
+    masked, inner = walk.peel(operand(core, 0))
+    if any(c.dtype != torch.float32 for c in inner):
+        raise NoMatch("moe.routing-cast", f"the masked logits are cast to {inner[0].describe()}, not float32.", core)
+    float32 = bool(inner) or (scoring == "topk_softmax" and _softmax_dtype(core) == torch.float32)
+    base = operand(masked, 0) if is_op(masked, "scatter", "scatter_") else None
+    fill = operand(base, 1, "fill_value") if is_op(base, "full_like") else None
+    if not (isinstance(fill, float) and fill == -math.inf) or set(base.kwargs) - {"fill_value"} or len(base.users) != 1:
+        raise NoMatch(
+            "moe.dense-experts",
+            "the dense routing scores are not the chosen logits scattered into -inf (so that every expert not "
+            "chosen scores exactly 0).",
+            masked,
+        )
+    if not _is_last_dim(masked, 1, "dim") or masked.kwargs.get("reduce") is not None:
+        raise NoMatch("moe.dense-experts", "the chosen logits are not scattered over the experts.", masked)
+    top = walk.topk(operand(masked, 2, "index"), 1)
+    if walk.topk(operand(masked, 3, "src"), 0) is not top or operand(base, 0) is not operand(top, 0):
+        raise NoMatch(
+            "moe.dense-experts", "the scattered values are not the top-k of the logits at their own experts.", masked
+        )
+    walk.nodes.update({masked, base})
+    logits, plan, tokens = _match_logits(operand(top, 0), walk)
+    found = RoutingMatch(
+        RoutingSpec(scoring=scoring, float32=float32), logits, plan, tokens, source_of(operand(top, 1, "k"), "k", (int,))
+    )
+    if casts and casts[0].like is not None and peel_reshapes(casts[0].like) in (masked, base):
+        found.weights_dtype = LOGITS  # cast back to the dtype of the masked logits: the logits' own
+    else:
+        found.weights_dtype = _weights_dtype(casts, found)
     found.nodes |= walk.nodes
     return found
 

@@ -4,7 +4,7 @@ Two ops, each a native definition plus providers:
 
 * ``moe_route``: router logits ``[T, E]`` → top-k weights and expert ids ``[T, k]``, in
   one of the ways models route (``RoutingSpec``): softmax over all experts then top-k,
-  sigmoid scores, top-k of the logits then softmax over the k; optionally a correction
+  sigmoid scores, top-k of the logits then a softmax or a sigmoid of the k; optionally a correction
   bias that only steers the choice, group-limited choice, renormalisation of the k weights
   (plus an epsilon, or clamped below), a scaling factor, and a final cast. The native
   definition performs the same torch ops in the same order as the models it stands for,
@@ -50,7 +50,7 @@ __all__ = [
     "moe_route_native",
 ]
 
-ROUTING_SCORINGS = ("softmax", "sigmoid", "topk_softmax")
+ROUTING_SCORINGS = ("softmax", "sigmoid", "topk_softmax", "topk_sigmoid")
 # Activations of the gate half; "clamped_swiglu" is ``(clamp(up, ±limit) + 1) · g·σ(α·g)`` with
 # ``g = clamp(gate, max=limit)`` (gpt-oss); "clamped_<act>" is ``act(clamp(gate, max=limit)) · clamp(up, ±limit)``;
 # "softcapped_swiglu" is ``(cap_α(g) · σ(g) · cap_limit(u)).to(dtype)`` with ``g, u`` the gate and up in float32
@@ -67,9 +67,10 @@ _TRITON_ACTIVATIONS = (*_PLAIN_ACTIVATIONS, "clamped_swiglu")
 class RoutingSpec:
     """How router logits become top-k weights and ids; the numbers come with each call.
 
-    scoring: "softmax" (over all experts, then top-k), "sigmoid" (then top-k), or
-        "topk_softmax" (top-k of the logits, then softmax over the k chosen).
-    float32: the softmax is computed in float32 (``softmax(x, dtype=float32)``).
+    scoring: "softmax" (over all experts, then top-k), "sigmoid" (then top-k),
+        "topk_softmax" (top-k of the logits, then softmax over the k chosen), or
+        "topk_sigmoid" (top-k of the logits, then the sigmoid of each of the k).
+    float32: the softmax (or the top-k's sigmoid) is computed in float32.
     correction_bias: experts are chosen by ``score + bias``; the weights stay the scores.
     grouped: group-limited choice: experts form ``n_group`` groups, ranked by the sum of
         their two best choice scores, and only the best ``topk_group`` groups compete.
@@ -88,7 +89,7 @@ class RoutingSpec:
     def __post_init__(self):
         if self.scoring not in ROUTING_SCORINGS:
             raise ValueError(f"RoutingSpec.scoring must be one of {ROUTING_SCORINGS}, not {self.scoring!r}.")
-        if self.scoring == "topk_softmax" and (self.correction_bias or self.grouped):
+        if self.scoring.startswith("topk_") and (self.correction_bias or self.grouped):
             raise ValueError("RoutingSpec: top-k of the logits takes no correction bias and no group limit.")
 
     def describe(self) -> str:
@@ -171,6 +172,9 @@ def moe_route_native(
     if scoring == "topk_softmax":
         top, ids = torch.topk(logits, top_k, dim=-1)
         weights = F.softmax(top, dim=-1, dtype=softmax_dtype)
+    elif scoring == "topk_sigmoid":
+        top, ids = torch.topk(logits, top_k, dim=-1)
+        weights = (top.float() if float32 else top).sigmoid()
     else:
         scores = F.softmax(logits, dim=-1, dtype=softmax_dtype) if scoring == "softmax" else logits.sigmoid()
         choice = scores + correction_bias if correction_bias is not None else scores

@@ -96,13 +96,18 @@ class RouterPlan:
 
 @dataclass(frozen=True)
 class ExpertsPlan:
-    """The packed expert tensors (paths below the layer) and their layout."""
+    """The packed expert tensors (paths below the layer) and their layout.
+
+    weights_on_input: each routing weight scales its token's row before the expert, whose output
+        is then added unweighted (llama4's experts run on rows scaled by their scores).
+    """
 
     w13: str
     w2: str
     spec: ExpertsSpec
     b13: str | None = None
     b2: str | None = None
+    weights_on_input: bool = False
 
 
 @dataclass(frozen=True)
@@ -153,6 +158,8 @@ class MoEPlan:
             self.router.spec.describe() if self.router.spec is not None else f"router {self.router.module!r} as is"
         )
         parts = [routing, self.experts.spec.describe()]
+        if self.experts.weights_on_input:
+            parts.append("weights on the input")
         if self.routed_scaled:
             parts.append("routed output scaled")
         if self.shared:
@@ -375,12 +382,20 @@ def _block_compute(layer: nn.Module, hidden_states: Tensor, *, plan: MoEPlan, ro
     tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
     logits, weights, ids, router_out = _block_route(layer, plan.router, routing, hidden_states, tokens)
     e = plan.experts
+    rows, row_weights, row_ids = tokens, weights, ids
+    if e.weights_on_input:
+        # Each (token, slot) pair is a row of its own, the token scaled by its weight, and its expert's
+        # output counts once: the pairs' outputs of a token are then summed in the token dtype.
+        rows = (tokens.unsqueeze(1) * weights.unsqueeze(-1)).reshape(-1, tokens.shape[-1])
+        row_weights, row_ids = rows.new_ones((rows.shape[0], 1)), ids.reshape(-1, 1)
     out = moe_experts(
-        tokens, weights, ids, _tensor(layer, e.w13), _tensor(layer, e.w2), e.spec,
+        rows, row_weights, row_ids, _tensor(layer, e.w13), _tensor(layer, e.w2), e.spec,
         b13=_tensor(layer, e.b13) if e.b13 is not None else None,
         b2=_tensor(layer, e.b2) if e.b2 is not None else None,
         alpha=numbers.alpha, limit=numbers.limit,
     )  # fmt: skip
+    if e.weights_on_input:
+        out = out.view(ids.shape[0], ids.shape[1], -1).sum(dim=1)
     if plan.routed_scaled:
         out = out * numbers.routed_scale
     if plan.combine_fp32:
@@ -400,10 +415,10 @@ def _block_compute(layer: nn.Module, hidden_states: Tensor, *, plan: MoEPlan, ro
 
 def _block_route(layer: nn.Module, r: RouterPlan, n, hidden_states: Tensor, tokens: Tensor):
     module = getattr(layer, r.module)
-    call_module = r.spec is None or (
-        WEIGHTS in r.returns and (_observed(module) or (layer.training and r.train_as_module))
-    )
-    if call_module or r.logits is None:
+    observed = _observed(module)
+    call_module = r.spec is None or (WEIGHTS in r.returns and (observed or (layer.training and r.train_as_module)))
+    # A router observed by hooks (transformers records router logits with them) is called for its logits.
+    if call_module or r.logits is None or (observed and LOGITS in r.returns):
         out = module(hidden_states if r.input else tokens, *(_tensor(layer, p) for p in r.extra))
         found = dict(zip(r.returns, out if len(r.returns) > 1 else (out,)))
         if call_module:

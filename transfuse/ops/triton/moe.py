@@ -55,7 +55,7 @@ from .moe_configs import (
 __all__ = ["moe_experts", "moe_route"]
 
 _ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "clamped_swiglu": 4}
-_SCORING_CODES = {"softmax": 0, "sigmoid": 1, "topk_softmax": 2}
+_SCORING_CODES = {"softmax": 0, "sigmoid": 1, "topk_softmax": 2, "topk_sigmoid": 3}
 
 
 def _next_pow2(n: int) -> int:
@@ -140,6 +140,8 @@ def _route_kernel(
     if SCORING == 2:
         shifted = tl.where(in_k, tl.exp(top_w - tl.max(tl.where(in_k, top_w, float("-inf")), axis=1)[:, None]), 0.0)
         top_w = shifted / tl.sum(shifted, axis=1)[:, None]
+    elif SCORING == 3:
+        top_w = tl.sigmoid(top_w)
     if RENORM:
         total = tl.sum(tl.where(in_k, top_w, 0.0), axis=1)
         if HAS_EPS:
