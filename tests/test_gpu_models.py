@@ -15,7 +15,7 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "qwen3", "olmo2"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "qwen3", "olmo2", "llama4_text"])
 def test_rewritten_model_on_gpu_matches_in_bf16(model_type):
     model = tiny_model(model_type, dtype=torch.bfloat16).cuda()
     ids = torch.randint(0, model.config.vocab_size, (2, 33), device="cuda")

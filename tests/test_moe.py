@@ -270,7 +270,7 @@ def test_non_moe_models_are_left_alone():
     assert not report.fusions and not report.skipped
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_moe", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "gpt_oss", "deepseek_v3", "llama4_text"])
 def test_fused_blocks_run_the_triton_kernels_with_the_same_numbers(model_type):
     """The layer's calls into the Triton kernels (interpreted on CPU) give what the native ops give."""
     device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled kernels on a GPU, else interpreted

@@ -129,6 +129,7 @@ def test_every_kernel_configuration_compiles_and_agrees(tokens, kind):
 ROUTINGS = [
     (RoutingSpec("softmax", renormalize=True), {}),
     (RoutingSpec("topk_softmax", float32=False), {}),
+    (RoutingSpec("topk_sigmoid"), {}),
     (RoutingSpec("sigmoid", correction_bias=True, grouped=True, renormalize=True, scaled=True),
      dict(n_group=8, topk_group=4, renorm_eps=1e-20, scale=2.5)),
 ]  # fmt: skip

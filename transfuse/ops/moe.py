@@ -266,7 +266,7 @@ def moe_experts_native(
     experts = w13.shape[0]
     flat_ids = ids.reshape(-1)
     sorted_ids, order = torch.sort(flat_ids, stable=True)
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    inverse = torch.argsort(order)  # a permutation's inverse: one op where a scatter of positions takes three
     offsets = _group_ends(sorted_ids, experts)
     rows = _GatherSorted.apply(x, order, inverse, top_k)
     h = _grouped_linear(rows, w13, offsets, sorted_ids, b13, w13_transposed)
@@ -280,18 +280,32 @@ def moe_experts_native(
     # As transformers' grouped and batched experts do: each output times its weight (in the
     # weights' dtype if wider), the k of a token summed, then rounded to the token dtype.
     contributions = _Permute.apply(out, inverse, order) * weights.reshape(-1, 1)
-    return contributions.view(tokens, top_k, -1).sum(dim=1).to(x.dtype)
+    total = contributions.view(tokens, top_k, -1).sum(dim=1)
+    return total if total.dtype == x.dtype else total.to(x.dtype)
 
 
 _FUSED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
 
 def _group_ends(sorted_ids: Tensor, experts: int) -> Tensor:
-    """The end of each expert's rows in expert order, as ``torch._grouped_mm`` takes them (int32);
-    a fixed number of bins, so the shape never depends on the data."""
-    source = sorted_ids.float() if sorted_ids.device.type in ("cpu", "mps") else sorted_ids.int()
-    counts = torch.histc(source, bins=experts, min=0, max=experts - 1)
-    return torch.cumsum(counts, dim=0, dtype=torch.int32)
+    """The end of each expert's rows in expert order, as ``torch._grouped_mm`` takes them (int32): for
+    each expert e, how many sorted ids are at most e. One fixed size, so the shape never depends on
+    the data."""
+    return torch.searchsorted(sorted_ids, _expert_ids(experts, sorted_ids), right=True, out_int32=True)
+
+
+# (experts, device) -> arange(experts): the ids ``_group_ends`` looks up, made once per layer shape.
+_EXPERT_IDS: dict = {}
+
+
+def _expert_ids(experts: int, like: Tensor) -> Tensor:
+    if torch.compiler.is_compiling() or (like.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return torch.arange(experts, device=like.device, dtype=like.dtype)  # no tensor made outside the graph
+    key = (experts, like.device, like.dtype)
+    ids = _EXPERT_IDS.get(key)
+    if ids is None:
+        ids = _EXPERT_IDS[key] = torch.arange(experts, device=like.device, dtype=like.dtype)
+    return ids
 
 
 class _GatherSorted(torch.autograd.Function):
