@@ -14,9 +14,10 @@ different). Writes ``DIR/COVERAGE.md`` (a summary line, the totals per kind, one
 
 Opportunities, counted per module instance while the stock model runs once:
 
-- ``rms_norm``: a module whose class name contains ``rmsnorm`` (any case), or a leaf module with
-  a single 1-D ``weight``, or with no parameters at all (llama4's L2 norm), whose class source
-  reads ``rsqrt``;
+- ``rms_norm``: a module whose class name contains ``rmsnorm`` (any case), a leaf module with a
+  single 1-D ``weight`` whose forward source reads ``rsqrt``, or a leaf module with no parameters
+  whose class source reads ``rsqrt`` and a ``mean`` (llama4's "L2" norm is a root mean square;
+  dory's, a plain sum of squares, is not counted);
 - ``gate_up``: two ``nn.Linear`` children of one module called on the same tensor whose outputs
   feed another child of that module as ``act(one) * other`` (checked on the values, for silu,
   gelu, gelu-tanh, relu, squared relu and sigmoid; the child is the down projection, or a norm before it as in
@@ -71,9 +72,12 @@ def _rms_norm_like(module) -> bool:
     if not (weighted or not params) or list(module.children()):
         return False
     try:
-        return "rsqrt" in inspect.getsource(type(module))
+        if weighted:
+            return "rsqrt" in inspect.getsource(type(module).forward)
+        source = inspect.getsource(type(module))
     except (OSError, TypeError):
         return False
+    return "rsqrt" in source and ".mean(" in source
 
 
 def _feeds_a_glu(path: str, pair: list[str], seen: dict, read: dict) -> bool:
