@@ -7,8 +7,9 @@ For each type (default: every type the committed coverage table ran), in a subpr
 the stock model from its tiny config (``transfuse.tiny``) in float32 on the GPU gives the reference
 logits; the same weights in bf16 give the stock model's own error against it; the bf16 copy,
 rewritten, gives transfuse's. A row is ``worse`` when transfuse's error is over 1.5 times the stock
-model's and over 1e-2 of the logits' scale (bf16 noise on random weights). The providers each fused
-op ran with are listed (``transfuse.ops.trace``). Writes ``DIR/gpu_coverage.md`` and ``.json``.
+model's and over 1e-2 of the logits' scale (bf16 noise on random weights); its error is then
+measured again with each op's GPU provider in turn replaced by the native definition. The providers
+each fused op ran with are listed (``transfuse.ops.trace``). Writes ``DIR/gpu_coverage.md`` and ``.json``.
 """
 
 from __future__ import annotations
@@ -65,6 +66,16 @@ def run_type(model_type: str, device: str = "cuda") -> dict:
     row["error"] = (got - reference).abs().max().item() / scale
     worse = row["error"] > RATIO * row["stock_error"] and row["error"] > FLOOR
     row["status"] = "worse" if worse else "ok"
+    if worse:  # which op's GPU provider it is: each in turn forced to its native definition
+        row["error_with_native"] = {}
+        for op in sorted({c.op for c in calls if c.provider != "native"}):
+            ops.set_priority(["native"], op)
+            try:
+                with torch.no_grad():
+                    alone = stock(input_ids=ids, use_cache=False).logits.float()
+                row["error_with_native"][op] = (alone - reference).abs().max().item() / scale
+            finally:
+                ops.set_priority(None, op)
     return row
 
 
@@ -122,6 +133,9 @@ def main() -> int:
         stock_error = f"{r['stock_error']:.1e}" if "stock_error" in r else ""
         error = f"{r['error']:.1e}" if "error" in r else r.get("message", "")[:80]
         lines.append(f"| {r['model_type']} | {r['status']} | {stock_error} | {error} | {fused} | {providers} |")
+    for r in rows:
+        for op, error in r.get("error_with_native", {}).items():
+            lines.append(f"\n{r['model_type']}: with {op} native, transfuse's error is {error:.1e}")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
