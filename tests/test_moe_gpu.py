@@ -202,3 +202,28 @@ def test_qwen3_shaped_block_matches_transformers():
         got = holder[0](x)
     # As close to float64 as transformers' own bf16 block is, give or take rounding.
     assert _relative_error(got, reference) <= 1.5 * _relative_error(want, reference) + 1e-3
+
+@pytest.mark.parametrize("tokens", [5, 48, 300])
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
+def test_clamped_swiglu_in_halves_at_small_widths(tokens, weights_dtype):
+    """minimax_m3's experts: gate and up as halves of an [E, 2I, H] tensor, the clamped SwiGLU,
+    float32 routing weights, hidden 64 and intermediate 128 (its tiny config), every configuration."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    spec, experts, hidden, inter, top_k = ExpertsSpec("clamped_swiglu"), 8, 64, 128, 2
+    x = torch.randn(tokens, hidden, generator=g, device="cuda").bfloat16()
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g, device="cuda") * 0.2).bfloat16()
+    w2 = (torch.randn(experts, hidden, inter, generator=g, device="cuda") * 0.2).bfloat16()
+    weights, ids = torch.topk(torch.randn(tokens, experts, generator=g, device="cuda").sigmoid(), top_k, dim=-1)
+    args = (x, weights.to(weights_dtype), ids, w13, w2, None, None, *spec.flags(), 1.702, 7.0)
+    want = moe_experts_native(*args)
+    failures = {}
+    for config in [None, *_sweep_configs(moe_configs.DecodeConfig), *_sweep_configs(moe_configs.MoEConfig)]:
+        if config is None:
+            got = triton_moe.moe_experts(*args)
+        else:
+            with moe_configs.using_config(config):
+                got = triton_moe.moe_experts(*args)
+        error = _relative_error(got, want)
+        if error > 2e-2:
+            failures[config.describe() if config is not None else "default"] = round(error, 4)
+    assert not failures, failures

@@ -251,6 +251,7 @@ TRITON_CASES = [
     (ExpertsSpec("silu"), False, dict(tokens=1, top_k=2)),
     (ExpertsSpec("gelu", gate_first=False), False, dict(tokens=6, top_k=3)),
     (ExpertsSpec("clamped_swiglu", interleaved=True, w13_transposed=True, w2_transposed=True), True, dict(tokens=5)),
+    (ExpertsSpec("clamped_swiglu"), False, dict(tokens=48, top_k=2)),  # minimax_m3's layout
 ]
 
 
