@@ -28,7 +28,11 @@ Opportunities, counted per module instance while the stock model runs once:
 - ``moe``: a module with a child named ``experts`` or whose class name ends with ``Experts``.
 
 "Fused" counts the report's fusions per kind; "complete" is a type where every opportunity was
-fused. A crash is an exception from ``transfuse.rewrite`` or from the rewritten model where the
+fused. Every counted opportunity must also be accounted for by the report: a fusion at its module
+(of its kind, or of the other projection kind: a GLU pair merged as an n-way projection; for a
+mixture, at the module or its ``experts`` child), or a refusal of its kind for that module or its
+class; one neither fused nor refused is "silent" (the table lists them, and the CI subset fails on
+any). A crash is an exception from ``transfuse.rewrite`` or from the rewritten model where the
 stock one ran (a refusal is not one), or a worker that died otherwise or ran past ``--timeout``;
 a worker the kernel killed for memory is counted apart (some composite configurations keep
 full-size sub-models: the table gives their parameter count).
@@ -194,6 +198,7 @@ def run_type(model_type: str, progress=None) -> dict:
         return failed("crash", exc)
     report = transfuse.report(fused)
     row["fused"] = {kind: report.counts().get(kind, 0) for kind in KINDS}
+    row["silent"] = silent_opportunities(stock, where, report)
     row["refusals"] = sorted({s.tag for s in report.skipped})
     row["not_rewritten"] = report.not_rewritten
     try:
@@ -228,6 +233,37 @@ def run_type(model_type: str, progress=None) -> dict:
     return row
 
 
+_PROJECTIONS = ("qkv", "gate_up")
+
+
+def silent_opportunities(stock, where: dict[str, list[str]], report) -> list[str]:
+    """The counted opportunities (``kind:module``) that the report neither fused nor refused."""
+    fused = {(f.kind, f.path) for f in report.fusions}
+    refused = {(s.kind, s.path) for s in report.skipped if s.path is not None}
+    refused_classes = {(s.kind, s.cls) for s in report.skipped if s.path is None}
+    silent = []
+    for kind, entries in where.items():
+        kinds = _PROJECTIONS if kind in _PROJECTIONS else (kind,)
+        for entry in entries:
+            path = entry.split(":")[0]
+            # A mixture is counted at the module holding ``experts``; a fuser may take that child for the block.
+            paths = [path, f"{path}.experts"] if kind == "moe" and _has(stock, f"{path}.experts") else [path]
+            seen = [(p, type(stock.get_submodule(p)).__name__) for p in paths]
+            if not any(
+                (k, p) in fused or (k, p) in refused or (k, cls) in refused_classes for k in kinds for p, cls in seen
+            ):
+                silent.append(f"{kind}:{entry}")
+    return silent
+
+
+def _has(model, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
 def _run_in_subprocess(model_type: str, timeout: float) -> dict:
     command = [sys.executable, __file__, "--one", model_type]
     env = {**os.environ, "TRANSFUSE_PROGRESS": "0"}
@@ -253,6 +289,7 @@ def summarise(rows: list[dict]) -> dict:
             totals[kind][0] += min(r["fused"][kind], r["opportunities"][kind])
             totals[kind][1] += r["opportunities"][kind]
     complete = [r for r in compared if all(r["fused"][k] >= r["opportunities"][k] for k in KINDS)]
+    silent = sorted(r["model_type"] for r in compared if r.get("silent"))
     tags = Counter(tag for r in compared for tag in r["refusals"])
     return {
         "types": len(rows),
@@ -262,6 +299,7 @@ def summarise(rows: list[dict]) -> dict:
         "crashes": sorted(r["model_type"] for r in rows if r["status"] in ("crash", "timeout")),
         "killed": sorted(r["model_type"] for r in rows if r["status"] == "killed (memory)"),
         "complete": len(complete),
+        "silent": silent,
         "totals": totals,
         "refusal_tags": dict(tags.most_common()),
     }
@@ -283,7 +321,8 @@ def _markdown(rows: list[dict], summary: dict, command: str, versions: str) -> s
         "compared; "
         f"wrong answers: {len(summary['wrong'])}; crashes: {len(summary['crashes'])}; killed for memory: "
         f"{len(summary['killed'])}; every opportunity fused in "
-        f"{summary['complete']} types; {', '.join(share(k) for k in KINDS)}.**",
+        f"{summary['complete']} types; {', '.join(share(k) for k in KINDS)}; opportunities neither fused nor "
+        f"refused: {sum(len(r.get('silent', [])) for r in rows)} (in {len(summary.get('silent', []))} types).**",
         "",
         "Opportunities are counted by structure (see the heuristics in `benchmarks/coverage.py`); a row's "
         "cell is fused / opportunities. Max logit difference is relative to the logits' largest magnitude.",
@@ -300,9 +339,10 @@ def _markdown(rows: list[dict], summary: dict, command: str, versions: str) -> s
             lines.append(f"| {r['model_type']} | {r['status']}{size}: {error} |" + " |" * (len(KINDS) + 3))
             continue
         cells = " | ".join(f"{r['fused'][k]}/{r['opportunities'][k]}" for k in KINDS)
+        silent = "".join(f", silent: `{s}`" for s in r.get("silent", []))
         lines.append(
             f"| {r['model_type']} | {r['status']} | {cells} | {r['max_logit_diff']:.1e} | {r['generation_equal']} | "
-            f"{', '.join(r['refusals'])} |"
+            f"{', '.join(r['refusals'])}{silent} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -45,6 +45,14 @@ def test_opportunities_are_counted_by_structure(rows):
     assert rows["deepseek_v3"]["opportunities"]["qkv"] == 2
 
 
+def test_the_report_accounts_for_every_opportunity(rows):
+    """Every RMSNorm-like, q/k/v-like, gate/up-like and experts-like module the structure suggests is
+    fused or refused with a reason in the report: nothing is passed over in silence."""
+    silent = {t: r["silent"] for t, r in rows.items() if r.get("silent")}
+    assert not silent, silent
+    assert sum(len(v) for r in rows.values() for v in r.get("where", {}).values()) > 100  # the check saw them
+
+
 def test_every_opportunity_of_the_common_families_is_fused(rows):
     # bart: q, k, v on the self-attention path of its shared class; deepseek_v3: MLA's low-rank pair;
     # qwen3_next: the gated norms and the input projections of its linear attention.
