@@ -182,7 +182,23 @@ REFUSED = [
     (toys.make_closure_attention(0.5), "source.closure"),
     (toys.NameMangledAttention, "source.name-mangled"),
     (toys.InPlaceBetweenGLU, "gate_up.input-mutated"),
+    (toys.CastInputPair, "qkv.inputs-differ"),
 ]
+
+
+def test_linears_in_a_list_are_refused_by_the_list():
+    torch.manual_seed(0)
+    model = toys.Wrapper(toys.LinearsInAList())
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        before = model(x)
+    transfuse.rewrite(model, example_inputs=(x,))
+    report = transfuse.report(model)
+    assert report.fusions == []
+    (skip,) = report.skipped
+    assert (skip.kind, skip.tag, skip.cls) == ("qkv", "qkv.module-list", "ModuleList") and skip.reason.endswith(".")
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
 
 
 @pytest.mark.parametrize("cls, tag", REFUSED, ids=lambda v: getattr(v, "__name__", str(v)))

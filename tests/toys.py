@@ -442,6 +442,31 @@ class AliasedInputs(nn.Module):
         return _attend(self.q(x), self.k(h), self.v(h), 4)
 
 
+class CastInputPair(nn.Module):
+    """Two projections of one value, one of it cast to float32 (hy_v4's indexer) → refused
+    (qkv.inputs-differ): a merged projection would compute both in one dtype."""
+
+    def __init__(self, hidden=32):
+        super().__init__()
+        self.k = nn.Linear(hidden, hidden)
+        self.weights = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        return self.k(x) * self.weights(x.float()).to(x.dtype).sigmoid()
+
+
+class LinearsInAList(nn.Module):
+    """Linears held in a ModuleList and called from the holder's loop on one value (gemma3n's altup
+    projections) → the list refused (qkv.module-list): members of a list are not merged."""
+
+    def __init__(self, hidden=32):
+        super().__init__()
+        self.projections = nn.ModuleList([nn.Linear(hidden, hidden) for _ in range(3)])
+
+    def forward(self, x):
+        return sum(projection(x) for projection in self.projections)
+
+
 class FourReaders(nn.Module):
     """A fourth linear (a gate) reads the same input → all four merge (gated attention)."""
 

@@ -41,7 +41,7 @@ from torch import nn
 
 from ..rewriter.analysis import ClassAnalysis
 from ..rewriter.fusion import Fused, Refusal, SourceFuser
-from ..rewriter.graph import NoMatch, ancestors, is_op, operands, value
+from ..rewriter.graph import NoMatch, ancestors, is_op, operands, peel_casts, value
 from ..rewriter.source import EditContext
 from ..rewriter.syntax import comment_line
 from ..rewriter.specialise import cases, guarded, specialise
@@ -114,7 +114,7 @@ class QKVFuser(SourceFuser):
         by_input = linear_calls_by_input(analysis)
         groups = _groups(analysis, by_input, linear_children(analysis))
         if not groups:
-            return _split_inputs(analysis, by_input)
+            return _split_inputs(analysis, by_input) or _cast_inputs(analysis, by_input) or _unreached(analysis)
         calls = _before_other_readers(groups[0])
         try:
             names = [c.target for c in calls]
@@ -240,6 +240,51 @@ def _split_inputs(analysis: ClassAnalysis, by_input: dict[fx.Node, list[fx.Node]
             analysis.where(arguments[0]),
         )
     return None
+
+
+def _cast_inputs(analysis: ClassAnalysis, by_input: dict[fx.Node, list[fx.Node]]) -> Refusal | None:
+    """Projections of one value, one of them reading it cast (hy_v4's indexer: ``wk(x)`` beside
+    ``weights_proj(x.float())``): a merged projection would compute both in one dtype, so this is
+    refused (with the reason) rather than passed over in silence."""
+    by_base: dict[object, list[tuple[fx.Node, list]]] = defaultdict(list)
+    for source, group in by_input.items():
+        base, casts = peel_casts(source)
+        by_base[base].extend((call, casts) for call in group)
+    for base, calls in by_base.items():
+        cast = [(call, casts) for call, casts in calls if casts]
+        plain = [call for call, casts in calls if not casts or call.args[0] is not cast[0][0].args[0]] if cast else []
+        if cast and plain:
+            (call, casts), other = cast[0], plain[0]
+            return Refusal(
+                "qkv.inputs-differ",
+                f"{other.target} reads {getattr(other.args[0], 'name', other.args[0])} and {call.target} reads "
+                f"{getattr(base, 'name', base)} cast to {casts[0].describe()}: a merged projection would compute both "
+                "in one dtype.",
+                analysis.where(call),
+            )
+    return None
+
+
+def _unreached(analysis: ClassAnalysis) -> Refusal | None:
+    """Two or more linear children of which the trace saw too few calls to group: a list of linears
+    (no forward of its own; the module holding it calls them), or a trace that stopped first."""
+    linears = linear_children(analysis)
+    called = {n.target for n in analysis.trace.graph.nodes if n.op == "call_module" and n.target in linears}
+    if len(linears) < 2 or not analysis.trace.partial or len(called) == len(linears):
+        return None
+    if issubclass(analysis.cls, (nn.ModuleList, nn.ModuleDict)):
+        return Refusal(
+            "qkv.module-list",
+            f"the {len(linears)} linears of this {analysis.cls.__name__} are called by the module that holds it, "
+            "whose forward is not this class's: members of a list are not merged.",
+            analysis.where(),
+        )
+    return Refusal(
+        "qkv.partial-trace",
+        f"the forward could not be traced past its first {len(called)} of {len(linears)} linear children "
+        f"({analysis.trace.describe_stop()}), so which of them read one value is not known.",
+        analysis.where(),
+    )
 
 
 def _paths(tree: cst.FunctionDef):
