@@ -251,10 +251,9 @@ def _cast_inputs(analysis: ClassAnalysis, by_input: dict[fx.Node, list[fx.Node]]
         base, casts = peel_casts(source)
         by_base[base].extend((call, casts) for call in group)
     for base, calls in by_base.items():
-        cast = [(call, casts) for call, casts in calls if casts]
-        plain = [call for call, casts in calls if not casts or call.args[0] is not cast[0][0].args[0]] if cast else []
-        if cast and plain:
-            (call, casts), other = cast[0], plain[0]
+        call, casts = next(((c, k) for c, k in calls if k), (None, None))
+        other = next((c for c, _ in calls if call is not None and c.args[0] is not call.args[0]), None)
+        if other is not None:
             return Refusal(
                 "qkv.inputs-differ",
                 f"{other.target} reads {getattr(other.args[0], 'name', other.args[0])} and {call.target} reads "
