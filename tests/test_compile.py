@@ -224,7 +224,7 @@ def test_cuda_graphs_replay_the_pieces_with_the_eager_answers(model_type):
     model = _model(model_type, device="cuda")
     ids, mask = _padded_batch("cuda")
     want = _generate(model, ids, mask, new=16)
-    transfuse.compile(model)
+    transfuse.compile(model, kv_store=False)
     before = backend.stats()
     first = _generate(model, ids, mask, new=16)
     second = _generate(model, ids, mask, new=16)
@@ -270,3 +270,110 @@ def test_warm_up_compiles_ahead_of_the_first_generate():
     ids = torch.randint(0, 256, (2, 6))
     _generate(model, ids, torch.ones_like(ids), new=5)
     assert backend.stats()["graphs"] == before  # the prompt and decode graphs were made
+
+
+# -- decode steps through a KVStore (keys and values in buffers with room) ----------------------
+
+
+def _logits_of_generate(model, ids, mask, new):
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits, dim=1)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_decode_steps_through_the_store_match_the_eager_model(model_type):
+    model = _model(model_type)
+    ids, mask = _padded_batch()
+    want_tokens, want_logits = _logits_of_generate(model, ids, mask, 12)
+    transfuse.compile(model, inductor=False, kv_store=True)
+    got_tokens, got_logits = _logits_of_generate(model, ids, mask, 12)
+    compiled = model._transfuse_compiled
+    assert compiled.store_refused is None and len(compiled.stores) == 1
+    assert torch.equal(got_tokens, want_tokens)
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_the_store_grows_and_the_cache_holds_every_token(monkeypatch):
+    from transfuse.compile import kv_store
+
+    monkeypatch.setattr(kv_store, "GRANULE", 4)
+    model = _model("llama")
+    ids, mask = _padded_batch()
+    want = _generate(model, ids, mask, new=30, return_dict_in_generate=True)
+    transfuse.compile(model, inductor=False, kv_store=True)
+    got = _generate(model, ids, mask, new=30, return_dict_in_generate=True)
+    (store,) = model._transfuse_compiled.stores.values()
+    assert store.generation >= 4 and store.capacity >= ids.shape[1] + 30
+    assert torch.equal(got.sequences, want.sequences)
+    cache, cache_want = got.past_key_values, want.past_key_values
+    assert cache.get_seq_length() == cache_want.get_seq_length() == ids.shape[1] + 29
+    real = torch.cat([mask, torch.ones(3, 29, dtype=mask.dtype)], dim=1).bool()
+    for layer, layer_want, keys in zip(cache.layers, cache_want.layers, store.keys):
+        assert layer.keys.data_ptr() == keys.data_ptr()  # views of the store's buffers
+        for got_, want_ in ((layer.keys, layer_want.keys), (layer.values, layer_want.values)):
+            torch.testing.assert_close(got_.transpose(1, 2)[real], want_.transpose(1, 2)[real], rtol=1e-5, atol=1e-5)
+
+
+def test_a_cache_kept_from_an_earlier_call_keeps_its_tokens():
+    """A second generate of the same shapes takes the store; the first call's cache, which
+    held views of it, is given its own copies first."""
+    model = _model("llama")
+    ids, mask = _padded_batch()
+    other = torch.randint(0, 256, ids.shape, generator=torch.Generator().manual_seed(5))
+    want = _generate(model, ids, mask, new=6, return_dict_in_generate=True).past_key_values
+    transfuse.compile(model, inductor=False, kv_store=True)
+    kept = _generate(model, ids, mask, new=6, return_dict_in_generate=True).past_key_values
+    snapshot = [layer.keys.clone() for layer in kept.layers]
+    _generate(model, other, mask, new=6)
+    (store,) = model._transfuse_compiled.stores.values()
+    for layer, before in zip(kept.layers, snapshot):
+        assert layer.keys.data_ptr() not in {k.data_ptr() for k in store.keys}
+        assert torch.equal(layer.keys, before)
+    # ... and the kept cache decodes on from where it was, as the eager model does.
+    step = torch.randint(0, 256, (3, 1))
+    longer = torch.cat([mask, torch.ones(3, 6, dtype=mask.dtype)], dim=1)
+    with torch.no_grad():
+        name = model._transfuse_compiled.cache_name
+        got = model(step, attention_mask=longer, **{name: kept}).logits
+        expected = model._call_impl(step, attention_mask=longer, **{name: want}).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_layer_the_store_cannot_serve_turns_it_off_with_the_answers_intact():
+    """Gemma 2 with every layer full attention: plain dynamic layers, but soft-capped scores."""
+    model = _model("gemma2", layer_types=["full_attention"] * 2, num_hidden_layers=2)
+    ids, mask = _padded_batch()
+    want = _generate(model, ids, mask, new=5)
+    transfuse.compile(model, inductor=False, kv_store=True)
+    got = _generate(model, ids, mask, new=5)
+    compiled = model._transfuse_compiled
+    assert "soft-capping" in compiled.store_refused and not compiled.stores
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_a_decode_step_is_one_cuda_graph_with_the_eager_answers(model_type):
+    model = _model(model_type, device="cuda")
+    ids, mask = _padded_batch("cuda")
+    want_tokens, want_logits = _logits_of_generate(model, ids, mask, 16)
+    transfuse.compile(model)
+    before = backend.stats()
+    first_tokens, first_logits = _logits_of_generate(model, ids, mask, 16)
+    middle = backend.stats()
+    second_tokens, second_logits = _logits_of_generate(model, ids, mask, 16)
+    after = backend.stats()
+    assert model._transfuse_compiled.store_refused is None
+    assert middle["step_captures"] == before["step_captures"] + 1
+    assert after["step_captures"] == middle["step_captures"]  # the second call replays the first's
+    # One replay a decode step (15, and one more where generate's deferred stop check runs a
+    # step it then drops), and no piece replayed on its own but the prompt's.
+    assert 15 <= after["step_replays"] - middle["step_replays"] <= 16
+    pieces = model.config.num_hidden_layers + 1
+    assert after["replays"] - middle["replays"] - (after["step_replays"] - middle["step_replays"]) <= pieces
+    for tokens, logits in ((first_tokens, first_logits), (second_tokens, second_logits)):
+        assert torch.equal(tokens, want_tokens)
+        torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)

@@ -28,6 +28,7 @@ made callable), so ``transfuse.compile(model)``, ``transfuse.compile.warm_up(mod
 from __future__ import annotations
 
 import builtins
+import collections
 import functools
 import itertools
 import sys
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import attention, backend, generate
+from . import attention, backend, generate, kv_store
 from .attention import IMPLEMENTATION
 
 __all__ = ["CompileError", "compile", "is_compiled", "warm_up"]
@@ -134,6 +135,10 @@ class _Compiled:
             _entry(model.forward), backend=graph_backend, dynamic=options["dynamic"], **extra
         )
         self.calls = {"compiled": 0, "eager": 0}
+        # Key/value stores of decode steps by cache layout, the most recently used last.
+        self.stores: collections.OrderedDict[tuple, kv_store.KVStore] = collections.OrderedDict()
+        # Why decode steps do not use a store (a layer's attention needs more than it gives).
+        self.store_refused: str | None = None
 
     def static_pointers(self) -> set[int]:
         model = self.model
@@ -169,18 +174,62 @@ class _Compiled:
         inputs = kwargs.get("input_ids")
         if inputs is None:
             inputs = kwargs.get("inputs_embeds")
+        seen = cache.get_seq_length() if cache is not None else 0
         if kwargs.get("position_ids") is None:
-            seen = cache.get_seq_length() if cache is not None else 0
             positions = torch.arange(seen, seen + inputs.shape[1], device=inputs.device)
             kwargs["position_ids"] = positions.unsqueeze(0).expand(inputs.shape[0], -1)
         self.calls["compiled"] += 1
-        with attention.step(cache, padding), _implementation(self.configs, IMPLEMENTATION):
-            output = self.compiled(use_cache=False, **kwargs)
+        store = self._store(cache, inputs, padding, seen)
+        try:
+            with attention.step(cache, padding, store), _implementation(self.configs, IMPLEMENTATION):
+                output = self.compiled(use_cache=False, **kwargs)
+        except kv_store.StoreUnusable as exc:
+            # Nothing was written to the cache's layers: run the call again the usual way.
+            self.store_refused = str(exc)
+            for unused in self.stores.values():
+                unused.retire()
+            self.stores.clear()
+            store = None
+            with attention.step(cache, padding), _implementation(self.configs, IMPLEMENTATION):
+                output = self.compiled(use_cache=False, **kwargs)
+        if store is not None:
+            store.end(cache, seen + 1)
         if use_cache and hasattr(output, "keys"):
             output[self.cache_name] = cache
         if cache is not None and self.options["deferred_stop"]:
             generate.mark(cache)
         return output
+
+    def _store(self, cache: Any, inputs: torch.Tensor, padding: Any, seen: int) -> Any:
+        """The ``KVStore`` this call's attention reads and writes (``kv_store.py``), its
+        position and padding written; None where the call takes the cache's own path: not a
+        decode step of one token after a prompt, a layer that is not a plain dynamic layer (a
+        sliding window), a padding mask of another length, or the option off."""
+        use = self.options["kv_store"]
+        if use is None:
+            use = self.options["cuda_graphs"] and inputs.device.type == "cuda"
+        if not use or self.store_refused or cache is None or seen == 0 or inputs.shape[1] != 1:
+            return None
+        if padding is not None and tuple(padding.shape) != (inputs.shape[0], seen + 1):
+            return None
+        store = getattr(cache, "_transfuse_store", None)
+        if store is None or store.owner() is not cache:
+            layer_type = _cache_layer_types()[0]
+            if any(type(layer) is not layer_type for layer in cache.layers):
+                return None
+            layout = kv_store.signature(cache)
+            if layout is None or layout[0][0] != inputs.shape[0]:
+                return None
+            store = self.stores.pop(layout, None) or kv_store.KVStore(layout)
+            self.stores[layout] = store  # the most recent last
+            while len(self.stores) > _STORES_KEPT:
+                self.stores.pop(next(iter(self.stores))).retire()
+            try:
+                cache._transfuse_store = store
+            except AttributeError:  # a cache class with __slots__
+                return None
+        store.begin(cache, padding, seen)
+        return store
 
     def _covers(self, model: nn.Module, args: tuple, kwargs: dict) -> bool:
         if model.training or len(args) > 1:
@@ -223,6 +272,9 @@ def _entry(call: Any) -> Any:
 
 
 _ENTRIES = itertools.count()
+# Key/value stores a compiled model keeps (one per batch layout; each holds a cache's worth of
+# buffers, as a static cache does).
+_STORES_KEPT = 2
 
 
 def _global_hooks() -> bool:
@@ -270,12 +322,16 @@ def compile(  # noqa: A001 - the name users call, as torch.compile
     dynamic: bool | None = None,
     deferred_stop: bool = True,
     trust_modules: bool = False,
+    kv_store: bool | None = None,
 ) -> nn.Module:
     """Compile ``model`` in place for inference and return it (see the module docstring).
 
     ``inductor=False`` runs the pieces as traced (for tests of the split alone),
     ``cuda_graphs=False`` runs them without CUDA graphs, ``dynamic`` is ``torch.compile``'s,
-    ``deferred_stop=False`` keeps ``generate``'s stop check on every token.
+    ``deferred_stop=False`` keeps ``generate``'s stop check on every token, ``kv_store``
+    keeps decode steps' keys and values in buffers with room so a whole step is one CUDA graph
+    (``transfuse/compile/kv_store.py``; None: on CUDA with ``cuda_graphs``, True: on any device,
+    for tests of the store without graphs).
 
     ``trust_modules=True`` drops Dynamo's guards on the model's modules (their attributes are
     then not checked before each call; checking them costs about 150 us a call at 8 layers):
@@ -292,6 +348,7 @@ def compile(  # noqa: A001 - the name users call, as torch.compile
             "dynamic": dynamic,
             "trust_modules": trust_modules,
             "deferred_stop": deferred_stop,
+            "kv_store": kv_store,
         },
     )
     model._compiled_call_impl = compiled

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["IMPLEMENTATION", "Step", "attention_forward", "cached_attention", "current_step", "step"]
+__all__ = ["IMPLEMENTATION", "Step", "attention_forward", "cached_attention", "current_step", "current_store", "step"]
 
 IMPLEMENTATION = "transfuse"
 
@@ -47,6 +47,9 @@ class Step:
 
     cache: Any = None
     padding: Tensor | None = None
+    # A decode step whose keys and values live in a ``KVStore`` (``kv_store.py``): every
+    # layer writes and attends there, with fixed shapes and addresses.
+    store: Any = None
     # Masks of this call, shared by the layers that ask for the same one.
     masks: dict[tuple, Tensor | None] = field(default_factory=dict)
 
@@ -54,13 +57,18 @@ class Step:
 _STEPS: list[Step] = []
 
 
+def current_store() -> Any:
+    """The ``KVStore`` of the call in progress, or None."""
+    return _STEPS[-1].store if _STEPS else None
+
+
 def current_step() -> Step | None:
     return _STEPS[-1] if _STEPS else None
 
 
 @contextlib.contextmanager
-def step(cache: Any, padding: Tensor | None) -> Iterator[Step]:
-    current = Step(cache, padding)
+def step(cache: Any, padding: Tensor | None, store: Any = None) -> Iterator[Step]:
+    current = Step(cache, padding, store)
     _STEPS.append(current)
     try:
         yield current
@@ -134,6 +142,14 @@ def cached_attention(
     current = current_step() or Step()
     cache = current.cache
     new = query.shape[2]
+    if current.store is not None:
+        if softcap or sinks is not None or sliding_window or not causal or new != 1:
+            from .kv_store import StoreUnusable
+
+            raise StoreUnusable(f"layer {layer} attends with a window, soft-capping, sinks or no causal mask")
+        keys, values = current.store.write(layer, key, value)
+        bias = current.store.bias(query.dtype, keys.shape[1], current.masks)
+        return _attend_one(query, keys, values, bias, scaling).transpose(1, 2).contiguous()
     if cache is not None:
         seen = cache.get_seq_length(layer)
         key, value = cache.update(key, value, layer)
@@ -143,7 +159,7 @@ def cached_attention(
     if softcap or sinks is not None:
         output = _attend_softmax(query, key, value, mask, is_causal, scaling, softcap, sinks)
     elif new == 1 and mask is not None:
-        output = _attend_one(query, key, value, current, mask, scaling)
+        output = _attend_one(query, key, value, _bias(current, mask, query.dtype, key.shape[1]), scaling)
     else:
         output = F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling,
@@ -222,7 +238,7 @@ def _bias(current: Step, mask: Tensor, dtype: torch.dtype, kv_heads: int) -> Ten
     return found
 
 
-def _attend_one(query: Tensor, key: Tensor, value: Tensor, current: Step, mask: Tensor, scaling: float) -> Tensor:
+def _attend_one(query: Tensor, key: Tensor, value: Tensor, bias: Tensor, scaling: float) -> Tensor:
     """Attention of one query per sequence in three kernels: scores with the mask added
     (``baddbmm``), the softmax (float32 inside, one rounding to the query's dtype, as the
     eager path's float32 softmax and cast), the weighted sum. SDPA with a mask picks kernels
@@ -233,7 +249,6 @@ def _attend_one(query: Tensor, key: Tensor, value: Tensor, current: Step, mask: 
     kv_heads, keys = key.shape[1], key.shape[2]
     grouped = query.reshape(batch * kv_heads, heads // kv_heads, dim)
     keys_t = key.reshape(batch * kv_heads, keys, dim).transpose(1, 2)
-    bias = _bias(current, mask, query.dtype, kv_heads)
     scores = torch.baddbmm(bias, grouped, keys_t, alpha=scaling)
     weights = torch.softmax(scores, dim=-1)
     output = torch.bmm(weights, value.reshape(batch * kv_heads, keys, value.shape[-1]))

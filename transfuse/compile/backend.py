@@ -31,15 +31,19 @@ from torch import Tensor, fx
 
 from ..ops.graphs import copy_out, graph_pool
 
-__all__ = ["ATTENTION_OP", "GraphedPiece", "compile_graph", "stats"]
+__all__ = ["ATTENTION_OP", "GraphedPiece", "StepGraph", "compile_graph", "stats"]
 
 ATTENTION_OP = "transfuse.cached_attention"
 
-# Counters a test or a benchmark reads: graphs compiled by the backend, pieces, captures.
-_STATS = {"graphs": 0, "pieces": 0, "captures": 0, "replays": 0}
+# Counters a test or a benchmark reads: graphs compiled by the backend, pieces, captures and
+# replays (of pieces and of whole steps), and those of whole steps alone.
+_STATS = {"graphs": 0, "pieces": 0, "captures": 0, "replays": 0, "step_captures": 0, "step_replays": 0}
 # Addresses of captured graphs' outputs: they hold the same place at every replay, so a later
 # piece reads them where they are (checked at every replay) instead of copying them in.
 _GRAPH_OUTPUTS: set[int] = set()
+# Depth of ``StepGraph`` calls in progress: their pieces run inside the step's own graph (or its
+# warm-up) and capture nothing of their own.
+_IN_STEP = 0
 
 
 def stats() -> dict[str, int]:
@@ -124,6 +128,8 @@ def compile_graph(
         delattr(split, node.target)
         object.__setattr__(split, node.target, runner)
     split.recompile()
+    if cuda_graphs and partition > 0 and _on_cuda(fakes):
+        return StepGraph(split, static_pointers)
     return split
 
 
@@ -184,7 +190,7 @@ class GraphedPiece:
         self._moving: tuple[int, ...] | None = None
 
     def __call__(self, *args: Any) -> Any:
-        if torch.is_grad_enabled() or torch.cuda.is_current_stream_capturing():
+        if _IN_STEP or torch.is_grad_enabled() or torch.cuda.is_current_stream_capturing():
             return self.fn(*args)
         if self._moving is None:
             static = self.static_pointers()
@@ -216,6 +222,75 @@ class GraphedPiece:
         _STATS["captures"] += 1
         self._graphs[key] = graph
         return graph.replay(args, self.copy_outputs)
+
+
+class StepGraph:
+    """The whole split graph, attention included, replayed as one CUDA graph, for the calls
+    whose attention reads a ``KVStore`` (decode steps: ``kv_store.py``); a graph per input shape
+    and store capacity, captured the second time it is seen. Other calls run the split graph
+    with its pieces graphed one by one."""
+
+    def __init__(self, split: fx.GraphModule, static_pointers: Callable[[], set[int]] | None):
+        self.split = split
+        self.static_pointers = static_pointers or (lambda: set())
+        self.failed: str | None = None
+        self._seen: set[tuple] = set()
+        self._failed: set[tuple] = set()
+        self._graphs: dict[tuple, _Graph] = {}
+        self._moving: tuple[int, ...] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        from .attention import current_store
+
+        store = current_store()
+        if store is None or torch.is_grad_enabled() or torch.cuda.is_current_stream_capturing():
+            return self.split(*args)
+        if self._moving is None:
+            static = self.static_pointers()
+            self._moving = tuple(
+                i for i, a in enumerate(args) if not (isinstance(a, Tensor) and a.data_ptr() in static)
+            )
+        key = (store.key(), *(args[i].shape if isinstance(args[i], Tensor) else args[i] for i in self._moving))
+        graph = self._graphs.get(key)
+        if graph is not None and graph.matches(args):
+            _STATS["replays"] += 1
+            _STATS["step_replays"] += 1
+            return graph.replay(args, True)
+        if key in self._failed:
+            return self.split(*args)
+        global _IN_STEP
+        _IN_STEP += 1
+        try:
+            if key not in self._seen:
+                self._seen.add(key)
+                return self.split(*args)
+            try:
+                graph = _Graph.capture(self.split, args, self.static_pointers() | _GRAPH_OUTPUTS)
+            except Exception as exc:  # noqa: BLE001 - any failure means: run this shape piece by piece
+                from .kv_store import StoreUnusable
+
+                if isinstance(exc, StoreUnusable):
+                    raise
+                self._failed.add(key)
+                if self.failed is None:
+                    self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                    warnings.warn(
+                        f"transfuse.compile: decode steps run piece by piece: capturing a whole step "
+                        f"failed ({self.failed})",
+                        stacklevel=2,
+                    )
+                return self.split(*args)
+        finally:
+            _IN_STEP -= 1
+        _STATS["captures"] += 1
+        _STATS["step_captures"] += 1
+        from .kv_store import live
+
+        # Graphs of stores that grew or were dropped are never replayed again.
+        for dead in [k for k in self._graphs if not live(k[0])]:
+            del self._graphs[dead]
+        self._graphs[key] = graph
+        return graph.replay(args, True)
 
 
 class _Graph:
