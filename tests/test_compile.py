@@ -377,3 +377,55 @@ def test_a_decode_step_is_one_cuda_graph_with_the_eager_answers(model_type):
     for tokens, logits in ((first_tokens, first_logits), (second_tokens, second_logits)):
         assert torch.equal(tokens, want_tokens)
         torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_release_drops_the_stores_and_the_next_call_makes_one_again():
+    model = _model("llama", num_hidden_layers=1)
+    ids, mask = _padded_batch()
+    want = _generate(model, ids, mask, new=4)
+    transfuse.compile(model, inductor=False, kv_store=True)
+    kept = _generate(model, ids, mask, new=4, return_dict_in_generate=True)
+    compiled = model._transfuse_compiled
+    (store,) = compiled.stores.values()
+    transfuse.compile.release(model)
+    assert not compiled.stores
+    from transfuse.compile import kv_store
+
+    assert not kv_store.live(store.key())  # no graph replays it again
+    assert kept.past_key_values.get_seq_length() == ids.shape[1] + 3  # the kept cache still holds its tokens
+    assert torch.equal(_generate(model, ids, mask, new=4), want)
+    assert len(compiled.stores) == 1
+    with pytest.raises(CompileError):
+        transfuse.compile.release(_model("llama", num_hidden_layers=1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_trusted_modules_replay_whole_calls_and_notice_new_weights(model_type):
+    model = _model(model_type, device="cuda")
+    ids, mask = _padded_batch("cuda")
+    want_tokens, want_logits = _logits_of_generate(model, ids, mask, 16)
+    transfuse.compile(model, trust_modules=True)
+    calls = model._transfuse_compiled.call_graphs
+    _logits_of_generate(model, ids, mask, 16)
+    before = calls.replays
+    got_tokens, got_logits = _logits_of_generate(model, ids, mask, 16)
+    assert calls.failed is None and 15 <= calls.replays - before <= 16  # every decode step replayed
+    assert torch.equal(got_tokens, want_tokens)
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
+    # New weights (a new tensor where the old one was): the replay notices and captures again.
+    head = model.get_output_embeddings()
+    head.weight.data = head.weight.data * 2
+    with torch.no_grad():
+        step = model._call_impl(ids, attention_mask=mask).logits[:, -1]
+    assert not torch.allclose(step, want_logits[:, 0], atol=1e-3)
+    _, doubled = _logits_of_generate(model, ids, mask, 16)
+    torch.testing.assert_close(doubled[:, 0], step, rtol=1e-4, atol=1e-4)
+    compiled_impl = model._compiled_call_impl
+    model._compiled_call_impl = None
+    try:
+        _, eager_doubled = _logits_of_generate(model, ids, mask, 16)
+    finally:
+        model._compiled_call_impl = compiled_impl
+    torch.testing.assert_close(doubled, eager_doubled, rtol=1e-4, atol=1e-4)

@@ -11,6 +11,10 @@ What it does to the model (knowing no model family):
 * the graph is split at those ops, each piece compiled by Inductor and, on CUDA, replayed
   as a CUDA graph per shape (``transfuse/compile/backend.py``: the ``"transfuse"`` backend
   of ``torch.compile``);
+* on CUDA a decode step's keys and values live in buffers with room (a ``KVStore``, which the
+  cache's layers are views of), so the whole step, attention included, is one CUDA graph
+  (``transfuse/compile/kv_store.py``); the buffers stay with the model between calls, as a
+  static cache's do, until ``transfuse.compile.release(model)``;
 * ``generate`` on CUDA reads its stop flag one step late, so the host queues the next token
   while the GPU runs this one (``transfuse/compile/generate.py``).
 
@@ -39,10 +43,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import attention, backend, generate, kv_store
+from . import attention, backend, generate, kv_store, replay
 from .attention import IMPLEMENTATION
 
-__all__ = ["CompileError", "compile", "is_compiled", "warm_up"]
+__all__ = ["CompileError", "compile", "is_compiled", "release", "warm_up"]
 
 
 class CompileError(ValueError):
@@ -139,6 +143,8 @@ class _Compiled:
         self.stores: collections.OrderedDict[tuple, kv_store.KVStore] = collections.OrderedDict()
         # Why decode steps do not use a store (a layer's attention needs more than it gives).
         self.store_refused: str | None = None
+        # With the module guards off, decode steps replay without entering Dynamo (``replay.py``).
+        self.call_graphs = replay.CallGraphs(model) if options["trust_modules"] else None
 
     def static_pointers(self) -> set[int]:
         model = self.model
@@ -180,9 +186,16 @@ class _Compiled:
             kwargs["position_ids"] = positions.unsqueeze(0).expand(inputs.shape[0], -1)
         self.calls["compiled"] += 1
         store = self._store(cache, inputs, padding, seen)
-        try:
+
+        def run(arguments: dict[str, Any]) -> Any:
             with attention.step(cache, padding, store), _implementation(self.configs, IMPLEMENTATION):
-                output = self.compiled(use_cache=False, **kwargs)
+                return self.compiled(use_cache=False, **arguments)
+
+        try:
+            if store is not None and self.call_graphs is not None:
+                output = self.call_graphs(run, store, kwargs)
+            else:
+                output = run(kwargs)
         except kv_store.StoreUnusable as exc:
             # Nothing was written to the cache's layers: run the call again the usual way.
             self.store_refused = str(exc)
@@ -336,7 +349,9 @@ def compile(  # noqa: A001 - the name users call, as torch.compile
     ``trust_modules=True`` drops Dynamo's guards on the model's modules (their attributes are
     then not checked before each call; checking them costs about 150 us a call at 8 layers):
     only for a model nothing changes after this call (no new weights by replacement, no dtype
-    or device change, no adapters, no attribute set on a module)."""
+    or device change, no adapters, no attribute set on a module). Decode steps of such a model
+    are then replayed as CUDA graphs without entering Dynamo at all (``replay.py``; a replay
+    still checks that the weights are where they were)."""
     configs = _check(model)
     attention.register()
     compiled = _Compiled(
@@ -360,6 +375,18 @@ def compile(  # noqa: A001 - the name users call, as torch.compile
 
 def is_compiled(model: nn.Module) -> bool:
     return isinstance(getattr(model, "_transfuse_compiled", None), _Compiled)
+
+
+def release(model: nn.Module) -> None:
+    """Drop the key/value stores a compiled model keeps between calls (a cache still holding
+    views of one keeps that one's memory as long as the cache lives); the next decode step makes
+    a store again and captures its graph again."""
+    if not is_compiled(model):
+        raise CompileError("release takes a model transfuse.compile compiled")
+    compiled = model._transfuse_compiled
+    for store in compiled.stores.values():
+        store.retire()
+    compiled.stores.clear()
 
 
 def warm_up(
