@@ -429,3 +429,16 @@ def test_trusted_modules_replay_whole_calls_and_notice_new_weights(model_type):
     finally:
         model._compiled_call_impl = compiled_impl
     torch.testing.assert_close(doubled, eager_doubled, rtol=1e-4, atol=1e-4)
+
+
+def test_beam_search_through_the_store_matches_the_eager_model():
+    """Beam search reorders the cache every step (new tensors, not the store's views): the store
+    takes the reordered keys and values in again, and the beams are the eager model's."""
+    model = _model("llama")
+    ids, mask = _padded_batch()
+    want = _generate(model, ids, mask, new=8, num_beams=3)
+    transfuse.compile(model, inductor=False, kv_store=True)
+    got = _generate(model, ids, mask, new=8, num_beams=3)
+    compiled = model._transfuse_compiled
+    assert compiled.calls["eager"] == 0 and compiled.store_refused is None and len(compiled.stores) == 1
+    assert torch.equal(got, want)
