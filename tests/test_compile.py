@@ -8,6 +8,8 @@ graph tests run on a GPU only.
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 
@@ -314,6 +316,12 @@ def test_the_store_grows_and_the_cache_holds_every_token(monkeypatch):
         assert layer.keys.data_ptr() == keys.data_ptr()  # views of the store's buffers
         for got_, want_ in ((layer.keys, layer_want.keys), (layer.values, layer_want.values)):
             torch.testing.assert_close(got_.transpose(1, 2)[real], want_.transpose(1, 2)[real], rtol=1e-5, atol=1e-5)
+    # ... and it is still a cache transformers' own way of saving takes, with the same tokens.
+    buffer = io.BytesIO()
+    torch.save(cache, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(loaded.layers, cache.layers))
 
 
 def test_a_cache_kept_from_an_earlier_call_keeps_its_tokens():

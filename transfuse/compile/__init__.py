@@ -225,8 +225,10 @@ class _Compiled:
             return None
         if padding is not None and tuple(padding.shape) != (inputs.shape[0], seen + 1):
             return None
-        store = getattr(cache, "_transfuse_store", None)
-        if store is None or store.owner() is not cache:
+        # The store this cache holds views of, if any (nothing is set on the cache: it stays
+        # an object that copies and pickles as transformers' own).
+        store = next((kept for kept in self.stores.values() if kept.owner() is cache), None)
+        if store is None:
             layer_type = _cache_layer_types()[0]
             if any(type(layer) is not layer_type for layer in cache.layers):
                 return None
@@ -237,10 +239,6 @@ class _Compiled:
             self.stores[layout] = store  # the most recent last
             while len(self.stores) > _STORES_KEPT:
                 self.stores.pop(next(iter(self.stores))).retire()
-            try:
-                cache._transfuse_store = store
-            except AttributeError:  # a cache class with __slots__
-                return None
         store.begin(cache, padding, seen)
         return store
 
