@@ -94,15 +94,19 @@ def test_inductor_pieces_split_at_every_attention_layer():
     assert after["pieces"] - before["pieces"] == graphs * 4  # 3 layers: 4 pieces between and around
 
 
-def test_no_recompile_over_512_decode_steps():
+@pytest.mark.parametrize("kv_store", [False, True], ids=["cache", "store"])
+def test_no_recompile_over_512_decode_steps(kv_store):
+    """With the store, its capacity grows twice on the way (256, 384, 768 positions)."""
     model = _model("llama", num_hidden_layers=1, max_position_embeddings=1024)
-    transfuse.compile(model, inductor=False)
+    transfuse.compile(model, inductor=False, kv_store=kv_store)
     ids, mask = _padded_batch()
     _generate(model, ids, mask, new=3)
     before = backend.stats()["graphs"]
     tokens = _generate(model, ids, mask, new=512)
     assert tokens.shape[1] == ids.shape[1] + 512
     assert backend.stats()["graphs"] == before
+    stores = model._transfuse_compiled.stores
+    assert [store.capacity for store in stores.values()] == ([768] if kv_store else [])
 
 
 def test_compiled_models_do_not_share_dynamo_s_recompile_budget():
