@@ -454,3 +454,21 @@ def test_beam_search_through_the_store_matches_the_eager_model():
     compiled = model._transfuse_compiled
     assert compiled.calls["eager"] == 0 and compiled.store_refused is None and len(compiled.stores) == 1
     assert torch.equal(got, want)
+
+
+def test_a_cache_whose_layers_hold_different_lengths_takes_the_cache_s_own_path():
+    from transformers import DynamicCache
+
+    from transfuse.compile import kv_store
+
+    model = _model("llama")
+    cache = DynamicCache(config=model.config)
+    kv = model.config.num_key_value_heads
+    dim = model.config.hidden_size // model.config.num_attention_heads
+    cache.update(torch.randn(1, kv, 5, dim), torch.randn(1, kv, 5, dim), 0)
+    assert kv_store.signature(cache, 5) is None  # the second layer holds nothing
+    cache.update(torch.randn(1, kv, 4, dim), torch.randn(1, kv, 4, dim), 1)
+    assert kv_store.signature(cache, 5) is None  # ... and then fewer positions
+    transfuse.compile(model, inductor=False, kv_store=True)
+    compiled = model._transfuse_compiled
+    assert compiled._store(cache, torch.zeros(1, 1, dtype=torch.long), None, 5) is None and not compiled.stores

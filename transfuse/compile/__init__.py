@@ -232,7 +232,7 @@ class _Compiled:
             layer_type = _cache_layer_types()[0]
             if any(type(layer) is not layer_type for layer in cache.layers):
                 return None
-            layout = kv_store.signature(cache)
+            layout = kv_store.signature(cache, seen)
             if layout is None or layout[0][0] != inputs.shape[0]:
                 return None
             store = self.stores.pop(layout, None) or kv_store.KVStore(layout)

@@ -53,13 +53,16 @@ class StoreUnusable(Exception):
     mask that is not causal): the call is run again without the store."""
 
 
-def signature(cache: Any) -> tuple | None:
+def signature(cache: Any, length: int) -> tuple | None:
     """What a store for ``cache`` must match: each layer's batch, heads, head dims, dtype and
-    device; None where a layer holds nothing yet."""
+    device; None unless every layer holds ``length`` positions (a layer that holds nothing yet,
+    or fewer than the others, is not one the store can serve)."""
     parts = []
     for layer in cache.layers:
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-        if not isinstance(keys, Tensor) or not isinstance(values, Tensor) or keys.dim() != 4 or keys.shape[-2] == 0:
+        if not isinstance(keys, Tensor) or not isinstance(values, Tensor) or keys.dim() != 4 or values.dim() != 4:
+            return None
+        if keys.shape[-2] != length or values.shape[-2] != length:
             return None
         parts.append((keys.shape[0], keys.shape[1], keys.shape[3], values.shape[1], values.shape[3], keys.dtype, keys.device))
     return tuple(parts)
