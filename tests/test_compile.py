@@ -472,3 +472,18 @@ def test_a_cache_whose_layers_hold_different_lengths_takes_the_cache_s_own_path(
     transfuse.compile(model, inductor=False, kv_store=True)
     compiled = model._transfuse_compiled
     assert compiled._store(cache, torch.zeros(1, 1, dtype=torch.long), None, 5) is None and not compiled.stores
+
+
+def test_graph_keys_leave_the_model_s_tensors_out_and_a_failed_capture_warns_once():
+    weight = torch.nn.Parameter(torch.ones(3))
+    piece = backend.GraphedPiece(lambda w, x: w + x, "p0", lambda: {weight.data_ptr()}, copy_outputs=True)
+    assert piece._shapes((weight, torch.zeros(2, 3))) == (torch.Size([2, 3]),)
+    assert piece._shapes((weight, torch.zeros(4, 3))) == (torch.Size([4, 3]),)
+    with pytest.warns(UserWarning, match="piece p0 runs without a CUDA graph: capturing failed \\(RuntimeError: boom\\)"):
+        piece._capture_failed(("a",), RuntimeError("boom\nsecond line"), "piece p0 runs without a CUDA graph")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        piece._capture_failed(("b",), RuntimeError("again"), "piece p0 runs without a CUDA graph")
+    assert piece._failed == {("a",), ("b",)} and piece.failed == "RuntimeError: boom"

@@ -163,7 +163,38 @@ def _record_piece_inputs(split: fx.GraphModule, fakes: Sequence[Any], into: dict
         Recorder(split).run(*fakes)
 
 
-class GraphedPiece:
+class _PerShape:
+    """The bookkeeping of graphs captured per input shape, which ``GraphedPiece`` and
+    ``StepGraph`` share: the shapes seen once (captured the second time), those whose capture
+    failed (run without a graph from then on), the graphs."""
+
+    def __init__(self, static_pointers: Callable[[], set[int]] | None):
+        self.static_pointers = static_pointers or (lambda: set())
+        # The first capture failure, as one line (later ones are not reported again).
+        self.failed: str | None = None
+        self._seen: set[tuple] = set()
+        self._failed: set[tuple] = set()
+        self._graphs: dict[tuple, _Graph] = {}
+        # Positions of the arguments that are not the model's tensors, found at the first call:
+        # the graph key holds their shapes (the model's tensors are checked by address).
+        self._moving: tuple[int, ...] | None = None
+
+    def _shapes(self, args: Sequence[Any]) -> tuple:
+        if self._moving is None:
+            static = self.static_pointers()
+            self._moving = tuple(
+                i for i, a in enumerate(args) if not (isinstance(a, Tensor) and a.data_ptr() in static)
+            )
+        return tuple(args[i].shape if isinstance(args[i], Tensor) else args[i] for i in self._moving)
+
+    def _capture_failed(self, key: tuple, exc: Exception, consequence: str) -> None:
+        self._failed.add(key)
+        if self.failed is None:
+            self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            warnings.warn(f"transfuse.compile: {consequence}: capturing failed ({self.failed})", stacklevel=3)
+
+
+class GraphedPiece(_PerShape):
     """A compiled piece replayed as a CUDA graph per input shape (the second time it runs at a
     shape; the first run is its warm-up). Falls back to running the piece where a graph
     cannot be used: autograd recording, inside another capture, a capture that failed."""
@@ -175,29 +206,17 @@ class GraphedPiece:
         static_pointers: Callable[[], set[int]] | None,
         copy_outputs: bool,
     ):
+        super().__init__(static_pointers)
         self.fn = fn
         self.name = name
         # Outputs that leave the compiled graph are copied out of the graph's buffers (the next
         # replay overwrites them); the others are read by the next op of the same call.
         self.copy_outputs = copy_outputs
-        self.static_pointers = static_pointers or (lambda: set())
-        self.failed: str | None = None
-        self._seen: set[tuple] = set()
-        self._failed: set[tuple] = set()
-        self._graphs: dict[tuple, _Graph] = {}
-        # Positions of the arguments that are not the model's tensors, found at the first call:
-        # the graph key holds their shapes (the model's tensors are checked by address).
-        self._moving: tuple[int, ...] | None = None
 
     def __call__(self, *args: Any) -> Any:
         if _IN_STEP or torch.is_grad_enabled() or torch.cuda.is_current_stream_capturing():
             return self.fn(*args)
-        if self._moving is None:
-            static = self.static_pointers()
-            self._moving = tuple(
-                i for i, a in enumerate(args) if not (isinstance(a, Tensor) and a.data_ptr() in static)
-            )
-        key = tuple(args[i].shape if isinstance(args[i], Tensor) else args[i] for i in self._moving)
+        key = self._shapes(args)
         graph = self._graphs.get(key)
         if graph is not None and graph.matches(args):
             _STATS["replays"] += 1
@@ -210,34 +229,22 @@ class GraphedPiece:
         try:
             graph = _Graph.capture(self.fn, args, self.static_pointers() | _GRAPH_OUTPUTS)
         except Exception as exc:  # noqa: BLE001 - any failure means: run this shape eagerly
-            self._failed.add(key)
-            if self.failed is None:
-                self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                warnings.warn(
-                    f"transfuse.compile: piece {self.name} runs without a CUDA graph: capturing it "
-                    f"failed ({self.failed})",
-                    stacklevel=2,
-                )
+            self._capture_failed(key, exc, f"piece {self.name} runs without a CUDA graph")
             return self.fn(*args)
         _STATS["captures"] += 1
         self._graphs[key] = graph
         return graph.replay(args, self.copy_outputs)
 
 
-class StepGraph:
+class StepGraph(_PerShape):
     """The whole split graph, attention included, replayed as one CUDA graph, for the calls
     whose attention reads a ``KVStore`` (decode steps: ``kv_store.py``); a graph per input shape
     and store capacity, captured the second time it is seen. Other calls run the split graph
     with its pieces graphed one by one."""
 
     def __init__(self, split: fx.GraphModule, static_pointers: Callable[[], set[int]] | None):
+        super().__init__(static_pointers)
         self.split = split
-        self.static_pointers = static_pointers or (lambda: set())
-        self.failed: str | None = None
-        self._seen: set[tuple] = set()
-        self._failed: set[tuple] = set()
-        self._graphs: dict[tuple, _Graph] = {}
-        self._moving: tuple[int, ...] | None = None
 
     def __call__(self, *args: Any) -> Any:
         from .attention import current_store
@@ -245,12 +252,7 @@ class StepGraph:
         store = current_store()
         if store is None or torch.is_grad_enabled() or torch.cuda.is_current_stream_capturing():
             return self.split(*args)
-        if self._moving is None:
-            static = self.static_pointers()
-            self._moving = tuple(
-                i for i, a in enumerate(args) if not (isinstance(a, Tensor) and a.data_ptr() in static)
-            )
-        key = (store.key(), *(args[i].shape if isinstance(args[i], Tensor) else args[i] for i in self._moving))
+        key = (store.key(), *self._shapes(args))
         graph = self._graphs.get(key)
         if graph is not None and graph.matches(args):
             _STATS["replays"] += 1
@@ -271,14 +273,7 @@ class StepGraph:
 
                 if isinstance(exc, StoreUnusable):
                     raise
-                self._failed.add(key)
-                if self.failed is None:
-                    self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                    warnings.warn(
-                        f"transfuse.compile: decode steps run piece by piece: capturing a whole step "
-                        f"failed ({self.failed})",
-                        stacklevel=2,
-                    )
+                self._capture_failed(key, exc, "decode steps run piece by piece (a whole step)")
                 return self.split(*args)
         finally:
             _IN_STEP -= 1
