@@ -1,15 +1,46 @@
-"""The command line, run as a subprocess: good input and bad."""
+"""The command line: good input and bad. Runs that read the progress output, write files or
+time things run as a subprocess (``python -m transfuse``); the one-line errors and the argument
+parsing run ``transfuse.cli.main`` in this process (a subprocess costs 5-6 s of imports each)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import subprocess
 import sys
+import warnings
 
 import transfuse
+from transfuse import cli
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "transfuse", *args], capture_output=True, text=True, timeout=300)
+
+
+def run_here(*args: str) -> subprocess.CompletedProcess:
+    """``main(args)`` in this process, as ``run`` reports it; the global settings ``main``
+    makes (warning filters, transformers' verbosity and progress bars, log levels and handlers)
+    are put back afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars, level = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled(), cli.log.level
+    handlers = logging.root.handlers[:]
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli.main(list(args))
+            except SystemExit as exc:  # argparse's errors and --help
+                code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+        cli.log.setLevel(level)
+        logging.root.handlers[:] = handlers
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 def test_version():
@@ -34,20 +65,20 @@ def test_explain_shows_refusals_with_reasons():
 
 
 def test_unknown_model_type_is_a_one_line_error():
-    result = run("explain", "not_a_model_type")
+    result = run_here("explain", "not_a_model_type")
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].startswith("transfuse: error: 'not_a_model_type' is not")
     assert "Traceback" not in result.stderr
 
 
 def test_missing_directory_is_a_one_line_error(tmp_path):
-    result = run("explain", str(tmp_path / "missing"))
+    result = run_here("explain", str(tmp_path / "missing"))
     assert result.returncode == 1
     assert "no such directory" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_directory_without_config_is_a_one_line_error(tmp_path):
-    result = run("explain", str(tmp_path))
+    result = run_here("explain", str(tmp_path))
     assert result.returncode == 1
     assert "no config.json" in result.stderr and "Traceback" not in result.stderr
 
@@ -95,35 +126,35 @@ def test_a_checkpoint_that_is_not_a_causal_lm_is_a_one_line_error(tmp_path):
     from transformers import AutoConfig, T5Model
 
     T5Model(AutoConfig.for_model("t5", d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16, vocab_size=64)).save_pretrained(tmp_path)
-    result = run("explain", str(tmp_path))
+    result = run_here("explain", str(tmp_path))
     assert result.returncode == 1
     assert "is not a causal language model" in result.stderr and "Traceback" not in result.stderr
-    assert "is not a causal-LM model type" in run("explain", "t5").stderr
+    assert "is not a causal-LM model type" in run_here("explain", "t5").stderr
 
 
 def test_missing_weights_are_a_one_line_error(tmp_path):
     from transfuse.tiny import tiny_config
 
     tiny_config("llama").save_pretrained(tmp_path)  # a config, no weights
-    result = run("explain", str(tmp_path))
+    result = run_here("explain", str(tmp_path))
     assert result.returncode == 1
     assert "transfuse: error:" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_fusions_may_come_before_or_after_the_model_and_help_lists_the_kinds():
     for args in (("explain", "--fusions", "qkv", "rms_norm", "llama", "-q"), ("explain", "llama", "--fusions=qkv,rms_norm", "-q")):
-        result = run(*args)
+        result = run_here(*args)
         assert result.returncode == 0, result.stderr
         assert "7 fusions (qkv 2, rms_norm 5)" in result.stdout
-    bad = run("explain", "llama", "--fusions", "rmsnorm")
+    bad = run_here("explain", "llama", "--fusions", "rmsnorm")
     assert bad.returncode == 2 and "unknown fusion kind 'rmsnorm'" in bad.stderr
-    helped = run("explain", "--help")
+    helped = run_here("explain", "--help")
     assert all(kind in helped.stdout for kind in ("rms_norm", "qkv", "gate_up", "moe", "linear_cross_entropy"))
 
 
 def test_demo_of_an_unknown_or_non_causal_type_is_a_one_line_error():
     for name in ("not_a_model_type", "t5"):
-        result = run("demo", name)
+        result = run_here("demo", name)
         assert result.returncode == 1 and "Traceback" not in result.stderr
         line = result.stderr.strip().splitlines()[-1]
         assert line.startswith(f"transfuse: error: {name!r} is not a causal-LM model type") and "in all)" in line
