@@ -12,6 +12,10 @@ cache's own ``update`` (so the cache the caller holds is the one that grows, and
 (causal, the padding mask, a sliding window) and runs ``scaled_dot_product_attention``, or a
 plain softmax where a layer soft-caps its scores or has attention sinks.
 
+A decode step whose ``Step`` carries a ``KVStore`` (``kv_store.py``) writes and attends there
+instead, over buffers of fixed shape and address, so the whole step can be one CUDA graph; a
+layer the store cannot serve raises ``StoreUnusable`` and the caller runs the call again without it.
+
 The model's attention is switched to this op by registering it with transformers as the
 attention implementation ``"transfuse"``; transformers then builds no mask of its own (it
 builds none for implementations it does not know), which is what keeps the mask out of the
