@@ -27,7 +27,9 @@ def pytest_configure(config):
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    # Under pytest-xdist the workers share the cores: each takes its part of them.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // workers)))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -83,6 +83,7 @@ _LOAD = textwrap.dedent(
     """
     import json, sys, torch, transfuse
     from transfuse.rewriter.apply import is_fused
+    torch.set_num_threads(int(sys.argv[4]))  # the parent's: bit-equal sums need the same split
     model = torch.load(sys.argv[1], weights_only=False)
     ids = torch.load(sys.argv[2])
     with torch.no_grad():
@@ -103,7 +104,8 @@ def test_torch_load_in_a_fresh_process_makes_the_rewrite_again(model_type, tmp_p
     torch.save(model, tmp_path / "model.pt")
     torch.save(ids, tmp_path / "ids.pt")
     done = subprocess.run(
-        [sys.executable, "-c", _LOAD, str(tmp_path / "model.pt"), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")],
+        [sys.executable, "-c", _LOAD, str(tmp_path / "model.pt"), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt"),
+         str(torch.get_num_threads())],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
