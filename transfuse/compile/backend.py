@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, fx
 
 from ..ops.graphs import copy_out, graph_pool
+from .attention import current_store
 
 __all__ = ["ATTENTION_OP", "GraphedPiece", "StepGraph", "compile_graph", "stats"]
 
@@ -247,8 +248,6 @@ class StepGraph(_PerShape):
         self.split = split
 
     def __call__(self, *args: Any) -> Any:
-        from .attention import current_store
-
         store = current_store()
         if store is None or torch.is_grad_enabled() or torch.cuda.is_current_stream_capturing():
             return self.split(*args)
