@@ -53,7 +53,6 @@ def _loss_cases(tokens: int, block: int) -> list[tuple[str, float, object]]:
     x, w, d = _rand(tokens, HIDDEN), _rand(VOCAB, HIDDEN), _rand(block, VOCAB)
     acc, acc_t = torch.zeros(VOCAB, HIDDEN, device="cuda", dtype=torch.bfloat16), torch.zeros(
         HIDDEN, VOCAB, device="cuda", dtype=torch.bfloat16)
-    acc32 = torch.zeros(VOCAB, HIDDEN, device="cuda", dtype=torch.float32)
     blocks = range(0, tokens, block)
     flops = 2.0 * tokens * VOCAB * HIDDEN
 
@@ -74,16 +73,11 @@ def _loss_cases(tokens: int, block: int) -> list[tuple[str, float, object]]:
                     into.addmm_(d.t(), x[s:s + block]) if i else torch.mm(d.t(), x[s:s + block], out=into)
         return run
 
-    def grad_w32():
-        for s in blocks:
-            acc32.addmm_(d.t(), x[s:s + block])
-
     return [
         (f"loss blocks of {block}: logits", flops, logits),
         (f"loss blocks of {block}: grad in", flops, grad_in),
         (f"loss blocks of {block}: grad W, addmm_ (today)", flops, grad_w(acc, False)),
         (f"loss blocks of {block}: grad W, addmm_ into W^T", flops, grad_w(acc_t, True)),
-        (f"loss blocks of {block}: grad W, addmm_ into float32", flops, grad_w32),
     ]
 
 
