@@ -4,6 +4,8 @@ graph breaks and matches eager; in "library" mode the graph holds the ``torch.op
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -77,9 +79,16 @@ def test_library_ops_compile_under_inductor(compile_mode):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_compiling_with_autograd_inlines_native_code_even_in_library_mode():
+# Ops whose library op carries a backward of its own (the providers' backward kernels): under
+# autograd they stay library calls in library mode; the others inline their native code.
+WITH_BACKWARD = {"transfuse.silu_and_mul", "transfuse.gelu_and_mul"}
+
+
+@pytest.mark.parametrize("backend", ["recording", "aot_eager"])
+def test_compiling_with_autograd_calls_only_the_library_ops_with_a_backward(backend):
     torch._dynamo.reset()
     block, (x, residual) = ResidualGatedBlock(32), _inputs()
+    x.requires_grad_()
     graphs = []
 
     def recording_backend(gm, example_inputs):
@@ -88,10 +97,56 @@ def test_compiling_with_autograd_inlines_native_code_even_in_library_mode():
 
     ops.set_compile_mode("library")
     try:
-        out, _ = torch.compile(block, fullgraph=True, backend=recording_backend)(x, residual)
-        out.sum().backward()
+        compiled = torch.compile(block, fullgraph=True, backend=recording_backend if backend == "recording" else backend)
+        out, res = compiled(x, residual)
+        (out.square().sum() + res.sum()).backward()
     finally:
         ops.set_compile_mode(None)
         torch._dynamo.reset()
-    assert not LIBRARY_OPS & _call_targets(graphs)
+    got = (x.grad, block.w_in.grad, block.w_out.grad)
+    x.grad = block.w_in.grad = block.w_out.grad = None
+    with torch.no_grad():
+        want_out, want_res = block(x, residual)
+    torch.testing.assert_close(out, want_out)
+    out, res = block(x, residual)
+    (out.square().sum() + res.sum()).backward()
+    for g, w in zip(got, (x.grad, block.w_in.grad, block.w_out.grad)):
+        assert g is not None and g.abs().sum() > 0
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    if backend == "recording":
+        targets = _call_targets(graphs)
+        assert WITH_BACKWARD <= targets and not (LIBRARY_OPS - WITH_BACKWARD) & targets, targets
+
+
+def test_compiling_with_autograd_inlines_native_code_by_default_without_backward_kernels():
+    """On the CPU (no Triton interpreter) no provider has backward kernels: native code is inlined,
+    for Inductor to fuse with its neighbours, as it always is in native mode."""
+    torch._dynamo.reset()
+    block, (x, residual) = ResidualGatedBlock(32), _inputs()
+    graphs = []
+
+    def recording_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    for mode in (None, "native"):
+        ops.set_compile_mode(mode)
+        try:
+            out, _ = torch.compile(block, fullgraph=True, backend=recording_backend)(x, residual)
+            out.sum().backward()
+        finally:
+            ops.set_compile_mode(None)
+            torch._dynamo.reset()
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        assert not LIBRARY_OPS & _call_targets(graphs)
     assert block.w_in.grad is not None and block.w_out.grad is not None
+
+
+def test_act_and_mul_backward_native_is_autograds_gradient():
+    torch.manual_seed(0)
+    x, grad = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True), torch.randn(3, 5, 8, dtype=torch.float64)
+    for activation, approximate in (("silu", None), ("gelu", "none"), ("gelu_tanh", "tanh")):
+        x.grad = None
+        ops.act_and_mul(x, activation).backward(grad)
+        got = ops.act_and_mul_backward_native(grad, x.detach(), approximate)
+        torch.testing.assert_close(got, x.grad, rtol=1e-12, atol=1e-12)

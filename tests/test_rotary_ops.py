@@ -269,3 +269,59 @@ def test_rotary_compiles_fullgraph_in_both_modes(mode):
         assert torch.equal(g, w)
     targets = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
     assert ("transfuse.rotary" in targets) == (mode == "library"), targets
+
+
+def test_rotary_backward_native_is_autograds_gradient():
+    torch.manual_seed(0)
+    qkv, cos, sin = _inputs(2, 5, 1, 8, torch.float64)
+    for dim in (1, 2):
+        q, k = (t.detach().requires_grad_() for t in _qk(qkv, 8, dim, "merged"))
+        gq, gk = torch.randn_like(q), torch.randn_like(k)
+        out_q, out_k = rotary_native(q, k, cos, sin, dim)
+        torch.autograd.backward((out_q, out_k), (gq, gk))
+        got = ops.rotary_backward_native(gq, gk, cos, sin, dim)
+        torch.testing.assert_close(got[0], q.grad, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got[1], k.grad, rtol=1e-12, atol=1e-12)
+
+
+class _RopeOf(nn.Module):
+    """The rewritten forward's call: the model's own function passed as ``original``."""
+
+    def forward(self, q, k, cos, sin):
+        return ops.rotary(q, k, cos, sin, original=apply_rotary_pos_emb)
+
+
+@pytest.mark.parametrize("backend", ["recording", "aot_eager"])
+def test_rotary_compiled_with_autograd_in_library_mode_calls_the_op_and_its_backward(backend):
+    """Under autograd in library mode, the library op runs with its registered backward (the
+    providers' backward kernel), also for a call that names the model's function; the gradients
+    of q and k (slices of one merged projection) are native autograd's."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def recording_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.manual_seed(0)
+    qkv, cos, sin = _inputs(2, 3, 1, 8, torch.float32)
+    qkv.requires_grad_()
+    ops.set_compile_mode("library", "rotary")
+    try:
+        compiled = torch.compile(_RopeOf(), fullgraph=True, backend=recording_backend if backend == "recording" else backend)
+        q, k = _qk(qkv, 8, 1, "merged")
+        out_q, out_k = compiled(q, k, cos, sin)
+        (out_q.square().sum() + (out_k * 3).sum()).backward()
+    finally:
+        ops.set_compile_mode(None, "rotary")
+        torch._dynamo.reset()
+    got, qkv.grad = qkv.grad, None
+    q, k = _qk(qkv, 8, 1, "merged")
+    want_q, want_k = rotary_native(q, k, cos, sin)
+    torch.testing.assert_close(out_q, want_q)
+    (want_q.square().sum() + (want_k * 3).sum()).backward()
+    torch.testing.assert_close(got, qkv.grad, rtol=1e-6, atol=1e-6)
+    assert got[..., (HQ + HK) * 8 :].abs().sum() == 0 and got[..., : HQ * 8].abs().sum() > 0
+    if backend == "recording":
+        targets = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
+        assert "transfuse.rotary" in targets, targets

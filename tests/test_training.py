@@ -91,6 +91,27 @@ def test_specialised_forwards_pairs_and_gated_norms_train_like_stock_under_torch
     _compare(torch.compile(stock), torch.compile(fused), *_batch())
 
 
+@pytest.mark.slow
+def test_library_ops_with_their_backward_train_like_stock_under_torch_compile():
+    """In library mode the rotary and act_and_mul library ops run under autograd with their
+    registered backward (on the GPU the default wherever Triton's backward kernels run): the
+    gradients through Inductor's graph are stock's."""
+    torch._dynamo.reset()
+    stock, fused = tiny_model("llama").train(), tiny_model("llama").train()
+    transfuse.rewrite(fused)
+    assert {"rotary", "gate_up", "qkv"} <= set(transfuse.report(fused).counts())
+    ops.set_compile_mode("library", "rotary")
+    ops.set_compile_mode("library", "silu_and_mul")
+    try:
+        with ops.trace() as calls:
+            _compare(torch.compile(stock), torch.compile(fused), *_batch())
+    finally:
+        ops.set_compile_mode(None, "rotary")
+        ops.set_compile_mode(None, "silu_and_mul")
+        torch._dynamo.reset()
+    assert {"rotary", "silu_and_mul"} <= {c.op for c in calls}, calls
+
+
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
 def test_gradient_checkpointing(model_type):
     stock, fused = tiny_model(model_type).train(), tiny_model(model_type).train()
@@ -149,3 +170,20 @@ def test_bf16_gradients_on_the_gpu_are_as_accurate_as_the_stock_models(model_typ
         compared += 1
         assert error(got[name], e) <= 1.5 * error(want[name], e) + 1e-3, (name, error(got[name], e), error(want[name], e))
     assert compared > 10
+
+
+@pytest.mark.gpu
+def test_compiled_training_on_the_gpu_runs_the_backward_kernels_and_matches_stock():
+    """Under ``torch.compile`` with autograd on the GPU, rotary and act_and_mul run as library ops
+    by default, their gradients from the Triton backward kernels (float32: stock's within 1e-5)."""
+    torch._dynamo.reset()
+    stock, fused = tiny_model("llama").cuda().train(), tiny_model("llama").cuda().train()
+    transfuse.rewrite(fused)
+    ids, labels = (t.cuda() for t in _batch())
+    try:
+        with ops.trace() as calls:
+            _compare(torch.compile(stock), torch.compile(fused), ids, labels)
+    finally:
+        torch._dynamo.reset()
+    used = {(c.op, c.provider) for c in calls}
+    assert {("rotary", "triton"), ("silu_and_mul", "triton")} <= used, used

@@ -6,7 +6,7 @@ plus providers (torch builtins, Triton, CUDA C++, plugins) picked per platform a
 
 # Importing these registers their providers: CUDA C++ (built on first use), Triton (imported on first use).
 from . import cuda, triton  # noqa: F401
-from .act_and_mul import ACTIVATIONS, act_and_mul, act_and_mul_linear, gelu_and_mul_native, identify_activation, silu_and_mul_native
+from .act_and_mul import ACTIVATIONS, act_and_mul, act_and_mul_backward_native, act_and_mul_linear, gelu_and_mul_native, identify_activation, silu_and_mul_native
 from .dispatch import (
     Dispatch,
     Op,
@@ -26,7 +26,7 @@ from .moe import ExpertsSpec, RoutingSpec, moe_experts, moe_experts_native, moe_
 from .moe_layer import StackedExperts, moe_block, moe_block_applies
 from .platform import Platform, current_platform
 from .rms_norm import GATE_ACTIVATIONS, RMSNormSpec, gated_rms_norm, gated_rms_norm_native, rms_norm, rms_norm_native
-from .rotary import rotary, rotary_native
+from .rotary import rotary, rotary_backward_native, rotary_native
 
 __all__ = [
     "ACTIVATIONS",
@@ -45,6 +45,7 @@ __all__ = [
     "RoutingSpec",
     "StackedExperts",
     "act_and_mul",
+    "act_and_mul_backward_native",
     "act_and_mul_linear",
     "causal_lm_loss",
     "current_platform",
@@ -70,6 +71,7 @@ __all__ = [
     "rms_norm",
     "rms_norm_native",
     "rotary",
+    "rotary_backward_native",
     "rotary_native",
     "set_compile_mode",
     "set_priority",

@@ -22,6 +22,7 @@ __all__ = [
     "GELU_AND_MUL",
     "SILU_AND_MUL",
     "act_and_mul",
+    "act_and_mul_backward_native",
     "act_and_mul_linear",
     "gelu_and_mul_native",
     "identify_activation",
@@ -77,20 +78,83 @@ def _(x, approximate):
     return gelu_and_mul_native(x, approximate)
 
 
+def act_and_mul_backward_native(grad: Tensor, x: Tensor, approximate: str | None) -> Tensor:
+    """The gradient ``[dgate | dup]`` of act_and_mul at ``x`` (silu for ``approximate`` None, else
+    gelu with it), by the formulas native autograd applies to ``act(gate) * up``."""
+    gate, up = _halves(x)
+    if approximate is None:
+        grad_gate = torch.ops.aten.silu_backward(grad * up, gate)
+        activated = F.silu(gate)
+    else:
+        grad_gate = torch.ops.aten.gelu_backward(grad * up, gate, approximate=approximate)
+        activated = F.gelu(gate, approximate=approximate)
+    return torch.cat([grad_gate, grad * activated], dim=-1)
+
+
+def _act_and_mul_backward(grad: Tensor, x: Tensor, approximate: str | None) -> Tensor:
+    op, args = (SILU_AND_MUL, ()) if approximate is None else (GELU_AND_MUL, (approximate,))
+    provider = op.select_with_backward(x, *args)
+    if provider.backward_and_output is not None:
+        return provider.backward_and_output(grad.contiguous(), x, *args, in_place=False, output=False)[0]
+    return act_and_mul_backward_native(grad, x, approximate)
+
+
+# The library ops' backward, for ``torch.compile`` of training code (``under_compile_use_library_op``
+# with ``backward``): the gradient in one kernel, where Inductor's code for the gradient of the
+# merged projection's two halves concatenates them in a kernel of its own making.
+@torch.library.custom_op("transfuse::silu_and_mul_backward", mutates_args=())
+def _silu_and_mul_backward_library_op(grad: Tensor, x: Tensor) -> Tensor:
+    return _act_and_mul_backward(grad, x, None)
+
+
+@_silu_and_mul_backward_library_op.register_fake
+def _(grad, x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("transfuse::gelu_and_mul_backward", mutates_args=())
+def _gelu_and_mul_backward_library_op(grad: Tensor, x: Tensor, approximate: str) -> Tensor:
+    return _act_and_mul_backward(grad, x, approximate)
+
+
+@_gelu_and_mul_backward_library_op.register_fake
+def _(grad, x, approximate):
+    return torch.empty_like(x)
+
+
+def _keep_input(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+    ctx.approximate = inputs[1] if len(inputs) > 1 else None
+
+
+def _silu_and_mul_grad(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return torch.ops.transfuse.silu_and_mul_backward(grad, x)
+
+
+def _gelu_and_mul_grad(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return torch.ops.transfuse.gelu_and_mul_backward(grad, x, ctx.approximate), None
+
+
+_silu_and_mul_library_op.register_autograd(_silu_and_mul_grad, setup_context=_keep_input)
+_gelu_and_mul_library_op.register_autograd(_gelu_and_mul_grad, setup_context=_keep_input)
+
+
 def act_and_mul(x: Tensor, activation: str) -> Tensor:
     """``act(gate) * up`` for ``x = [gate | up]``; ``activation`` is one of ``ACTIVATIONS``."""
     if x.shape[-1] % 2:
         raise ValueError(f"act_and_mul needs an even last dimension ([gate | up]), got {x.shape[-1]}.")
     if activation == "silu":
         if torch.compiler.is_compiling():
-            if under_compile_use_library_op("silu_and_mul", (x,)):
+            if under_compile_use_library_op("silu_and_mul", (x,), backward=True):
                 return torch.ops.transfuse.silu_and_mul(x)
             return silu_and_mul_native(x)
         return SILU_AND_MUL(x)
     if activation in ("gelu", "gelu_tanh"):
         approximate = "tanh" if activation == "gelu_tanh" else "none"
         if torch.compiler.is_compiling():
-            if under_compile_use_library_op("gelu_and_mul", (x,)):
+            if under_compile_use_library_op("gelu_and_mul", (x,), backward=True):
                 return torch.ops.transfuse.gelu_and_mul(x, approximate)
             return gelu_and_mul_native(x, approximate)
         return GELU_AND_MUL(x, approximate)

@@ -80,6 +80,10 @@ class Provider:
     # instead of keeping it (act_and_mul before a linear layer); None: autograd differentiates
     # ``autograd`` or ``impl``.
     backward_and_output: Callable[..., Any] | None = None
+    # The kernels' backward as a plain function of the outputs' gradients and what the op keeps
+    # (its signature is the op's own: ``rotary`` gives ``(grad_q, grad_k, cos, sin, unsqueeze_dim)``),
+    # for a library op's registered backward under ``torch.compile``; None: the op has none.
+    backward: Callable[..., Any] | None = None
 
     @property
     def has_backward(self) -> bool:
@@ -355,14 +359,45 @@ def set_compile_mode(mode: str | None, op: str | None = None) -> None:
         _COMPILE_MODE[key] = mode
 
 
-def under_compile_use_library_op(op: str, args: tuple, default: str = "native") -> bool:
-    """Whether a layer being compiled calls the library op; never when autograd needs a backward.
-    ``default`` applies when neither ``set_compile_mode`` nor the environment chose (an op whose
-    native code has data-dependent shapes defaults to its library op)."""
-    mode = _COMPILE_MODE.get(op) or _COMPILE_MODE.get("*") or os.environ.get("TRANSFUSE_COMPILE_MODE", default)
+def under_compile_use_library_op(op: str, args: tuple, default: str = "native", backward: bool = False) -> bool:
+    """Whether a layer being compiled calls the library op. ``default`` applies when neither
+    ``set_compile_mode`` nor the environment chose (an op whose native code has data-dependent
+    shapes defaults to its library op).
+
+    When autograd needs a backward: never, unless the library op has one of its own
+    (``backward``: registered with ``torch.library.register_autograd``, its gradient computed by
+    the providers' backward kernels). Such an op is called in library mode, and by default
+    wherever a provider with backward kernels runs on the arguments' device: Inductor's code for
+    the gradient of a merged projection's split (one kernel that also concatenates the parts)
+    measured several times slower on the GPU than those kernels
+    (``benchmarks/results/h200_profile_train_llama_*compiled_fourteenth.txt``)."""
+    chosen = _COMPILE_MODE.get(op) or _COMPILE_MODE.get("*") or os.environ.get("TRANSFUSE_COMPILE_MODE")
+    mode = chosen or default
     if mode not in _COMPILE_MODES:
         raise ValueError(f"TRANSFUSE_COMPILE_MODE must be one of {_COMPILE_MODES}, not {mode!r}.")
-    return mode == "library" and not _needs_grad(args, {})
+    if not _needs_grad(args, {}):
+        return mode == "library"
+    if not backward:
+        return False
+    if chosen is not None:
+        return chosen == "library"
+    devices = {a.device.type for a in args if isinstance(a, torch.Tensor)}
+    return len(devices) == 1 and _backward_kernels_run_on(op, devices.pop())
+
+
+@torch.compiler.assume_constant_result
+def _backward_kernels_run_on(op: str, device: str) -> bool:
+    """Some provider of ``op`` other than native, with a backward of its own, runs on this platform
+    and on ``device`` (run once per compiled graph, outside the trace: a constant in the graph)."""
+    found = _OPS[op]
+    if device == "cpu" and not os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    for provider in found.order():
+        if provider is found.native:
+            return False
+        if provider.autograd is not None or provider.backward_and_output is not None or provider.backward is not None:
+            return True
+    return False
 
 
 _PLUGINS_LOADED = False

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .dispatch import Op, under_compile_use_library_op
 
-__all__ = ["ROTARY", "rotary", "rotary_native"]
+__all__ = ["ROTARY", "rotary", "rotary_backward_native", "rotary_native"]
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -49,6 +49,56 @@ def _(q, k, cos, sin, unsqueeze_dim):
     return rotary_native(q, k, cos, sin, unsqueeze_dim)
 
 
+def _rotate_half_transposed(x: Tensor) -> Tensor:
+    """The adjoint of ``_rotate_half``: ``[x2 | -x1]``."""
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((x2, -x1), dim=-1)
+
+
+def rotary_backward_native(
+    grad_q: Tensor, grad_k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1
+) -> tuple[Tensor, Tensor]:
+    """The gradients of ``q`` and ``k`` for the outputs' gradients: ``g * cos + rotate_half^T(g * sin)``."""
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    return tuple(g * cos + _rotate_half_transposed(g * sin) for g in (grad_q, grad_k))
+
+
+# The library op's backward, for ``torch.compile`` of training code (``under_compile_use_library_op``
+# with ``backward``): the providers' backward kernel, where Inductor's code for the gradient of a
+# merged projection's q and k (rotated back, transposed and concatenated with v's in one kernel)
+# measured four times slower on the GPU.
+@torch.library.custom_op("transfuse::rotary_backward", mutates_args=())
+def _rotary_backward_library_op(
+    grad_q: Tensor, grad_k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int
+) -> tuple[Tensor, Tensor]:
+    provider = ROTARY.select_with_backward(grad_q, grad_k, cos, sin, unsqueeze_dim)
+    if provider.backward is not None:
+        return provider.backward(grad_q, grad_k, cos, sin, unsqueeze_dim)
+    return rotary_backward_native(grad_q, grad_k, cos, sin, unsqueeze_dim)
+
+
+@_rotary_backward_library_op.register_fake
+def _(grad_q, grad_k, cos, sin, unsqueeze_dim):
+    return rotary_backward_native(grad_q, grad_k, cos, sin, unsqueeze_dim)
+
+
+def _keep_cos_sin(ctx, inputs, output):
+    q, k, cos, sin, unsqueeze_dim = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.unsqueeze_dim = unsqueeze_dim
+
+
+def _rotary_grad(ctx, grad_q, grad_k):
+    cos, sin = ctx.saved_tensors
+    grad_q, grad_k = torch.ops.transfuse.rotary_backward(grad_q, grad_k, cos, sin, ctx.unsqueeze_dim)
+    return grad_q, grad_k, None, None, None
+
+
+_rotary_library_op.register_autograd(_rotary_grad, setup_context=_keep_cos_sin)
+
+
 def rotary(
     q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1, original: Callable | None = None
 ) -> tuple[Tensor, Tensor]:
@@ -60,13 +110,16 @@ def rotary(
     it by its global name, so it is whatever the name holds at the time of the call): while it
     is a function proved to compute this op (``transfuse/fusers/rotary.py``), the op runs; a
     function patched in later (another library's kernel, a user's change) is called instead.
-    Under ``torch.compile`` the function itself is traced."""
-    if original is not None and (torch.compiler.is_compiling() or not _proved(original, unsqueeze_dim)):
-        return original(q, k, cos, sin)
+    Under ``torch.compile`` the function itself is traced, except where autograd needs a backward
+    and backward kernels run (``under_compile_use_library_op``): then the library op runs."""
     if torch.compiler.is_compiling():
-        if under_compile_use_library_op("rotary", (q, k, cos, sin)):
+        if (original is None or _proved_constant(original, unsqueeze_dim)) and under_compile_use_library_op(
+            "rotary", (q, k, cos, sin), backward=True
+        ):
             return torch.ops.transfuse.rotary(q, k, cos, sin, unsqueeze_dim)
-        return rotary_native(q, k, cos, sin, unsqueeze_dim)
+        return original(q, k, cos, sin) if original is not None else rotary_native(q, k, cos, sin, unsqueeze_dim)
+    if original is not None and not _proved(original, unsqueeze_dim):
+        return original(q, k, cos, sin)
     return ROTARY(q, k, cos, sin, unsqueeze_dim)
 
 
@@ -80,6 +133,13 @@ def set_prover(prover: Callable[[Callable], int | None]) -> None:
     """Install the proof ``rotary`` checks an ``original`` function with (once per function)."""
     _PROVER[:] = [prover]
     _PROVED.clear()
+
+
+@torch.compiler.assume_constant_result
+def _proved_constant(function: Callable, unsqueeze_dim: int) -> bool:
+    """``_proved`` run outside a ``torch.compile`` trace (the prover reads source): a constant of the
+    graph, which Dynamo guards on the function the global name held."""
+    return _proved(function, unsqueeze_dim)
 
 
 def _proved(function: Callable, unsqueeze_dim: int) -> bool:

@@ -147,14 +147,15 @@ def _scale_args(x, scale) -> bool:
     )
 
 
-def _provider(op, module: str, name: str, supports_args, backward_and_output: bool = False) -> None:
+def _provider(op, module: str, name: str, supports_args, backward_and_output: bool = False, backward: bool = False) -> None:
     """Register ``name`` of ``module`` as the op's triton provider, with ``name_autograd`` (the same
-    kernels with their backward) for calls that need a backward, and with ``backward_and_output``
-    the module's ``name_backward_and_output``."""
+    kernels with their backward) for calls that need a backward, with ``backward_and_output`` the
+    module's ``name_backward_and_output``, and with ``backward`` its ``name_backward``."""
     op.register(
         Provider(
             "triton", _lazy(module, name), available, supports_args, autograd=_lazy(module, f"{name}_autograd"),
             backward_and_output=_lazy(module, f"{name}_backward_and_output") if backward_and_output else None,
+            backward=_lazy(module, f"{name}_backward") if backward else None,
         )
     )  # fmt: skip
 
@@ -165,6 +166,6 @@ _provider(FUSED_ADD_RMS_NORM, "rms_norm", "fused_add_rms_norm", _fused_add_rms_n
 GATED_RMS_NORM.register(Provider("triton", _lazy("rms_norm", "gated_rms_norm"), available, _gated_rms_norm_args))
 _provider(SILU_AND_MUL, "act_and_mul", "silu_and_mul", _act_and_mul_args, backward_and_output=True)
 _provider(GELU_AND_MUL, "act_and_mul", "gelu_and_mul", _act_and_mul_args, backward_and_output=True)
-_provider(ROTARY, "rotary", "rotary", _rotary_args)
+_provider(ROTARY, "rotary", "rotary", _rotary_args, backward=True)
 CROSS_ENTROPY_GRAD.register(Provider("triton", _lazy("cross_entropy", "cross_entropy_grad"), available, _cross_entropy_grad_args))
 SCALE_.register(Provider("triton", _lazy("cross_entropy", "scale_"), available, _scale_args))
