@@ -8,6 +8,8 @@ graph tests run on a GPU only.
 
 from __future__ import annotations
 
+import copy
+
 import io
 
 import pytest
@@ -441,6 +443,42 @@ def test_trusted_modules_replay_whole_calls_and_notice_new_weights(model_type):
     finally:
         model._compiled_call_impl = compiled_impl
     torch.testing.assert_close(doubled, eager_doubled, rtol=1e-4, atol=1e-4)
+    # A parameter object replaced by another (its old tensor still where it was): noticed too.
+    replaced = head.weight
+    head.weight = torch.nn.Parameter(replaced.detach() * 0.5)
+    try:
+        _, halved = _logits_of_generate(model, ids, mask, 16)
+        torch.testing.assert_close(halved[:, 0], 0.5 * doubled[:, 0], rtol=1e-3, atol=1e-3)
+    finally:
+        head.weight = replaced
+
+
+def test_the_replay_snapshot_notices_what_a_trusted_model_may_still_change():
+    """``CallGraphs``' check before a replay (the walk done once, flat lists read at each call):
+    in-place updates are fine (the graph reads the weights where they are); a replaced parameter,
+    a replaced or added submodule, a new buffer, new data, another training mode, a new hook are not."""
+    from transfuse.compile.replay import _Snapshot
+
+    model = _model("llama", num_hidden_layers=2)
+    snapshot = _Snapshot(model)
+    assert snapshot.holds() and len(snapshot.tensors) == len(list(model.parameters())) + len(list(model.buffers()))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)
+    assert snapshot.holds()
+    changes = [
+        lambda m: setattr(m.lm_head, "weight", torch.nn.Parameter(m.lm_head.weight.detach().clone())),
+        lambda m: setattr(m.lm_head.weight, "data", m.lm_head.weight.data.clone()),
+        lambda m: setattr(m.model.layers[0], "mlp", copy.deepcopy(m.model.layers[0].mlp)),
+        lambda m: m.model.norm.register_buffer("extra", torch.zeros(1)),
+        lambda m: m.model.layers[1].add_module("extra", torch.nn.Identity()),
+        lambda m: m.model.layers[1].train(),
+        lambda m: m.model.layers[0].self_attn.register_forward_hook(lambda *args: None),
+    ]
+    for change in changes:
+        changed = copy.deepcopy(model)
+        snapshot = _Snapshot(changed)
+        change(changed)
+        assert not snapshot.holds(), change
 
 
 def test_beam_search_through_the_store_matches_the_eager_model():
