@@ -140,6 +140,8 @@ def _build(variant: str, name: str, smoke: bool, device: str):
         left_out = re.findall(r"-no-(\w+)", variant)  # e.g. transfuse-lce-no-rotary: one kind's share
         if left_out:
             kinds = [k for k in (kinds or _all_kinds()[:-1]) if k not in left_out]
+            if "rms_norm" in left_out and "add_rms_norm" in kinds:  # it builds on rms_norm
+                kinds.remove("add_rms_norm")
         transfuse.rewrite(model, fusions=kinds)
     rewrite_s = time.perf_counter() - started
     if variant.endswith("+peft"):

@@ -53,7 +53,7 @@ def test_explain_a_model_type_prints_the_report():
     result = run("explain", "qwen3")
     assert result.returncode == 0, result.stderr
     assert "Qwen3RMSNorm" in result.stdout and "Qwen3Attention" in result.stdout and "Qwen3MLP" in result.stdout
-    assert "15 fusions (gate_up 2, qkv 2, rms_norm 9, rotary 2)" in result.stdout
+    assert "17 fusions (add_rms_norm 2, gate_up 2, qkv 2, rms_norm 9, rotary 2)" in result.stdout
     assert "analysed" in result.stderr  # progress goes to stderr
 
 

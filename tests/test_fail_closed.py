@@ -85,10 +85,10 @@ def test_honest_fusions_pass_in_every_dtype(dtype, device):
     """The rule is no stricter than rounding: the same models fuse everything in every dtype (on a
     GPU through the Triton and CUDA kernels, which round unlike native)."""
     expected = {
-        "llama": {"rms_norm", "qkv", "gate_up", "rotary"},
-        "gemma2": {"rms_norm", "qkv", "gate_up", "rotary"},
-        "qwen3_moe": {"rms_norm", "qkv", "moe", "rotary"},
-        "gpt_oss": {"rms_norm", "qkv", "moe"},
+        "llama": {"rms_norm", "add_rms_norm", "qkv", "gate_up", "rotary"},
+        "gemma2": {"rms_norm", "add_rms_norm", "qkv", "gate_up", "rotary"},
+        "qwen3_moe": {"rms_norm", "add_rms_norm", "qkv", "moe", "rotary"},
+        "gpt_oss": {"rms_norm", "add_rms_norm", "qkv", "moe"},
     }
     for model_type, kinds in expected.items():
         model = tiny_model(model_type, dtype=dtype).to(device)
@@ -326,11 +326,11 @@ def test_a_rewrite_under_the_meta_device_leaves_later_rewrites_working():
         with torch.device("meta"):
             meta = AutoModelForCausalLM.from_config(tiny_config("llama"))
             transfuse.rewrite(meta)
-        assert transfuse.report(meta).counts() == {"rms_norm": 5, "qkv": 2, "gate_up": 2, "rotary": 2}, transfuse.report(meta)
+        assert transfuse.report(meta).counts() == {"rms_norm": 5, "add_rms_norm": 2, "qkv": 2, "gate_up": 2, "rotary": 2}, transfuse.report(meta)
         model = tiny_model("llama")
         transfuse.rewrite(model)
         report = transfuse.report(model)
-        assert report.counts() == {"rms_norm": 5, "qkv": 2, "gate_up": 2, "rotary": 2}, report
+        assert report.counts() == {"rms_norm": 5, "add_rms_norm": 2, "qkv": 2, "gate_up": 2, "rotary": 2}, report
         assert report.verification == "verified"
         print("ok")
         """

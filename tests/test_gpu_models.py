@@ -36,6 +36,6 @@ def test_from_pretrained_with_device_map_on_gpu(tmp_path):
     tiny_model("llama").save_pretrained(tmp_path)
     model = transfuse.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, device_map="cuda")
     assert next(model.parameters()).device.type == "cuda"
-    assert transfuse.report(model).counts() == {"rms_norm": 5, "qkv": 2, "gate_up": 2, "rotary": 2}
+    assert transfuse.report(model).counts() == {"rms_norm": 5, "add_rms_norm": 2, "qkv": 2, "gate_up": 2, "rotary": 2}
     with torch.no_grad():
         assert torch.isfinite(model(input_ids=torch.tensor([[1, 2, 3]], device="cuda")).logits).all()

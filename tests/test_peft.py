@@ -112,7 +112,7 @@ def test_lora_before_the_rewrite_is_kept_and_the_merges_refused_with_the_reason(
     transfuse.rewrite(model.base_model.model)
     report = transfuse.report(model.base_model.model)
     assert {(s.cls, s.tag) for s in report.skipped} == {("LlamaAttention", "qkv.adapter"), ("LlamaMLP", "gate_up.adapter")}
-    assert report.counts() == {"rms_norm": 5, "rotary": 2}
+    assert report.counts() == {"rms_norm": 5, "add_rms_norm": 2, "rotary": 2}
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, want)
 

@@ -115,7 +115,7 @@ def test_meta_device_model_rewrites_quickly_without_verification():
     transfuse.rewrite(model)
     elapsed = time.perf_counter() - start
     report = transfuse.report(model)
-    assert report.counts() == {"rms_norm": 65, "qkv": 32, "gate_up": 32, "rotary": 32}
+    assert report.counts() == {"rms_norm": 65, "add_rms_norm": 32, "qkv": 32, "gate_up": 32, "rotary": 32}
     assert any("meta device" in n for n in report.notes)
     assert elapsed < 30  # about 1 s on 2 CPU cores; generous for slow CI machines
 
@@ -170,7 +170,7 @@ def test_a_model_without_get_input_embeddings_is_probed_from_its_config():
 
     model.get_input_embeddings = not_implemented  # as remote code that never implemented it
     transfuse.rewrite(model)
-    assert transfuse.report(model).counts() == {"rms_norm": 5, "qkv": 2, "gate_up": 2, "rotary": 2}
+    assert transfuse.report(model).counts() == {"rms_norm": 5, "add_rms_norm": 2, "qkv": 2, "gate_up": 2, "rotary": 2}
 
 
 class _NoVocabularyAnywhere(nn.Module):
@@ -200,7 +200,7 @@ def test_a_model_without_vocabulary_on_config_or_get_input_embeddings_is_probed_
     probe = make_probe(model)  # the vocabulary of the nn.Embedding the model holds
     assert probe.kwargs["input_ids"].max().item() >= 128 and probe.kwargs["input_ids"].max().item() < 256
     transfuse.rewrite(model)
-    assert transfuse.report(model).counts() == {"rms_norm": 5, "qkv": 2, "gate_up": 2, "rotary": 2}
+    assert transfuse.report(model).counts() == {"rms_norm": 5, "add_rms_norm": 2, "qkv": 2, "gate_up": 2, "rotary": 2}
     stock = tiny_model("llama")
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():

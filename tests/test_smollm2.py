@@ -23,7 +23,7 @@ def test_greedy_generation_is_identical_after_rewrite(smollm2_dir):
         logits_before = model(**prompt).logits
     transfuse.rewrite(model)
     layers = model.config.num_hidden_layers
-    assert transfuse.report(model).counts() == {"rms_norm": 2 * layers + 1, "qkv": layers, "gate_up": layers, "rotary": layers}
+    assert transfuse.report(model).counts() == {"rms_norm": 2 * layers + 1, "add_rms_norm": layers, "qkv": layers, "gate_up": layers, "rotary": layers}
     assert sum(isinstance(m, RMSNorm) for m in model.modules()) == 2 * layers + 1
     with torch.no_grad():
         after = model.generate(**prompt, **generate)

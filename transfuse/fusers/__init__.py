@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..rewriter.fusion import Fuser
+from .add_rms_norm import AddRMSNormFuser
 from .glu import GLUFuser
 from .linear_cross_entropy import LinearCrossEntropyFuser
 from .moe import MoEFuser
@@ -12,6 +13,7 @@ from .rotary import RotaryFuser
 
 __all__ = [
     "FUSERS",
+    "AddRMSNormFuser",
     "GLUFuser",
     "LinearCrossEntropyFuser",
     "MoEFuser",
@@ -25,7 +27,7 @@ __all__ = [
 
 # Applied in this order.
 FUSERS: tuple[Fuser, ...] = (
-    RMSNormFuser(), QKVFuser(), RotaryFuser(), GLUFuser(), MoEFuser(), LinearCrossEntropyFuser(),
+    RMSNormFuser(), AddRMSNormFuser(), QKVFuser(), RotaryFuser(), GLUFuser(), MoEFuser(), LinearCrossEntropyFuser(),
 )  # fmt: skip
 
 
@@ -48,4 +50,12 @@ def fusers_for(names: list[str] | tuple[str, ...] | None) -> list[Fuser]:
     unknown = sorted(set(names) - set(kinds()))
     if unknown:
         raise ValueError(f"Unknown fusion kind(s) {', '.join(map(repr, unknown))}; the kinds are: {', '.join(kinds())}.")
-    return [f for f in FUSERS if f.kind in names]
+    chosen = [f for f in FUSERS if f.kind in names]
+    for fuser in chosen:
+        missing = [kind for kind in fuser.requires if kind not in names]
+        if missing:
+            raise ValueError(
+                f"The {fuser.kind} fusion builds on {', '.join(missing)}: ask for {' and '.join(missing)} too, "
+                f"or leave {fuser.kind} out."
+            )
+    return chosen

@@ -141,6 +141,17 @@ class RMSNormFuser(Fuser):
         else:
             op = context.require("transfuse.ops", "rms_norm")
             call = f"{op}({found.input}, {weight}, self.{found.eps_attr}, {spec_cls}({flags}))"
+            if not found.assumes:
+                # What ``ops.add_rms_norm`` needs to run this norm fused with the add before it.
+                described = cst.parse_statement(
+                    f"_transfuse_rms_norm = ({found.weight!r}, {found.eps_attr!r}, {spec_cls}({flags}))"
+                ).with_changes(
+                    leading_lines=[
+                        cst.EmptyLine(indent=False),
+                        comment_line("transfuse: this norm's weight, epsilon and rounding (for add_rms_norm)"),
+                    ]
+                )
+                context.class_statements.append(described)
         body = [cst.parse_statement(f"return {call}")]
         comment = comment_line(f"transfuse: one fused op ({found.spec.describe()})")
         if found.assumes:

@@ -20,7 +20,7 @@ from .dispatch import (
     trace,
 )
 from .fused_add_rms_norm import fused_add_rms_norm, fused_add_rms_norm_native
-from .layers import GatedRMSNorm, LinearPart, MergedProjection, MoE, RMSNorm, layer, register_layer
+from .layers import GatedRMSNorm, LinearPart, MergedProjection, MoE, RMSNorm, add_rms_norm, layer, register_layer
 from .linear_cross_entropy import causal_lm_loss, linear_cross_entropy
 from .moe import ExpertsSpec, RoutingSpec, moe_experts, moe_experts_native, moe_route, moe_route_native
 from .moe_layer import StackedExperts, moe_block, moe_block_applies
@@ -45,6 +45,7 @@ __all__ = [
     "RoutingSpec",
     "StackedExperts",
     "act_and_mul",
+    "add_rms_norm",
     "act_and_mul_backward_native",
     "act_and_mul_linear",
     "causal_lm_loss",

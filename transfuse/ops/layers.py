@@ -18,10 +18,12 @@ from torch.nn.modules import module as module_globals
 from .act_and_mul import CONSUMABLE
 from .low_rank import linear_with_adapters
 from .moe_layer import MoE
+from .fused_add_rms_norm import fused_add_rms_norm
 from .rms_norm import RMSNormSpec, gated_rms_norm, input_gated_rms_norm, rms_norm
 from .sharding import ColwiseShards, is_sharded
 
 __all__ = [
+    "add_rms_norm",
     "Assumption",
     "GatedRMSNorm",
     "LinearPart",
@@ -305,6 +307,36 @@ class RMSNorm(nn.Module):
         shape = tuple(weight.shape) if weight is not None else None
         assumed = "".join(f", {a.describe()}" for a in self.assumes)
         return f"{shape}, eps={self.eps}, {self.spec.describe()}{assumed}"
+
+
+def add_rms_norm(norm: nn.Module, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(a + b), a + b)``: a decoder layer's ``h = a + b; r = h; h = norm(h)``, which the
+    add_rms_norm fusion puts this call in place of.
+
+    One ``fused_add_rms_norm`` where that is exactly what those statements compute: ``norm`` is a
+    plain ``RMSNorm`` layer, or a class of an emitted modeling file whose forward is that op (it
+    says so with ``_transfuse_rms_norm``: its weight's and epsilon's names and its rounding); it
+    has no hooks to run (its own or global ones); and ``a`` and ``b`` are plain tensors of one
+    shape and dtype (the sum is then taken in that dtype either way, and ``a + b`` equals
+    ``b + a``). Otherwise the statements as written: the sum, then the norm's call."""
+    if (
+        type(a) is torch.Tensor
+        and type(b) is torch.Tensor
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and not (norm._forward_hooks or norm._forward_pre_hooks)
+        and not (module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks)
+    ):
+        if type(norm) is RMSNorm:
+            if norm.assumes:
+                check_assumptions(norm, norm.assumes)
+            return fused_add_rms_norm(b, a, getattr(norm, norm.weight_name), norm.eps, norm.spec)
+        described = type(norm).__dict__.get("_transfuse_rms_norm")
+        if described is not None:
+            weight, eps, spec = described
+            return fused_add_rms_norm(b, a, getattr(norm, weight) if weight is not None else None, getattr(norm, eps), spec)
+    total = a + b
+    return norm(total), total
 
 
 class GatedRMSNorm(RMSNorm):

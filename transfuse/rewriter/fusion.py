@@ -63,6 +63,8 @@ class Fuser(ABC):
     # The fusion changes what runs in training mode only: the rewrite checks the model's loss in
     # training mode too.
     changes_training: ClassVar[bool] = False
+    # Kinds this one builds on: asking for it without them is an error (``fusers_for``).
+    requires: ClassVar[tuple[str, ...]] = ()
 
     def wants(self, module: nn.Module) -> bool:
         """Cheap class-level filter: is it worth tracing this module's class for this pattern?"""
