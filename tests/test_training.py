@@ -157,7 +157,7 @@ def test_bf16_gradients_on_the_gpu_are_as_accurate_as_the_stock_models(model_typ
     reference = tiny_model(model_type).cuda().train()
     stock = tiny_model(model_type).cuda().to(torch.bfloat16).train()
     fused = tiny_model(model_type).cuda().to(torch.bfloat16).train()
-    transfuse.rewrite(fused, fusions=["rms_norm", "qkv", "gate_up", "moe", "linear_cross_entropy"])
+    transfuse.rewrite(fused, fusions=["rms_norm", "add_rms_norm", "qkv", "gate_up", "moe", "linear_cross_entropy"])
     ids, labels = (t.cuda() for t in _batch())
     for model in (reference, stock, fused):
         _step(model, ids, labels)
