@@ -142,3 +142,19 @@ def test_an_emitted_modeling_file_runs_the_fused_op_too(tmp_path):
     assert sum(c.op == "fused_add_rms_norm" for c in calls) == 2
     with torch.no_grad():
         assert torch.equal(got, model.eval()(ids).logits)
+
+
+def test_a_norm_whose_forward_is_replaced_on_the_instance_is_called():
+    """accelerate's offloading hooks set the instance's forward (moving the weight in first): the
+    fused op would read the weight without them, so the norm is called as written."""
+    norm, calls = _norm(), []
+    original = norm.forward
+
+    def forward(x):
+        calls.append(x)
+        return original(x)
+
+    norm.forward = forward
+    a, b = torch.randn(2, 16), torch.randn(2, 16)
+    normed, total = ops.add_rms_norm(norm, a, b)
+    assert len(calls) == 1 and torch.equal(normed, original(a + b))

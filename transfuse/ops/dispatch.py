@@ -390,7 +390,7 @@ def _backward_kernels_run_on(op: str, device: str) -> bool:
     """Some provider of ``op`` other than native, with a backward of its own, runs on this platform
     and on ``device`` (run once per compiled graph, outside the trace: a constant in the graph)."""
     found = _OPS[op]
-    if device == "cpu" and not os.environ.get("TRITON_INTERPRET") == "1":
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return False
     for provider in found.order():
         if provider is found.native:

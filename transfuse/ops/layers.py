@@ -16,20 +16,20 @@ from torch import nn
 from torch.nn.modules import module as module_globals
 
 from .act_and_mul import CONSUMABLE
+from .fused_add_rms_norm import fused_add_rms_norm
 from .low_rank import linear_with_adapters
 from .moe_layer import MoE
-from .fused_add_rms_norm import fused_add_rms_norm
 from .rms_norm import RMSNormSpec, gated_rms_norm, input_gated_rms_norm, rms_norm
 from .sharding import ColwiseShards, is_sharded
 
 __all__ = [
-    "add_rms_norm",
     "Assumption",
     "GatedRMSNorm",
     "LinearPart",
     "MergedProjection",
     "MoE",
     "RMSNorm",
+    "add_rms_norm",
     "check_assumptions",
     "layer",
     "register_layer",
@@ -316,11 +316,13 @@ def add_rms_norm(norm: nn.Module, a: torch.Tensor, b: torch.Tensor) -> tuple[tor
     One ``fused_add_rms_norm`` where that is exactly what those statements compute: ``norm`` is a
     plain ``RMSNorm`` layer, or a class of an emitted modeling file whose forward is that op (it
     says so with ``_transfuse_rms_norm``: its weight's and epsilon's names and its rounding); it
-    has no hooks to run (its own or global ones); and ``a`` and ``b`` are plain tensors of one
+    has no hooks to run (its own or global ones) and no forward of its own set on the instance
+    (accelerate's offloading hooks replace it); and ``a`` and ``b`` are plain tensors of one
     shape and dtype (the sum is then taken in that dtype either way, and ``a + b`` equals
     ``b + a``). Otherwise the statements as written: the sum, then the norm's call."""
     if (
-        type(a) is torch.Tensor
+        "forward" not in norm.__dict__
+        and type(a) is torch.Tensor
         and type(b) is torch.Tensor
         and a.dtype == b.dtype
         and a.shape == b.shape

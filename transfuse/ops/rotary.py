@@ -113,8 +113,8 @@ def rotary(
     Under ``torch.compile`` the function itself is traced, except where autograd needs a backward
     and backward kernels run (``under_compile_use_library_op``): then the library op runs."""
     if torch.compiler.is_compiling():
-        if (original is None or _proved_constant(original, unsqueeze_dim)) and under_compile_use_library_op(
-            "rotary", (q, k, cos, sin), backward=True
+        if under_compile_use_library_op("rotary", (q, k, cos, sin), backward=True) and (
+            original is None or _proved_constant(original, unsqueeze_dim)
         ):
             return torch.ops.transfuse.rotary(q, k, cos, sin, unsqueeze_dim)
         return original(q, k, cos, sin) if original is not None else rotary_native(q, k, cos, sin, unsqueeze_dim)
