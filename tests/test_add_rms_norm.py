@@ -158,3 +158,19 @@ def test_a_norm_whose_forward_is_replaced_on_the_instance_is_called():
     a, b = torch.randn(2, 16), torch.randn(2, 16)
     normed, total = ops.add_rms_norm(norm, a, b)
     assert len(calls) == 1 and torch.equal(normed, original(a + b))
+
+
+def test_a_layer_whose_norm_the_rms_norm_fusion_refuses_is_refused_with_the_reason():
+    """The report counts only sites that run fused: a norm instance the RMSNorm fusion refuses
+    (here its epsilon is an int) refuses the add at that layer too."""
+    stock, model = tiny_model("llama").eval(), tiny_model("llama").eval()
+    model.model.layers[1].post_attention_layernorm.variance_epsilon = 1
+    stock.model.layers[1].post_attention_layernorm.variance_epsilon = 1
+    transfuse.rewrite(model)
+    report = transfuse.report(model)
+    assert report.counts()["add_rms_norm"] == 1
+    refusals = [s for s in report.skipped if s.kind == "add_rms_norm"]
+    assert [s.tag for s in refusals] == ["add_rms_norm.norm"] and "not a float" in refusals[0].reason
+    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=1e-6, atol=1e-6)

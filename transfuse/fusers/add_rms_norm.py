@@ -30,7 +30,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..rewriter.analysis import ClassAnalysis
-from ..rewriter.fusion import Fused, SourceFuser
+from ..rewriter.fusion import Fused, Refusal, SourceFuser
 from ..rewriter.graph import NoMatch, is_op, operands
 from ..rewriter.source import EditContext
 from ..rewriter.syntax import comment_line
@@ -43,9 +43,14 @@ _RMS_NORM = RMSNormFuser()
 
 @dataclass(frozen=True)
 class AddRMSNormMatch:
-    """The children (direct, by attribute name) that normalise a sum, in graph order."""
+    """The children (direct, by attribute name) that normalise a sum, in graph order, with what the
+    RMSNorm fuser found in each one's class."""
 
-    norms: tuple[str, ...]
+    found: tuple[tuple[str, RMSNormMatch], ...]
+
+    @property
+    def norms(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.found)
 
 
 class AddRMSNormFuser(SourceFuser):
@@ -56,16 +61,29 @@ class AddRMSNormFuser(SourceFuser):
         return any(_RMS_NORM.wants(child) for child in module.children())
 
     def match(self, analysis: ClassAnalysis) -> AddRMSNormMatch | None:
-        norms: list[str] = []
+        found: dict[str, RMSNormMatch] = {}
         for node in analysis.trace.graph.nodes:
-            if node.op != "call_module" or "." in str(node.target) or str(node.target) in norms:
+            if node.op != "call_module" or "." in str(node.target) or str(node.target) in found:
                 continue
             if len(node.args) != 1 or node.kwargs or not _is_sum(node.args[0]):
                 continue
             child = analysis.child(str(node.target))
-            if child is not None and isinstance(child.verdict(_RMS_NORM), RMSNormMatch):
-                norms.append(str(node.target))
-        return AddRMSNormMatch(tuple(norms)) if norms else None
+            verdict = child.verdict(_RMS_NORM) if child is not None else None
+            # A plain norm: a gated one becomes another layer, which the fused op does not stand for.
+            if isinstance(verdict, RMSNormMatch) and verdict.gate is None and not verdict.gate_first:
+                found[str(node.target)] = verdict
+        return AddRMSNormMatch(tuple(found.items())) if found else None
+
+    def validate(self, module: nn.Module, found: AddRMSNormMatch) -> Refusal | None:
+        # Each norm must become the RMSNorm layer, or the call site would run the statements as
+        # written and the report would count a fusion that is not made.
+        for name, norm_found in found.found:
+            refusal = _RMS_NORM.validate(getattr(module, name), norm_found)
+            if refusal is not None:
+                return Refusal(
+                    "add_rms_norm.norm", f"{name} is not fused by the RMSNorm fusion here ({refusal.reason})", refusal.where
+                )
+        return None
 
     def edit(self, tree: cst.FunctionDef, found: AddRMSNormMatch, context: EditContext) -> cst.FunctionDef:
         fused = _Fuse(set(found.norms), lambda: context.require("transfuse.ops", "add_rms_norm"))
