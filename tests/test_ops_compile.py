@@ -150,3 +150,22 @@ def test_act_and_mul_backward_native_is_autograds_gradient():
         ops.act_and_mul(x, activation).backward(grad)
         got = ops.act_and_mul_backward_native(grad, x.detach(), approximate)
         torch.testing.assert_close(got, x.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_the_default_under_autograd_takes_the_library_op_only_for_plain_tensors(monkeypatch):
+    """Where backward kernels run, plain tensors take the library op with its backward; a tensor
+    subclass (a DTensor under tensor parallelism) keeps the native code, which it knows how to run."""
+    from transfuse.ops import dispatch
+
+    monkeypatch.setattr(dispatch, "_backward_kernels_run_on", lambda op, device: True)
+
+    class Sub(torch.Tensor):
+        pass
+
+    plain = torch.randn(2, 8, requires_grad=True)
+    sub = torch.randn(2, 8).as_subclass(Sub).requires_grad_()
+    assert dispatch.under_compile_use_library_op("silu_and_mul", (plain,), backward=True)
+    assert not dispatch.under_compile_use_library_op("silu_and_mul", (sub,), backward=True)
+    assert not dispatch.under_compile_use_library_op("silu_and_mul", (plain,))  # no backward of its own
+    with torch.no_grad():
+        assert not dispatch.under_compile_use_library_op("silu_and_mul", (plain,), backward=True)  # native mode

@@ -381,7 +381,10 @@ def under_compile_use_library_op(op: str, args: tuple, default: str = "native", 
         return False
     if chosen is not None:
         return chosen == "library"
-    devices = {a.device.type for a in args if isinstance(a, torch.Tensor)}
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors):
+        return False  # a tensor subclass (a DTensor under tensor parallelism) computes its own way
+    devices = {t.device.type for t in tensors}
     return len(devices) == 1 and _backward_kernels_run_on(op, devices.pop())
 
 
