@@ -14,8 +14,8 @@ A replay still checks what is cheap to check (``_Snapshot``, taken at the captur
 module tree is made of the same objects (every submodule, parameter, buffer and forward hook
 entry, none added or removed, a parameter replaced by another is seen), each module is in the
 same training mode, every weight and buffer is where it was (new data, ``p.data = ...`` or a
-``.to()`` that moves it) and the dispatch generation (``transfuse.ops.dispatch``) is the same. Anything else means the call
-goes through Dynamo again, and a new capture. What is not checked are the plain attributes the
+``.to()`` that moves it) and the dispatch generation (``transfuse.ops.dispatch``) is the same.
+Anything else means the call goes through Dynamo again, and a new capture. What is not checked are the plain attributes the
 forward reads (a config value, a scaling factor set on a module): those are the changes
 ``trust_modules`` rules out.
 """

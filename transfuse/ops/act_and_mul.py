@@ -95,7 +95,7 @@ def _act_and_mul_backward(grad: Tensor, x: Tensor, approximate: str | None) -> T
     op, args = (SILU_AND_MUL, ()) if approximate is None else (GELU_AND_MUL, (approximate,))
     provider = op.select_with_backward(x, *args)
     if provider.backward_and_output is not None:
-        return provider.backward_and_output(grad.contiguous(), x, *args, in_place=False, output=False)[0]
+        return provider.backward_and_output(grad, x, *args, in_place=False, output=False)[0]
     return act_and_mul_backward_native(grad, x, approximate)
 
 

@@ -390,15 +390,16 @@ def under_compile_use_library_op(op: str, args: tuple, default: str = "native", 
 
 @torch.compiler.assume_constant_result
 def _backward_kernels_run_on(op: str, device: str) -> bool:
-    """Some provider of ``op`` other than native, with a backward of its own, runs on this platform
-    and on ``device`` (run once per compiled graph, outside the trace: a constant in the graph)."""
+    """Some provider of ``op`` other than native, with the backward kernels a library op's backward
+    calls (``backward`` or ``backward_and_output``), runs on this platform and on ``device`` (run
+    once per compiled graph, outside the trace: a constant in the graph)."""
     found = _OPS[op]
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return False
     for provider in found.order():
         if provider is found.native:
             return False
-        if provider.autograd is not None or provider.backward_and_output is not None or provider.backward is not None:
+        if provider.backward is not None or provider.backward_and_output is not None:
             return True
     return False
 

@@ -49,20 +49,14 @@ def _(q, k, cos, sin, unsqueeze_dim):
     return rotary_native(q, k, cos, sin, unsqueeze_dim)
 
 
-def _rotate_half_transposed(x: Tensor) -> Tensor:
-    """The adjoint of ``_rotate_half``: ``[x2 | -x1]``."""
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((x2, -x1), dim=-1)
-
-
 def rotary_backward_native(
     grad_q: Tensor, grad_k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1
 ) -> tuple[Tensor, Tensor]:
-    """The gradients of ``q`` and ``k`` for the outputs' gradients: ``g * cos + rotate_half^T(g * sin)``."""
+    """The gradients of ``q`` and ``k`` for the outputs' gradients: ``g * cos + rotate_half^T(g * sin)``,
+    where the adjoint of ``rotate_half`` (``[-x2 | x1]``) is ``[x2 | -x1]``, its negation."""
     cos = cos.unsqueeze(unsqueeze_dim)
     sin = sin.unsqueeze(unsqueeze_dim)
-    return tuple(g * cos + _rotate_half_transposed(g * sin) for g in (grad_q, grad_k))
+    return tuple(g * cos - _rotate_half(g * sin) for g in (grad_q, grad_k))
 
 
 # The library op's backward, for ``torch.compile`` of training code (``under_compile_use_library_op``
