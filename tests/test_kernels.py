@@ -354,21 +354,25 @@ def test_cuda_refuses_what_it_was_not_written_for_and_triton_takes_it():
 def test_triton_scale_matches_native_bit_for_bit(dtype, monkeypatch):
     """The in-place scale of linear_cross_entropy's saved gradients: sizes that end mid-block,
     several programs, a float32 scale for a low-precision tensor (rounded to its dtype first, as
-    ``mul_`` rounds it) and a scale in the tensor's own dtype. Bit for bit where Triton rounds
-    as torch does."""
+    ``mul_`` rounds it), a scale in the tensor's own dtype, and scales that round to one (which
+    leave the tensor as it was). Bit for bit where Triton rounds as torch does."""
     from transfuse.ops.linear_cross_entropy import scale_native
 
     kernel = _provider("scale_", "triton")
     monkeypatch.setitem(importlib.import_module("transfuse.ops.triton.cross_entropy").TUNING, "scale_block", 256)
     torch.manual_seed(0)
     for shape in [(1,), (255,), (3, 1000), (7, 33, 5)]:
-        for scale in (torch.tensor(0.3721, device=DEVICE), torch.tensor(1 / 41, device=DEVICE).to(dtype)):
+        # One, and one plus a float16 ulp (one in bfloat16): the kernel skips what rounds to one.
+        scales = (0.3721, 1 / 41, 1.0, 1 + 2**-10)
+        for scale in [torch.tensor(s, device=DEVICE) for s in scales] + [torch.tensor(1 / 41, device=DEVICE).to(dtype)]:
             x = _random(shape, dtype)
             what = f"triton scale_ {shape} {dtype} scale {scale.dtype}"
             assert kernel.supports_args(x, scale), f"{what}: refused"
             got, want = x.clone(), x.clone()
             assert kernel.impl(got, scale) is got, f"{what}: not in place"
             scale_native(want, scale)
+            if scale.to(dtype) == 1:
+                assert torch.equal(got, x), f"{what}: a scale of one changed x"
             if _rounds_like_torch(dtype):
                 assert torch.equal(got, want), f"{what}: {(got.float() - want.float()).abs().max().item()} from native"
             else:  # the interpreter truncates to bfloat16: the scale's and the product's roundings

@@ -9,7 +9,8 @@ logits are read twice and written once in their own dtype; the unfused model als
 float32 copy, its log-softmax and a float32 gradient, each as large as the logits.
 
 And ``scale_``: the backward's multiplication of those saved gradients by the loss's gradient, in
-place, at copy bandwidth (``mul_`` by a one-element GPU tensor is not vectorised).
+place, at copy bandwidth (``mul_`` by a one-element GPU tensor is not vectorised), and with no
+memory traffic at all where that gradient is one.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from .launch import Kernel
 
 __all__ = ["cross_entropy_grad", "scale_"]
 
-# Elements per block and warps (a vocabulary row is read in blocks of this many).
+# Elements per block and warps (a vocabulary row is read in blocks of this many); benchmarks
+# override them here as block and num_warps (``benchmarks/train_kernels.py``).
 TUNING: dict = {}
 _BLOCK, _WARPS = 4096, 8
 # scale_: elements per program.
@@ -74,6 +76,7 @@ def cross_entropy_grad(logits: Tensor, targets: Tensor, scale: Tensor, ignore_in
         _cross_entropy_grad_kernel[(rows,)](
             logits, targets, scale, losses, logits.stride(0), vocab, ignore_index,
             BLOCK=block, num_warps=TUNING.get("num_warps", _WARPS),
+            **({"num_stages": TUNING["num_stages"]} if "num_stages" in TUNING else {}),
         )  # fmt: skip
     return losses
 
@@ -83,11 +86,13 @@ def cross_entropy_grad(logits: Tensor, targets: Tensor, scale: Tensor, ignore_in
 def _scale_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr):
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offsets = start + tl.arange(0, BLOCK)
-    mask = offsets < n
     dtype = x_ptr.dtype.element_ty
     # The scale rounded to x's dtype first, then the product in float32 rounded once: what ``mul_``
     # by a tensor of another dtype computes.
     scale = tl.load(scale_ptr).to(dtype).to(tl.float32)
+    # A scale of one (a plain ``loss.backward()``) leaves x as it is: no element is read or written,
+    # decided on the device, so the host never waits for the scale's value.
+    mask = offsets < tl.where(scale != 1.0, n, 0)
     x = tl.load(x_ptr + offsets, mask=mask).to(tl.float32)
     tl.store(x_ptr + offsets, (x * scale).to(dtype), mask=mask)
 
