@@ -195,7 +195,7 @@ def _timed(step, steps: int, device: str) -> tuple[list[float], float, float]:
     return times, peak, float(loss.item())
 
 
-def _profile(model, ids, rows: int = 25) -> str:
+def _profile(model, ids, rows: int = 50) -> str:
     """The GPU kernels of one step by total time, then the operators (with their input shapes)
     that launched them by their own GPU time: where the step goes, and which op a kernel is."""
     from torch.profiler import ProfilerActivity, profile

@@ -48,7 +48,8 @@ _TINY_ROWS, _TINY_BLOCK, _TINY_WARPS = 4, 256, 4
 _LATENCY_BOUND_ROWS, _BLOCK, _BLOCK_THREAD_BYTES = 1024, 1024, 8
 _LARGE_BLOCK, _LARGE_THREAD_BYTES = 4096, 16
 # Benchmarks and tests override the launch here: block, num_warps, masked (predicate even exact
-# tiles), index_64 (64-bit offsets at any size); ``benchmarks/sweep_triton_ops.py``.
+# tiles), index_64 (64-bit offsets at any size); ``benchmarks/sweep_triton_ops.py``; and the
+# backward's backward_block and backward_warps (``benchmarks/train_kernels.py``).
 TUNING: dict = {}
 
 
@@ -191,11 +192,12 @@ def act_and_mul_backward(
     y = x.new_empty((*x.shape[:-1], d)) if output else dx
     n_rows = x2.shape[0]
     if n_rows:
-        block = min(_BLOCK, triton.next_power_of_2(d))
+        block = min(TUNING.get("backward_block", _BLOCK), triton.next_power_of_2(d))
+        num_warps = TUNING.get("backward_warps", max(1, min(8, block // 128)))
         with device_of(x):
             _act_and_mul_backward_kernel[(n_rows, triton.cdiv(d, block))](
                 x2, dy2, dx, y, D=d, ACTIVATION=activation, BLOCK=block, INDEX_64=x2.numel() >= 2**31,
-                WRITE_Y=output, num_warps=max(1, min(8, block // 128)),
+                WRITE_Y=output, num_warps=num_warps,
             )  # fmt: skip
     return (dx.view(x.shape), y) if output else dx.view(x.shape)
 

@@ -180,7 +180,8 @@ def row_levels(x: Tensor) -> tuple[int, int, int] | None:
     return inner, groups[1][1], row_stride
 
 
-# Benchmarks override the launch shape here (``benchmarks/sweep_triton_ops.py``).
+# Benchmarks override the launch shape here: rows and num_warps (``benchmarks/sweep_triton_ops.py``),
+# the backward's backward_programs_per_sm and backward_warps (``benchmarks/train_kernels.py``).
 TUNING: dict = {}
 
 
@@ -362,7 +363,8 @@ def _backward_programs(n_rows: int, device) -> int:
     gradient (fewer partial sums to add at the end)."""
     if device.type != "cuda":
         return max(1, min(n_rows, 4))
-    return max(1, min(n_rows, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
+    per_sm = TUNING.get("backward_programs_per_sm", 4)
+    return max(1, min(n_rows, per_sm * torch.cuda.get_device_properties(device).multi_processor_count))
 
 
 def rms_norm_backward(
@@ -391,6 +393,7 @@ def rms_norm_backward(
                 N=n_cols, UPCAST=upcast, CAST_BEFORE_WEIGHT=cast_before_weight, OFFSET=offset,
                 WEIGHT_FP32=weight_fp32, HAS_WEIGHT=weight is not None, ADD_DRESIDUAL=dres2 is not None,
                 CONTIGUOUS=contiguous, BLOCK_N=triton.next_power_of_2(n_cols), num_warps=_backward_warps(n_cols),
+                **({"num_stages": TUNING["backward_stages"]} if "backward_stages" in TUNING else {}),
             )  # fmt: skip
     dw = None
     if weight is not None:
@@ -400,7 +403,7 @@ def rms_norm_backward(
 
 def _backward_warps(n_cols: int) -> int:
     block = triton.next_power_of_2(n_cols)
-    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+    return TUNING.get("backward_warps", 4 if block <= 1024 else 8 if block <= 4096 else 16)
 
 
 class _RMSNormFunction(torch.autograd.Function):
