@@ -41,16 +41,19 @@ GRIDS = {
     "rms_norm_backward": {"backward_programs_per_sm": (2, 4, 8, 16), "backward_warps": (4, 8, 16), "backward_stages": (None, 1, 2)},
     "act_and_mul_backward": {"backward_block": (1024, 2048, 4096), "backward_warps": (2, 4, 8, 16)},
     "cross_entropy_grad": {"block": (2048, 4096, 8192, 16384), "num_warps": (4, 8, 16, 32), "num_stages": (None, 1, 2)},
+    "scale_": {"scale_programs_per_sm": (4, 8, 16, 32, 64)},
 }
 QUICK = {
     "rms_norm_backward": {"backward_programs_per_sm": (4, 16), "backward_warps": (8, 16), "backward_stages": (None,)},
     "act_and_mul_backward": {"backward_block": (1024, 4096), "backward_warps": (4, 8)},
     "cross_entropy_grad": {"block": (4096, 8192), "num_warps": (8, 16), "num_stages": (None,)},
+    "scale_": {"scale_programs_per_sm": (8, 32)},
 }
 MODULES = {
     "rms_norm_backward": "transfuse.ops.triton.rms_norm",
     "act_and_mul_backward": "transfuse.ops.triton.act_and_mul",
     "cross_entropy_grad": "transfuse.ops.triton.cross_entropy",
+    "scale_": "transfuse.ops.triton.cross_entropy",
 }
 
 
@@ -149,7 +152,7 @@ def main() -> int:
     for name, make, kernel, reference, moved in cases(args.tokens, args.ce_rows):
         base = name.replace("fused_add_", "").split(" ")[0]
         grid = grids.get(base, {})
-        configs = [{}] + [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+        configs = [{}] + ([dict(zip(grid, values)) for values in itertools.product(*grid.values())] if grid else [])
         input_sets = bench_ops._input_sets(make, moved)
         for config in configs:
             module, saved = _tuning(base, config) if config else (None, None)

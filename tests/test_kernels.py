@@ -350,8 +350,9 @@ def test_cuda_refuses_what_it_was_not_written_for_and_triton_takes_it():
         assert log[-1].provider == "triton", (tuple(x_case.shape), w_case.dtype, spec)
 
 
+@pytest.mark.parametrize("programs_per_sm", [None, 1], ids=["a-program-a-block", "looping-programs"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_triton_scale_matches_native_bit_for_bit(dtype, monkeypatch):
+def test_triton_scale_matches_native_bit_for_bit(dtype, programs_per_sm, monkeypatch):
     """The in-place scale of linear_cross_entropy's saved gradients: sizes that end mid-block,
     several programs, a float32 scale for a low-precision tensor (rounded to its dtype first, as
     ``mul_`` rounds it), a scale in the tensor's own dtype, and scales that round to one (which
@@ -359,7 +360,9 @@ def test_triton_scale_matches_native_bit_for_bit(dtype, monkeypatch):
     from transfuse.ops.linear_cross_entropy import scale_native
 
     kernel = _provider("scale_", "triton")
-    monkeypatch.setitem(importlib.import_module("transfuse.ops.triton.cross_entropy").TUNING, "scale_block", 256)
+    tuning = importlib.import_module("transfuse.ops.triton.cross_entropy").TUNING
+    monkeypatch.setitem(tuning, "scale_block", 256)
+    monkeypatch.setitem(tuning, "scale_programs_per_sm", programs_per_sm)  # 1: one program (here) loops over all
     torch.manual_seed(0)
     for shape in [(1,), (255,), (3, 1000), (7, 33, 5)]:
         # One, and one plus a float16 ulp (one in bfloat16): the kernel skips what rounds to one.
