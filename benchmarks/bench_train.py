@@ -200,6 +200,8 @@ def _profile(model, ids, rows: int = 50) -> str:
     that launched them by their own GPU time: where the step goes, and which op a kernel is."""
     from torch.profiler import ProfilerActivity, profile
 
+    paused = _paused_steps(model, ids)
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         _train_step(model, ids)
         torch.cuda.synchronize()
@@ -213,8 +215,27 @@ def _profile(model, ids, rows: int = 50) -> str:
     )
     return (
         f"GPU kernels\n{by_kernel}\n\nOperators by their own GPU time, with input shapes\n{by_op}\n\n"
-        f"{_idle_gaps(prof.events())}\n\n{_runtime_calls(events)}"
+        f"{_idle_gaps(prof.events())}\n\n{_runtime_calls(events)}\n\n{paused}"
     )
+
+
+def _paused_steps(model, ids, steps: int = 3, pause_s: float = 1.0) -> str:
+    """Steps each begun after ``pause_s`` of an idle GPU, against steps back to back: whether the
+    timed steps' length beyond the profiled GPU span is the host's or the GPU's own (a GPU that
+    rested runs its first milliseconds at higher clocks)."""
+    times = {}
+    for mode in ("back to back", f"after {pause_s:g} s idle"):
+        torch.cuda.synchronize()
+        taken = []
+        for _ in range(steps):
+            if mode != "back to back":
+                time.sleep(pause_s)
+            start = time.perf_counter()
+            _train_step(model, ids)
+            torch.cuda.synchronize()
+            taken.append(1000 * (time.perf_counter() - start))
+        times[mode] = taken
+    return "Steps (ms): " + "; ".join(f"{mode}: {', '.join(f'{t:.2f}' for t in taken)}" for mode, taken in times.items())
 
 
 def _idle_gaps(events, rows: int = 15) -> str:
@@ -237,9 +258,14 @@ def _idle_gaps(events, rows: int = 15) -> str:
     cpu_ops = sorted(
         (e for e in events if e.device_type == torch.autograd.DeviceType.CPU), key=lambda e: e.time_range.start
     )
+    syncs = [e for e in cpu_ops if e.name == "cudaDeviceSynchronize"]
+    first_host = cpu_ops[0].time_range.start if cpu_ops else kernels[0].time_range.start
+    sync_end = syncs[-1].time_range.end if syncs else end
     lines = [
         f"GPU busy {busy / 1000:.2f} ms of a {span / 1000:.2f} ms span from the first kernel to the last "
-        f"({len(gaps)} gaps, {sum(g[0] for g in gaps) / 1000:.2f} ms idle)",
+        f"({len(gaps)} gaps, {sum(g[0] for g in gaps) / 1000:.2f} ms idle); the first kernel began "
+        f"{(kernels[0].time_range.start - first_host) / 1000:.2f} ms after the step's first host operator, and the "
+        f"synchronisation returned {(sync_end - end) / 1000:.2f} ms after the last kernel ended",
         f"The {rows} longest gaps (us, the kernel before -> the kernel after; CPU operators begun in the gap):",
     ]
     for length, start, stop, before, after in sorted(gaps, reverse=True)[:rows]:
@@ -418,7 +444,8 @@ def _syncs(model, ids) -> str:
 
 
 def _block_mib(variant: str) -> int | None:
-    """``-block<N>``: the loss's blocks of logit gradients hold N MiB (default ``BLOCK_BYTES``)."""
+    """``-block<N>``: the loss's blocks of logit gradients hold N MiB (by default ``BLOCK_BYTES``, or the
+    head weight's size where that is more)."""
     found = re.search(r"-block(\d+)", variant)
     return int(found.group(1)) if found else None
 
@@ -428,9 +455,9 @@ def run_variant(
 ) -> dict:
     lce = importlib.import_module("transfuse.ops.linear_cross_entropy")  # the module, not the function
     result = {"variant": variant, "model": name}
-    default_block, block_mib = lce.BLOCK_BYTES, _block_mib(variant)
+    default_block, weight_sized, block_mib = lce.BLOCK_BYTES, lce.WEIGHT_SIZED_BLOCKS, _block_mib(variant)
     if block_mib:
-        lce.BLOCK_BYTES = block_mib << 20
+        lce.BLOCK_BYTES, lce.WEIGHT_SIZED_BLOCKS = block_mib << 20, False
     try:
         model, config, ids, rewrite_s = _build(variant, name, smoke, device)
         result["rewrite_s"] = rewrite_s
@@ -464,7 +491,7 @@ def run_variant(
     except Exception as exc:  # a variant that fails is reported, the others still run
         result["error"] = f"{type(exc).__name__}: {exc}"[:500]
     finally:
-        lce.BLOCK_BYTES = default_block
+        lce.BLOCK_BYTES, lce.WEIGHT_SIZED_BLOCKS = default_block, weight_sized
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
