@@ -444,8 +444,7 @@ def _syncs(model, ids) -> str:
 
 
 def _block_mib(variant: str) -> int | None:
-    """``-block<N>``: the loss's blocks of logit gradients hold N MiB (by default ``BLOCK_BYTES``, or the
-    head weight's size where that is more)."""
+    """``-block<N>``: the loss's blocks of logit gradients hold N MiB (default ``BLOCK_BYTES``)."""
     found = re.search(r"-block(\d+)", variant)
     return int(found.group(1)) if found else None
 
@@ -455,9 +454,9 @@ def run_variant(
 ) -> dict:
     lce = importlib.import_module("transfuse.ops.linear_cross_entropy")  # the module, not the function
     result = {"variant": variant, "model": name}
-    default_block, weight_sized, block_mib = lce.BLOCK_BYTES, lce.WEIGHT_SIZED_BLOCKS, _block_mib(variant)
+    default_block, block_mib = lce.BLOCK_BYTES, _block_mib(variant)
     if block_mib:
-        lce.BLOCK_BYTES, lce.WEIGHT_SIZED_BLOCKS = block_mib << 20, False
+        lce.BLOCK_BYTES = block_mib << 20
     try:
         model, config, ids, rewrite_s = _build(variant, name, smoke, device)
         result["rewrite_s"] = rewrite_s
@@ -491,7 +490,7 @@ def run_variant(
     except Exception as exc:  # a variant that fails is reported, the others still run
         result["error"] = f"{type(exc).__name__}: {exc}"[:500]
     finally:
-        lce.BLOCK_BYTES, lce.WEIGHT_SIZED_BLOCKS = default_block, weight_sized
+        lce.BLOCK_BYTES = default_block
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()

@@ -79,7 +79,7 @@ def test_loss_and_gradients_equal_transformers_loss_in_float32(monkeypatch, redu
         kwargs["shift_labels"] = torch.roll(labels, 3, dims=1)
     if chunk_rows is not None:
         block, chunk = chunk_rows if isinstance(chunk_rows, tuple) else (chunk_rows, chunk_rows)
-        monkeypatch.setattr(lce_module, "_block_rows", lambda rows, vocab, size, hidden=0: block)
+        monkeypatch.setattr(lce_module, "_block_rows", lambda rows, vocab, size: block)
         monkeypatch.setattr(lce_module, "_chunk_rows", lambda rows, vocab: chunk)
     fn = TRANSFORMS[transform]
     want_loss, want = _grads(lambda *t: _stock(fn, **kwargs)(*t, labels), h, weight, bias, torch.float32)
@@ -98,7 +98,7 @@ def triton_cross_entropy(triton_for):
 
 @pytest.mark.parametrize("reduction", ["mean", "num_items_in_batch"])
 def test_the_triton_kernel_gives_transformers_loss_and_gradients(monkeypatch, triton_cross_entropy, reduction):
-    monkeypatch.setattr(lce_module, "_block_rows", lambda rows, vocab, size, hidden=0: 16)
+    monkeypatch.setattr(lce_module, "_block_rows", lambda rows, vocab, size: 16)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs the kernel on CPU tensors
     h, weight, bias, labels = (t.to(device) for t in _loss_case(vocab=300))
     kwargs = {"num_items_in_batch": torch.tensor(41, device=device)} if reduction == "num_items_in_batch" else {}
@@ -116,7 +116,7 @@ def test_the_triton_kernel_gives_transformers_loss_and_gradients(monkeypatch, tr
 def test_low_precision_gradients_are_as_accurate_as_the_unfused_ones(monkeypatch, dtype):
     """Against a float64 run: the fused loss's gradients err no more than the unfused model's own
     (1.5x), in many chunks, and its loss agrees."""
-    monkeypatch.setattr(lce_module, "_block_rows", lambda rows, vocab, size, hidden=0: 16)  # 8 blocks: 7 roundings
+    monkeypatch.setattr(lce_module, "_block_rows", lambda rows, vocab, size: 16)  # 8 blocks: 7 roundings
     monkeypatch.setattr(lce_module, "_chunk_rows", lambda rows, vocab: 8)
     h, weight, bias, labels = _loss_case(vocab=300, hidden=64, seq=61)
     loss = lambda fn: (lambda *t: fn(*t, labels))  # noqa: E731
@@ -127,18 +127,6 @@ def test_low_precision_gradients_are_as_accurate_as_the_unfused_ones(monkeypatch
     error = lambda g, e: ((g.double() - e).norm() / e.norm()).item()  # noqa: E731
     for g, w, e in zip(got, want, exact):
         assert error(g, e) <= 1.5 * error(w, e) + 1e-4, (error(g, e), error(w, e))
-
-
-def test_a_block_holds_the_larger_of_the_budget_and_the_weight(monkeypatch):
-    """Blocks of logits: a power of two of rows under BLOCK_BYTES, or under the head weight's own
-    size where that is larger (Llama 3's 1 GiB head: 4096 rows), never more rows than there are."""
-    monkeypatch.setattr(lce_module, "BLOCK_BYTES", 512 << 20)
-    assert lce_module._block_rows(8192, 128256, 2, 4096) == 4096  # the weight's 1 GiB
-    assert lce_module._block_rows(8192, 49152, 2, 576) == 4096  # a 54 MiB weight: 512 MiB
-    assert lce_module._block_rows(1000, 49152, 2, 576) == 1000
-    assert lce_module._block_rows(8192, 128256, 4, 4096) == 4096  # float32: as many bytes as the weight
-    monkeypatch.setattr(lce_module, "WEIGHT_SIZED_BLOCKS", False)
-    assert lce_module._block_rows(8192, 128256, 2, 4096) == 2048
 
 
 def test_every_label_ignored_gives_the_same_nan_as_transformers():
@@ -181,7 +169,7 @@ def _step(model, ids, labels, **kwargs):
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma2", "cohere", "granite", "qwen3_moe"])
 def test_fused_loss_trains_like_the_stock_model(monkeypatch, model_type):
-    monkeypatch.setattr(lce_module, "_block_rows", lambda rows, vocab, size, hidden=0: 9)  # many blocks
+    monkeypatch.setattr(lce_module, "_block_rows", lambda rows, vocab, size: 9)  # many blocks
     monkeypatch.setattr(lce_module, "_chunk_rows", lambda rows, vocab: 5)  # in chunks
     stock, fused = tiny_model(model_type).train(), tiny_model(model_type).train()
     transfuse.rewrite(fused, fusions=ALL_KINDS)

@@ -44,15 +44,10 @@ CHUNK_BYTES = 256 << 20
 # gradient is summed over blocks in its own dtype, one rounding per block after the first. Each
 # block's sum is a matmul that also reads and writes the whole weight gradient, so fewer, larger
 # blocks are faster: at Llama-3-8B's shapes (8192 tokens) on an H200, 512 MiB took 1.4 ms a step
-# off 256 MiB's 114.3, and 1 GiB 2.3 ms, for 0.18 and 0.67 GiB more peak
-# (``benchmarks/results/h200_train_llama_blocks_fourteenth.md``). A block holds BLOCK_BYTES, or as
-# many bytes as the weight where that is more (with WEIGHT_SIZED_BLOCKS): the weight's gradient,
-# as large, is held anyway, so the loss never holds more than twice the weight's size, and each
-# block's sum then has as many rows as the weight has columns (its share of reading and writing
-# the gradient stays the same fraction of its work at every model size). Llama 3's 1 GiB head
-# takes blocks of 4096 rows, 1 GiB.
+# off 256 MiB's 114.3 for 0.18 GiB more peak, and 1 GiB 2.3 ms for 0.67 GiB
+# (``benchmarks/results/h200_train_llama_blocks_fourteenth.md``); in a later run 1 GiB was 0.8 ms
+# slower than 512 MiB, inside the rounds' spread (``..._llama_fifteenth.md``): 512 MiB stays.
 BLOCK_BYTES = 512 << 20
-WEIGHT_SIZED_BLOCKS = True
 
 
 def _rows_under(rows: int, bytes_per_row: int, budget: int) -> int:
@@ -63,9 +58,8 @@ def _chunk_rows(rows: int, vocab: int) -> int:
     return _rows_under(rows, 14 * vocab, CHUNK_BYTES)
 
 
-def _block_rows(rows: int, vocab: int, element_size: int, hidden: int = 0) -> int:
-    budget = max(BLOCK_BYTES, vocab * hidden * element_size) if WEIGHT_SIZED_BLOCKS else BLOCK_BYTES
-    return _rows_under(rows, vocab * element_size, budget)
+def _block_rows(rows: int, vocab: int, element_size: int) -> int:
+    return _rows_under(rows, vocab * element_size, BLOCK_BYTES)
 
 
 def _row_losses(logits: Tensor, targets: Tensor, scale: Tensor, ignore_index: int, transform, differentiate: bool) -> Tensor:
@@ -256,7 +250,7 @@ def linear_cross_entropy(
 
 
 def _linear_cross_entropy(hidden, weight, bias, targets, ignore_index, scale, transform, block_rows):
-    block = block_rows or _block_rows(hidden.shape[0], weight.shape[0], hidden.element_size(), weight.shape[1])
+    block = block_rows or _block_rows(hidden.shape[0], weight.shape[0], hidden.element_size())
     if transform is None and torch.compiler.is_compiling():
         needs = [t is not None and t.requires_grad and torch.is_grad_enabled() for t in (hidden, weight, bias)]
         return torch.ops.transfuse.linear_cross_entropy(hidden, weight, bias, targets, ignore_index, scale, block, *needs)[0]
