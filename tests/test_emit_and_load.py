@@ -34,6 +34,12 @@ def test_emitted_directory_loads_in_stock_transformers_with_the_runtime_numbers(
     runtime = _logits(model, ids)
     result = emit(model, tmp_path / "out")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True).eval()
+    # The loaded weights live where safetensors put them (deepseek_v2's experts 40 bytes past a
+    # 64-byte boundary in one run), and torch's CPU grouped matmul rounds by alignment: the stock
+    # model's experts with their weights moved 40 bytes differ from themselves by an ulp. Fresh
+    # copies make this a test of the emitted code, not of where the file's bytes landed.
+    for tensor in [*loaded.parameters(), *loaded.buffers()]:
+        tensor.data = tensor.data.clone()
     assert type(loaded).__module__.startswith("transformers_modules.")
     assert sum(isinstance(m, MergedProjection) for m in loaded.modules()) == sum(
         isinstance(m, MergedProjection) for m in model.modules()
