@@ -38,15 +38,15 @@ DTYPE = torch.bfloat16
 FLAGS = RMSNormSpec().flags()  # LlamaRMSNorm's roundings
 
 GRIDS = {
-    "rms_norm_backward": {"backward_programs_per_sm": (2, 4, 8, 16), "backward_warps": (4, 8, 16), "backward_stages": (None, 1, 2)},
+    "rms_norm_backward": {"backward_programs_per_sm": (2, 4, 8, 16), "backward_warps": (4, 8, 16)},
     "act_and_mul_backward": {"backward_block": (1024, 2048, 4096), "backward_warps": (2, 4, 8, 16)},
-    "cross_entropy_grad": {"block": (2048, 4096, 8192, 16384), "num_warps": (4, 8, 16, 32), "num_stages": (None, 1, 2)},
+    "cross_entropy_grad": {"block": (2048, 4096, 8192, 16384), "num_warps": (4, 8, 16, 32)},
     "scale_": {"scale_programs_per_sm": (4, 8, 16, 32, 64)},
 }
 QUICK = {
-    "rms_norm_backward": {"backward_programs_per_sm": (4, 16), "backward_warps": (8, 16), "backward_stages": (None,)},
+    "rms_norm_backward": {"backward_programs_per_sm": (4, 16), "backward_warps": (8, 16)},
     "act_and_mul_backward": {"backward_block": (1024, 4096), "backward_warps": (4, 8)},
-    "cross_entropy_grad": {"block": (4096, 8192), "num_warps": (8, 16), "num_stages": (None,)},
+    "cross_entropy_grad": {"block": (4096, 8192), "num_warps": (8, 16)},
     "scale_": {"scale_programs_per_sm": (8, 32)},
 }
 MODULES = {
@@ -134,7 +134,7 @@ def _check(name, make, kernel, reference) -> str:
 def _tuning(name: str, config: dict):
     module = importlib.import_module(MODULES[name])
     saved = dict(module.TUNING)
-    module.TUNING.update({k: v for k, v in config.items() if v is not None})
+    module.TUNING.update(config)
     return module, saved
 
 

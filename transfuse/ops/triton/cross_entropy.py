@@ -81,7 +81,6 @@ def cross_entropy_grad(logits: Tensor, targets: Tensor, scale: Tensor, ignore_in
         _cross_entropy_grad_kernel[(rows,)](
             logits, targets, scale, losses, logits.stride(0), vocab, ignore_index,
             BLOCK=block, num_warps=TUNING.get("num_warps", _WARPS),
-            **({"num_stages": TUNING["num_stages"]} if "num_stages" in TUNING else {}),
         )  # fmt: skip
     return losses
 

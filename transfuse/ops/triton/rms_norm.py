@@ -395,7 +395,6 @@ def rms_norm_backward(
                 N=n_cols, UPCAST=upcast, CAST_BEFORE_WEIGHT=cast_before_weight, OFFSET=offset,
                 WEIGHT_FP32=weight_fp32, HAS_WEIGHT=weight is not None, ADD_DRESIDUAL=dres2 is not None,
                 CONTIGUOUS=contiguous, BLOCK_N=triton.next_power_of_2(n_cols), num_warps=_backward_warps(n_cols),
-                **({"num_stages": TUNING["backward_stages"]} if "backward_stages" in TUNING else {}),
             )  # fmt: skip
     dw = None
     if weight is not None:
