@@ -11,7 +11,9 @@ random bf16 weights, greedy decoding with no end-of-sequence token. Variants:
                          CUDA graphs through torch.compile's "reduce-overhead")
   transfuse eager        transfuse.rewrite, DynamicCache
   transfuse compiled     transfuse.rewrite + transfuse.compile, DynamicCache (a decode step is
-                         one CUDA graph, its keys and values in a KVStore)
+                         one CUDA graph, its keys and values in a KVStore, replayed without
+                         entering Dynamo once Dynamo's guards pass)
+  transfuse compiled, Dynamo every step    the same with replay=False
   transfuse compiled, module guards off    the same with trust_modules=True
   transfuse compiled, graph per piece      the same with kv_store=False (attention eager between
                          graphed pieces)
@@ -194,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     fused = transfuse.rewrite(copy.deepcopy(stock))
     compiled_options = {
         "transfuse compiled": {},
+        "transfuse compiled, Dynamo every step": {"replay": False},
         "transfuse compiled, module guards off": {"trust_modules": True},
         "transfuse compiled, graph per piece": {"kv_store": False},
     }
@@ -268,6 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     from transfuse.compile import backend
 
     result["backend_stats"] = backend.stats()
+    # Whole-call replays (``transfuse/compile/replay.py``) and why a signature was not captured.
+    result["call_graphs"] = {
+        name: {"replays": graphs.replays, "refused": graphs.refused, "failed": graphs.failed}
+        for name, (model, _) in models.items()
+        if (graphs := getattr(getattr(model, "_transfuse_compiled", None), "call_graphs", None)) is not None
+    }
     with open(os.path.join(args.out, f"decode_{args.model}.json"), "w") as f:
         json.dump(result, f, indent=1)
     lines = [f"# Decode per token, {args.model} shapes ({result['device']}, torch {result['torch']})", "",
@@ -283,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefill:
         lines += ["", f"Prefill of {args.prefill} tokens (no cache): "
                   + "; ".join(f"{k} {v['ms']:.2f} ms (first call {v['first_call_s']:.1f} s)" for k, v in result["prefill"].items())]
-    lines += ["", f"Backend counters: {result['backend_stats']}"]
+    lines += ["", f"Backend counters: {result['backend_stats']}", "", f"Whole-call replays: {result['call_graphs']}"]
     with open(os.path.join(args.out, f"decode_{args.model}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

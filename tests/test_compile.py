@@ -415,17 +415,19 @@ def test_release_drops_the_stores_and_the_next_call_makes_one_again():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("trust_modules", [False, True], ids=["guarded", "trusted"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
-def test_trusted_modules_replay_whole_calls_and_notice_new_weights(model_type):
+def test_whole_calls_replay_and_notice_new_weights(model_type, trust_modules):
     model = _model(model_type, device="cuda")
     ids, mask = _padded_batch("cuda")
     want_tokens, want_logits = _logits_of_generate(model, ids, mask, 16)
-    transfuse.compile(model, trust_modules=True)
+    transfuse.compile(model, trust_modules=trust_modules)
     calls = model._transfuse_compiled.call_graphs
     _logits_of_generate(model, ids, mask, 16)
     before = calls.replays
     got_tokens, got_logits = _logits_of_generate(model, ids, mask, 16)
-    assert calls.failed is None and 15 <= calls.replays - before <= 16  # every decode step replayed
+    assert calls.failed is None and calls.refused is None
+    assert 15 <= calls.replays - before <= 16  # every decode step replayed
     assert torch.equal(got_tokens, want_tokens)
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
     # New weights (a new tensor where the old one was): the replay notices and captures again.
@@ -451,6 +453,22 @@ def test_trusted_modules_replay_whole_calls_and_notice_new_weights(model_type):
         torch.testing.assert_close(halved[:, 0], 0.5 * doubled[:, 0], rtol=1e-3, atol=1e-3)
     finally:
         head.weight = replaced
+    if trust_modules:
+        return
+    # A plain attribute the forward reads: Dynamo's guards fail, that step goes through Dynamo
+    # (which recompiles), and the steps after it are replayed from a new capture.
+    norm = model.model.norm
+    norm.eps = 0.5
+    before = calls.replays
+    _, wide = _logits_of_generate(model, ids, mask, 16)
+    assert calls.replays - before >= 12
+    model._compiled_call_impl = None
+    try:
+        _, eager_wide = _logits_of_generate(model, ids, mask, 16)
+    finally:
+        model._compiled_call_impl = compiled_impl
+    assert not torch.allclose(wide, doubled, atol=1e-2)
+    torch.testing.assert_close(wide, eager_wide, rtol=1e-4, atol=1e-4)
 
 
 def test_the_replay_snapshot_notices_what_a_trusted_model_may_still_change():
@@ -479,6 +497,102 @@ def test_the_replay_snapshot_notices_what_a_trusted_model_may_still_change():
         snapshot = _Snapshot(changed)
         change(changed)
         assert not snapshot.holds(), change
+
+
+def _served_calls(model):
+    """Wrap the compiled function so every call records the Dynamo entry its locals select
+    (``DynamoEntries.serving``, evaluated inside the call's own context)."""
+    compiled = model._transfuse_compiled
+    inner = compiled.compiled
+    seen = []
+
+    def call(*args, **kwargs):
+        output = inner(*args, **kwargs)
+        frame = {"args": args, "kwargs": kwargs}
+        seen.append((frame, compiled.dynamo.serving(frame)))
+        return output
+
+    compiled.compiled = call
+    return seen
+
+
+def test_dynamo_s_guards_name_the_entry_a_call_runs_and_fail_on_a_changed_attribute():
+    """What a default replay checks: the entry Dynamo would run for a decode step is found from
+    its guards alone, its frame changes nothing outside the graph, and a plain attribute the
+    forward reads (an epsilon), changed, makes the guards fail where our own snapshot sees
+    nothing (the modules and weights are the same objects)."""
+    from transfuse.compile import _implementation
+    from transfuse.compile.replay import _Snapshot
+
+    model = _model("llama")
+    ids, mask = _padded_batch()
+    transfuse.compile(model, inductor=False, kv_store=True)
+    compiled = model._transfuse_compiled
+    assert compiled.dynamo.available
+    seen = _served_calls(model)
+    _generate(model, ids, mask, new=4)
+    (_, prompt), *steps = seen
+    assert prompt is not None and all(served is not None for _, served in steps)
+    decode = {served[1] for _, served in steps}
+    assert len(decode) == 1 and prompt[1] not in decode  # the prompt and the decode steps: two entries
+    frame, served = steps[-1]
+    assert compiled.dynamo.refusal(served, guarded=True) is None
+    assert compiled.dynamo.effects[served[1]] is None
+    snapshot = _Snapshot(model)
+    with torch.no_grad():
+        with _implementation(compiled.configs, IMPLEMENTATION):
+            assert compiled.dynamo.serving(frame)[0] is served[0]
+            model.model.norm.eps = model.model.norm.eps * 10
+            assert snapshot.holds()
+            assert compiled.dynamo.serving(frame) is None
+            model.model.norm.eps = model.model.norm.eps / 10
+            assert compiled.dynamo.serving(frame)[0] is served[0]
+        # Outside the call's context the configs name their own attention: no entry.
+        assert compiled.dynamo.serving(frame) is None
+    assert compiled.dynamo.serving(frame) is None  # nor with the grad mode on
+
+
+def test_a_compiled_call_that_changes_an_attribute_is_not_replayed():
+    """Dynamo's compiled code sets the attribute in Python after the graph; a replay of the
+    graph would not, so such an entry is refused, with or without the module guards."""
+    model = _model("llama")
+    norm = model.model.norm
+
+    class Counting(type(norm)):
+        def forward(self, hidden):
+            self.calls = self.calls + 1
+            return super().forward(hidden)
+
+    norm.__class__ = Counting
+    norm.calls = 0
+    transfuse.compile(model, inductor=False, kv_store=True)
+    compiled = model._transfuse_compiled
+    seen = _served_calls(model)
+    _generate(model, ids := _padded_batch()[0], torch.ones_like(ids), new=3)
+    assert norm.calls == len(seen) == 3  # Dynamo's code sets it after each graph
+    # Each call recompiles (its guards hold the count), and every compile knows why it may not be replayed.
+    assert len(compiled.dynamo.effects) == 3
+    for compile_id, effects in compiled.dynamo.effects.items():
+        assert effects is not None and effects.startswith("sets") and effects.endswith("model.norm.calls"), effects
+        refusal = compiled.dynamo.refusal((compile("graph()", "<t>", "eval"), compile_id), guarded=False)
+        assert refusal == f"the compiled call {effects} outside its graph"
+
+
+def test_replay_refusals_by_mode():
+    """Guarded replays need a known entry with nothing outside its graph and no graph break;
+    unguarded ones (``trust_modules``) are refused only for effects known to be there."""
+    from transfuse.compile.replay import DynamoEntries
+
+    entries = DynamoEntries(_served_calls)
+    plain, resumed = compile("graph()", "<t>", "eval"), compile("__resume_at_12_3(graph())", "<t>", "eval")
+    entries.effects.update({"0/0": None, "0/1": "sets x.y"})
+    assert entries.refusal((plain, "0/0"), guarded=True) is None
+    assert "graph breaks" in entries.refusal((resumed, "0/0"), guarded=True)
+    assert entries.refusal((resumed, "0/0"), guarded=False) is None
+    assert entries.refusal((plain, "0/1"), guarded=False) == "the compiled call sets x.y outside its graph"
+    assert "unknown" in entries.refusal((plain, "5/0"), guarded=True)
+    assert entries.refusal((plain, "5/0"), guarded=False) is None
+    assert entries.refusal(None, guarded=True) is not None and entries.refusal(None, guarded=False) is None
 
 
 def test_beam_search_through_the_store_matches_the_eager_model():

@@ -15,6 +15,9 @@ What it does to the model (knowing no model family):
   cache's layers are views of), so the whole step, attention included, is one CUDA graph
   (``transfuse/compile/kv_store.py``); the buffers stay with the model between calls, as a
   static cache's do, until ``transfuse.compile.release(model)``;
+* such a step is then replayed as one CUDA graph of the whole call without entering Dynamo,
+  after a check of Dynamo's own guards for the entry it would run and of the model's modules
+  and weights (``transfuse/compile/replay.py``);
 * ``generate`` on CUDA reads its stop flag one step late, so the host queues the next token
   while the GPU runs this one (``transfuse/compile/generate.py``).
 
@@ -122,11 +125,16 @@ class _Compiled:
         self.configs = configs
         self.options = options
         self.cache_name = "cache" if "cache" in _forward_parameters(model) else "past_key_values"
+        entry = _entry(model.forward)
+        # Dynamo's compiled entries of ``entry``: which one a call would run, what each changes
+        # outside its graph (``replay.py``).
+        self.dynamo = replay.DynamoEntries(entry)
         graph_backend = functools.partial(
             backend.compile_graph,
             inductor=options["inductor"],
             cuda_graphs=options["cuda_graphs"],
             static_pointers=self.static_pointers,
+            on_frame=self.dynamo.record,
         )
         extra: dict[str, Any] = {}
         if options["trust_modules"] and hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"):
@@ -135,16 +143,19 @@ class _Compiled:
         # call and start at the model's forward wrapper instead, which every transformers model
         # shares (see ``_entry``). The model's own hooks are honoured by running those calls
         # eagerly (``_covers``); its submodules' hooks are traced as usual.
-        self.compiled = torch.compile(
-            _entry(model.forward), backend=graph_backend, dynamic=options["dynamic"], **extra
-        )
+        self.compiled = torch.compile(entry, backend=graph_backend, dynamic=options["dynamic"], **extra)
         self.calls = {"compiled": 0, "eager": 0}
         # Key/value stores of decode steps by cache layout, the most recently used last.
         self.stores: collections.OrderedDict[tuple, kv_store.KVStore] = collections.OrderedDict()
         # Why decode steps do not use a store (a layer's attention needs more than it gives).
         self.store_refused: str | None = None
-        # With the module guards off, decode steps replay without entering Dynamo (``replay.py``).
-        self.call_graphs = replay.CallGraphs(model) if options["trust_modules"] else None
+        # Decode steps replayed without entering Dynamo (``replay.py``): after a check of Dynamo's
+        # guards, or with the module guards off (``trust_modules``) without it.
+        self.call_graphs = (
+            replay.CallGraphs(model, self.dynamo, guarded=not options["trust_modules"])
+            if options["replay"] and options["cuda_graphs"]
+            else None
+        )
 
     def static_pointers(self) -> set[int]:
         model = self.model
@@ -191,9 +202,13 @@ class _Compiled:
             with attention.step(cache, padding, store), _implementation(self.configs, IMPLEMENTATION):
                 return self.compiled(use_cache=False, **arguments)
 
+        def serving(arguments: dict[str, Any]) -> Any:  # the frame's locals as ``run`` calls it
+            with attention.step(cache, padding, store), _implementation(self.configs, IMPLEMENTATION):
+                return self.dynamo.serving({"args": (), "kwargs": {"use_cache": False, **arguments}})
+
         try:
             if store is not None and self.call_graphs is not None:
-                output = self.call_graphs(run, store, kwargs)
+                output = self.call_graphs(run, store, kwargs, serving)
             else:
                 output = run(kwargs)
         except kv_store.StoreUnusable as exc:
@@ -334,6 +349,7 @@ def compile(  # noqa: A001 - the name users call, as torch.compile
     deferred_stop: bool = True,
     trust_modules: bool = False,
     kv_store: bool | None = None,
+    replay: bool = True,
 ) -> nn.Module:
     """Compile ``model`` in place for inference and return it (see the module docstring).
 
@@ -344,12 +360,16 @@ def compile(  # noqa: A001 - the name users call, as torch.compile
     (``transfuse/compile/kv_store.py``; None: on CUDA with ``cuda_graphs``, True: on any device,
     for tests of the store without graphs).
 
+    On CUDA, a decode step through a store is replayed as one CUDA graph of the whole call
+    without entering Dynamo (``replay.py``) once Dynamo's own guards for the entry it compiled
+    pass on the call's arguments and the model's modules and weights are the objects and
+    addresses they were at the capture; ``replay=False`` enters Dynamo at every step.
+
     ``trust_modules=True`` drops Dynamo's guards on the model's modules (their attributes are
     then not checked before each call; checking them costs about 150 us a call at 8 layers):
     only for a model nothing changes after this call (no new weights by replacement, no dtype
-    or device change, no adapters, no attribute set on a module). Decode steps of such a model
-    are then replayed as CUDA graphs without entering Dynamo at all (``replay.py``; a replay
-    still checks that the weights are where they were)."""
+    or device change, no adapters, no attribute set on a module). Its replays check the modules
+    and weights but not Dynamo's guards."""
     configs = _check(model)
     attention.register()
     compiled = _Compiled(
@@ -362,6 +382,7 @@ def compile(  # noqa: A001 - the name users call, as torch.compile
             "trust_modules": trust_modules,
             "deferred_stop": deferred_stop,
             "kv_store": kv_store,
+            "replay": replay,
         },
     )
     model._compiled_call_impl = compiled

@@ -70,11 +70,16 @@ def compile_graph(
     inductor: bool = True,
     cuda_graphs: bool = True,
     static_pointers: Callable[[], set[int]] | None = None,
+    on_frame: Callable[[], None] | None = None,
 ) -> Callable[..., Any]:
-    """Compile one Dynamo graph: split at attention, each piece compiled, graphed where static."""
+    """Compile one Dynamo graph: split at attention, each piece compiled, graphed where static.
+    ``on_frame`` is called first, while Dynamo's records of the frame are current
+    (``replay.DynamoEntries.record``)."""
     from torch.fx.passes.split_module import split_module
 
     _STATS["graphs"] += 1
+    if on_frame is not None:
+        on_frame()
     fakes = [node.meta.get("example_value") for node in gm.graph.nodes if node.op == "placeholder"]
     if any(f is None for f in fakes):  # not from Dynamo (a test's own graph): use what it was given
         fakes = list(example_inputs)

@@ -1,28 +1,37 @@
-"""Decode steps replayed without entering Dynamo, for models compiled with ``trust_modules=True``.
+"""Decode steps replayed as whole CUDA graphs without entering Dynamo.
 
 A decode step through a ``KVStore`` is one CUDA graph (``backend.StepGraph``), but reaching it
 still goes through the Dynamo-compiled function: its guards, its bytecode before the graph and
 the split graph's Python, about 100-200 us a token, which at a MoE model's decode step is a
-quarter of the token. Dynamo's guards are what notice a model changed after compiling; a model
-compiled with ``trust_modules=True`` has promised nothing will (its module guards are off
-already). For those, ``CallGraphs`` captures the whole compiled call, the host's way to the graph
+quarter of the token. ``CallGraphs`` captures the whole compiled call, the host's way to the graph
 included, as one CUDA graph per store and input signature (the second time a signature is seen)
 and replays it directly: the inputs copied into the graph's own, one launch, the outputs copied
 out.
 
-A replay still checks what is cheap to check (``_Snapshot``, taken at the capture): the model's
-module tree is made of the same objects (every submodule, parameter, buffer and forward hook
-entry, none added or removed, a parameter replaced by another is seen), each module is in the
-same training mode, every weight and buffer is where it was (new data, ``p.data = ...`` or a
-``.to()`` that moves it) and the dispatch generation (``transfuse.ops.dispatch``) is the same.
-Anything else means the call goes through Dynamo again, and a new capture. What is not checked are the plain attributes the
-forward reads (a config value, a scaling factor set on a module): those are the changes
-``trust_modules`` rules out.
+A replay stands for what Dynamo would have run, so before each one it checks:
+
+* that Dynamo would run the same compiled entry: the entry's own guards (``DynamoEntries``),
+  evaluated on the call's arguments as Dynamo evaluates them before running an entry. They are
+  what notice a changed attribute the forward reads (a config value, an epsilon), a global, the
+  grad mode or autocast. A model compiled with ``trust_modules=True`` has its module guards off
+  and promised nothing about its modules changes; its replays skip this check;
+* that the model's module tree is made of the same objects (``_Snapshot``, taken at the capture):
+  every submodule, parameter, buffer and forward hook entry, none added or removed, each module
+  in the same training mode, every weight and buffer where it was (new data, ``p.data = ...`` or
+  a ``.to()`` that moves it: the graph reads weights by address, which Dynamo's guards do not
+  look at); and the dispatch generation (``transfuse.ops.dispatch``) is the same.
+
+Anything else means the call goes through Dynamo (which recompiles if its guards say so) and
+the next call with that signature is captured again. A capture is made only of an entry whose
+frame changes nothing outside its graph (``frame_effects``: Dynamo replays such changes in
+Python after the graph, which a replay would skip), and whose frame has no graph break (a
+resumed frame has guards of its own).
 """
 
 from __future__ import annotations
 
 import operator
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -34,7 +43,7 @@ from ..ops import dispatch
 from ..ops.graphs import copy_out, graph_pool
 from . import kv_store
 
-__all__ = ["CallGraphs"]
+__all__ = ["CallGraphs", "DynamoEntries", "frame_effects"]
 
 
 class _Snapshot:
@@ -73,29 +82,153 @@ class _Snapshot:
 _TRAINING = operator.attrgetter("training")
 
 
+def frame_effects() -> str | None:
+    """Called by a backend while Dynamo compiles a frame: what the frame changes outside its graph,
+    which Dynamo's compiled code does in Python after the graph and a replay of the graph would not
+    (as a phrase), or None for nothing. Objects the frame creates (its output) do not count, nor
+    attributes it sets back to the values they hold (transformers' output collector sets two and
+    resets them in every forward). Reads Dynamo's private side-effect records; where they cannot
+    be read the answer is that the effects are unknown."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        from torch._dynamo.variables.base import AttributeMutationNew
+
+        effects = InstructionTranslator.current_tx().output.side_effects
+        modified = effects._get_modified_vars()
+        stores = effects.store_attr_mutations
+        if effects.tensor_hooks or effects.save_for_backward:
+            return "registers tensor hooks"
+        for var in modified:
+            if isinstance(var.mutation_type, AttributeMutationNew):
+                continue
+            owner, changed = getattr(var, "value", None), stores.get(var)
+            base_changed = getattr(var, "is_base_vt_modified", None)
+            if owner is None or not changed or (base_changed is not None and base_changed(effects)):
+                return f"changes {_described(var)}"
+            for name, value in changed.items():
+                if not (value.is_python_constant() and _same(getattr(owner, name, _MISSING), value.as_python_constant())):
+                    return f"sets {_described(var)}.{name}"
+    except Exception as exc:  # noqa: BLE001 - another torch version's internals
+        return f"unknown (Dynamo's side-effect records unreadable: {type(exc).__name__})"
+    return None
+
+
+_MISSING = object()
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return a is b or (type(a) is type(b) and bool(a == b))
+    except Exception:  # noqa: BLE001 - a comparison that does not give a bool
+        return False
+
+
+def _described(var: Any) -> str:
+    """A variable's source as a reader names it: ``model.model.norm`` for Dynamo's
+    ``G['call'].__self__._modules['model']._modules['norm']``."""
+    try:
+        name = var.source.name
+    except Exception:  # noqa: BLE001 - a source without a name
+        return type(var).__name__
+    name = name.replace("G['call'].__self__", "model")
+    return re.sub(r"\._(?:modules|parameters|buffers)\['([^']+)'\]", r".\1", name)
+
+
+class DynamoEntries:
+    """Dynamo's compiled entries of one function: which one Dynamo would run for a call (its
+    guards evaluated on the call's locals, as Dynamo evaluates them, without running anything),
+    and what each entry's frame changes outside its graph (``record``, called by the backend
+    while Dynamo compiles). Uses Dynamo's private cache-entry list; where a torch version lacks
+    it, ``available`` is False and no entry is ever found."""
+
+    def __init__(self, function: Callable[..., Any]):
+        self.code = function.__code__
+        # compile id -> ``frame_effects()`` of that compile (None: nothing outside the graph).
+        self.effects: dict[str, str | None] = {}
+        self.available = _entry_list() is not None
+
+    def record(self) -> None:
+        from torch._guards import CompileContext
+
+        compile_id = CompileContext.current_compile_id()
+        if compile_id is not None and self.effects.get(str(compile_id)) is None:
+            self.effects[str(compile_id)] = frame_effects()
+
+    def serving(self, f_locals: dict[str, Any]) -> Any:
+        """The entry Dynamo would run for these locals, as (transformed code, compile id), or None."""
+        entries = _entry_list()
+        if entries is None:
+            return None
+        try:
+            for entry in entries(self.code):
+                if entry.guard_manager.check(f_locals):
+                    return entry.code, str(entry.compile_id)
+        except Exception:  # noqa: BLE001 - a guard that raises fails, as in Dynamo
+            return None
+        return None
+
+    def refusal(self, served: Any, guarded: bool) -> str | None:
+        """Why the entry ``serving`` found may not be replayed, or None. Unguarded replays
+        (``trust_modules``) are refused only for effects known to be there."""
+        if served is None:
+            return "no compiled entry of Dynamo's would run this call" if guarded else None
+        code, compile_id = served
+        if guarded and any(name.startswith("__resume_at") for name in code.co_names):
+            return "the compiled call has graph breaks (a resumed frame has guards of its own)"
+        effects = self.effects.get(compile_id, _UNKNOWN)
+        if effects is None or (not guarded and effects.startswith("unknown")):
+            return None
+        return f"the compiled call {effects} outside its graph"
+
+
+_UNKNOWN = "unknown (compiled before this model's backend recorded it)"
+
+
+def _entry_list() -> Callable[[Any], list[Any]] | None:
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:
+        return None
+    return _debug_get_cache_entry_list
+
+
 class _Entry:
-    def __init__(self, graph: Any, inputs: dict[str, Any], output: Any, snapshot: _Snapshot, generation: int):
+    def __init__(self, graph: Any, inputs: dict[str, Any], output: Any, snapshot: _Snapshot, generation: int, code: Any):
         self.graph = graph
         self.inputs = inputs
         self.output = output
         self.snapshot = snapshot
         self.generation = generation
+        # The transformed code of Dynamo's entry the capture ran (None: its guards are not checked).
+        self.code = code
+
+
+Serving = Callable[[dict[str, Any]], Any]
 
 
 class CallGraphs:
-    """Whole compiled calls of one model as CUDA graphs, keyed by store and input signature."""
+    """Whole compiled calls of one model as CUDA graphs, keyed by store and input signature.
 
-    def __init__(self, model: nn.Module):
+    ``guarded``: check Dynamo's guards before every replay (``trust_modules=False``)."""
+
+    def __init__(self, model: nn.Module, dynamo: DynamoEntries, guarded: bool):
         self.model = model
+        self.dynamo = dynamo
+        self.guarded = guarded
         self.failed: str | None = None
+        # Why the latest signature seen was not captured (a frame with effects, a graph break).
+        self.refused: str | None = None
         self.replays = 0
         self._seen: set[tuple] = set()
         self._failed: set[tuple] = set()
         self._graphs: dict[tuple, _Entry] = {}
 
-    def __call__(self, run: Callable[[dict[str, Any]], Any], store: Any, kwargs: dict[str, Any]) -> Any:
-        """``run(kwargs)``, or the replay of its graph."""
-        if torch.is_grad_enabled() or torch.cuda.is_current_stream_capturing() or store.device.type != "cuda":
+    def __call__(self, run: Callable[[dict[str, Any]], Any], store: Any, kwargs: dict[str, Any], serving: Serving) -> Any:
+        """``run(kwargs)``, or the replay of its graph; ``serving(kwargs)`` is
+        ``DynamoEntries.serving`` of the locals ``run`` gives Dynamo, in ``run``'s context."""
+        if store.device.type != "cuda" or torch.is_grad_enabled() or torch.cuda.is_current_stream_capturing():
+            return run(kwargs)
+        if self.guarded and not self.dynamo.available:
             return run(kwargs)
         try:
             key = (store.key(), *sorted(
@@ -105,20 +238,37 @@ class CallGraphs:
             entry = self._graphs.get(key)
         except TypeError:  # an argument that cannot be a key: no graph
             return run(kwargs)
-        if entry is not None and entry.generation == dispatch.generation() and entry.snapshot.holds():
-            for name, buffer in entry.inputs.items():
-                buffer.copy_(kwargs[name])
-            entry.graph.replay()
-            self.replays += 1
-            return _copied(entry.output)
+        if entry is not None:
+            if (
+                entry.generation == dispatch.generation()
+                and entry.snapshot.holds()
+                and (entry.code is None or _code(serving(kwargs)) is entry.code)
+            ):
+                for name, buffer in entry.inputs.items():
+                    buffer.copy_(kwargs[name])
+                entry.graph.replay()
+                self.replays += 1
+                return _copied(entry.output)
+            # Something changed: Dynamo runs this call (and recompiles if it must, outside any
+            # capture); the next call of this signature is captured again.
+            del self._graphs[key]
+            return run(kwargs)
         if key in self._failed:
             return run(kwargs)
         if key not in self._seen:
             self._seen.add(key)
             return run(kwargs)
-        return self._capture(run, key, kwargs, store)
+        served = serving(kwargs)
+        refusal = self.dynamo.refusal(served, self.guarded)
+        if refusal is not None:
+            self._failed.add(key)
+            self.refused = refusal
+            return run(kwargs)
+        return self._capture(run, key, kwargs, store, _code(served) if self.guarded else None)
 
-    def _capture(self, run: Callable[[dict[str, Any]], Any], key: tuple, kwargs: dict[str, Any], store: Any) -> Any:
+    def _capture(
+        self, run: Callable[[dict[str, Any]], Any], key: tuple, kwargs: dict[str, Any], store: Any, code: Any
+    ) -> Any:
         inputs = {name: value.clone() for name, value in kwargs.items() if isinstance(value, Tensor)}
         static = {**kwargs, **inputs}
         graph = torch.cuda.CUDAGraph()
@@ -139,11 +289,15 @@ class CallGraphs:
             return run(kwargs)
         for dead in [k for k in self._graphs if not kv_store.live(k[0])]:
             del self._graphs[dead]
-        self._graphs[key] = _Entry(graph, inputs, output, _Snapshot(self.model), dispatch.generation())
+        self._graphs[key] = _Entry(graph, inputs, output, _Snapshot(self.model), dispatch.generation(), code)
         for name, buffer in inputs.items():  # the capture ran nothing: this call is the replay
             buffer.copy_(kwargs[name])
         graph.replay()
         return _copied(output)
+
+
+def _code(served: Any) -> Any:
+    return None if served is None else served[0]
 
 
 def _copied(output: Any) -> Any:
