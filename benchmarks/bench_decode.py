@@ -11,10 +11,11 @@ random bf16 weights, greedy decoding with no end-of-sequence token. Variants:
                          CUDA graphs through torch.compile's "reduce-overhead")
   transfuse eager        transfuse.rewrite, DynamicCache
   transfuse compiled     transfuse.rewrite + transfuse.compile, DynamicCache (a decode step is
-                         one CUDA graph, its keys and values in a KVStore, replayed without
-                         entering Dynamo once Dynamo's guards pass)
-  transfuse compiled, Dynamo every step    the same with replay=False
-  transfuse compiled, module guards off    the same with trust_modules=True
+                         one CUDA graph, its keys and values in a KVStore, reached through Dynamo)
+  transfuse compiled, module guards off    the same with trust_modules=True (the whole call
+                         replayed without entering Dynamo once Dynamo's remaining guards pass)
+  transfuse compiled, module guards off, Dynamo every step    trust_modules=True, replay=False
+  transfuse compiled, replayed, every guard    replay=True (the module guards on)
   transfuse compiled, graph per piece      the same with kv_store=False (attention eager between
                          graphed pieces)
 
@@ -196,8 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     fused = transfuse.rewrite(copy.deepcopy(stock))
     compiled_options = {
         "transfuse compiled": {},
-        "transfuse compiled, Dynamo every step": {"replay": False},
         "transfuse compiled, module guards off": {"trust_modules": True},
+        "transfuse compiled, module guards off, Dynamo every step": {"trust_modules": True, "replay": False},
+        "transfuse compiled, replayed, every guard": {"replay": True},
         "transfuse compiled, graph per piece": {"kv_store": False},
     }
     models = {

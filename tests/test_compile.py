@@ -415,13 +415,14 @@ def test_release_drops_the_stores_and_the_next_call_makes_one_again():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("trust_modules", [False, True], ids=["guarded", "trusted"])
+@pytest.mark.parametrize("trust_modules", [False, True], ids=["every_guard", "trusted"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
 def test_whole_calls_replay_and_notice_new_weights(model_type, trust_modules):
     model = _model(model_type, device="cuda")
     ids, mask = _padded_batch("cuda")
     want_tokens, want_logits = _logits_of_generate(model, ids, mask, 16)
-    transfuse.compile(model, trust_modules=trust_modules)
+    assert transfuse.compile(copy.deepcopy(model))._transfuse_compiled.call_graphs is None  # not by default
+    transfuse.compile(model, trust_modules=trust_modules, replay=None if trust_modules else True)
     calls = model._transfuse_compiled.call_graphs
     _logits_of_generate(model, ids, mask, 16)
     before = calls.replays
@@ -516,17 +517,19 @@ def _served_calls(model):
     return seen
 
 
-def test_dynamo_s_guards_name_the_entry_a_call_runs_and_fail_on_a_changed_attribute():
-    """What a default replay checks: the entry Dynamo would run for a decode step is found from
-    its guards alone, its frame changes nothing outside the graph, and a plain attribute the
-    forward reads (an epsilon), changed, makes the guards fail where our own snapshot sees
-    nothing (the modules and weights are the same objects)."""
+@pytest.mark.parametrize("trust_modules", [False, True], ids=["every_guard", "trusted"])
+def test_dynamo_s_guards_name_the_entry_a_call_runs_and_fail_on_what_changed(trust_modules):
+    """What a replay checks: the entry Dynamo would run for a decode step is found from its
+    guards alone, its frame changes nothing outside the graph, and its guards fail for the grad
+    mode or autocast, with the module guards on or off; what the forward reads through a module
+    (an epsilon, the configs' attention implementation) fails them only with the module guards on
+    (where our own snapshot sees nothing: the modules and weights are the same objects)."""
     from transfuse.compile import _implementation
     from transfuse.compile.replay import _Snapshot
 
     model = _model("llama")
     ids, mask = _padded_batch()
-    transfuse.compile(model, inductor=False, kv_store=True)
+    transfuse.compile(model, inductor=False, kv_store=True, trust_modules=trust_modules)
     compiled = model._transfuse_compiled
     assert compiled.dynamo.available
     seen = _served_calls(model)
@@ -536,7 +539,7 @@ def test_dynamo_s_guards_name_the_entry_a_call_runs_and_fail_on_a_changed_attrib
     decode = {served[1] for _, served in steps}
     assert len(decode) == 1 and prompt[1] not in decode  # the prompt and the decode steps: two entries
     frame, served = steps[-1]
-    assert compiled.dynamo.refusal(served, guarded=True) is None
+    assert compiled.dynamo.refusal(served) is None
     assert compiled.dynamo.effects[served[1]] is None
     snapshot = _Snapshot(model)
     with torch.no_grad():
@@ -544,12 +547,14 @@ def test_dynamo_s_guards_name_the_entry_a_call_runs_and_fail_on_a_changed_attrib
             assert compiled.dynamo.serving(frame)[0] is served[0]
             model.model.norm.eps = model.model.norm.eps * 10
             assert snapshot.holds()
-            assert compiled.dynamo.serving(frame) is None
+            assert (compiled.dynamo.serving(frame) is None) is not trust_modules
             model.model.norm.eps = model.model.norm.eps / 10
             assert compiled.dynamo.serving(frame)[0] is served[0]
-        # Outside the call's context the configs name their own attention: no entry.
-        assert compiled.dynamo.serving(frame) is None
-    assert compiled.dynamo.serving(frame) is None  # nor with the grad mode on
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                assert compiled.dynamo.serving(frame) is None
+        # Outside the call's context the configs name their own attention.
+        assert (compiled.dynamo.serving(frame) is None) is not trust_modules
+    assert compiled.dynamo.serving(frame) is None  # the grad mode on
 
 
 def test_a_compiled_call_that_changes_an_attribute_is_not_replayed():
@@ -574,25 +579,22 @@ def test_a_compiled_call_that_changes_an_attribute_is_not_replayed():
     assert len(compiled.dynamo.effects) == 3
     for compile_id, effects in compiled.dynamo.effects.items():
         assert effects is not None and effects.startswith("sets") and effects.endswith("model.norm.calls"), effects
-        refusal = compiled.dynamo.refusal((compile("graph()", "<t>", "eval"), compile_id), guarded=False)
+        refusal = compiled.dynamo.refusal((compile("graph()", "<t>", "eval"), compile_id))
         assert refusal == f"the compiled call {effects} outside its graph"
 
 
-def test_replay_refusals_by_mode():
-    """Guarded replays need a known entry with nothing outside its graph and no graph break;
-    unguarded ones (``trust_modules``) are refused only for effects known to be there."""
+def test_replay_refusals():
+    """A replay needs a known entry with nothing known to be outside its graph and no graph break."""
     from transfuse.compile.replay import DynamoEntries
 
     entries = DynamoEntries(_served_calls)
     plain, resumed = compile("graph()", "<t>", "eval"), compile("__resume_at_12_3(graph())", "<t>", "eval")
     entries.effects.update({"0/0": None, "0/1": "sets x.y"})
-    assert entries.refusal((plain, "0/0"), guarded=True) is None
-    assert "graph breaks" in entries.refusal((resumed, "0/0"), guarded=True)
-    assert entries.refusal((resumed, "0/0"), guarded=False) is None
-    assert entries.refusal((plain, "0/1"), guarded=False) == "the compiled call sets x.y outside its graph"
-    assert "unknown" in entries.refusal((plain, "5/0"), guarded=True)
-    assert entries.refusal((plain, "5/0"), guarded=False) is None
-    assert entries.refusal(None, guarded=True) is not None and entries.refusal(None, guarded=False) is None
+    assert entries.refusal((plain, "0/0")) is None
+    assert "graph breaks" in entries.refusal((resumed, "0/0"))
+    assert entries.refusal((plain, "0/1")) == "the compiled call sets x.y outside its graph"
+    assert "unknown" in entries.refusal((plain, "5/0"))
+    assert "no compiled entry" in entries.refusal(None)
 
 
 def test_beam_search_through_the_store_matches_the_eager_model():

@@ -15,9 +15,9 @@ What it does to the model (knowing no model family):
   cache's layers are views of), so the whole step, attention included, is one CUDA graph
   (``transfuse/compile/kv_store.py``); the buffers stay with the model between calls, as a
   static cache's do, until ``transfuse.compile.release(model)``;
-* such a step is then replayed as one CUDA graph of the whole call without entering Dynamo,
-  after a check of Dynamo's own guards for the entry it would run and of the model's modules
-  and weights (``transfuse/compile/replay.py``);
+* with ``trust_modules=True``, such a step is then replayed as one CUDA graph of the whole call
+  without entering Dynamo, after a check of Dynamo's own guards for the entry it would run and
+  of the model's modules and weights (``transfuse/compile/replay.py``);
 * ``generate`` on CUDA reads its stop flag one step late, so the host queues the next token
   while the GPU runs this one (``transfuse/compile/generate.py``).
 
@@ -149,13 +149,10 @@ class _Compiled:
         self.stores: collections.OrderedDict[tuple, kv_store.KVStore] = collections.OrderedDict()
         # Why decode steps do not use a store (a layer's attention needs more than it gives).
         self.store_refused: str | None = None
-        # Decode steps replayed without entering Dynamo (``replay.py``): after a check of Dynamo's
-        # guards, or with the module guards off (``trust_modules``) without it.
-        self.call_graphs = (
-            replay.CallGraphs(model, self.dynamo, guarded=not options["trust_modules"])
-            if options["replay"] and options["cuda_graphs"]
-            else None
-        )
+        # Decode steps replayed without entering Dynamo, after a check of Dynamo's guards
+        # (``replay.py``): by default only where those guards are cheap (``trust_modules``).
+        replays = options["trust_modules"] if options["replay"] is None else options["replay"]
+        self.call_graphs = replay.CallGraphs(model, self.dynamo) if replays and options["cuda_graphs"] else None
 
     def static_pointers(self) -> set[int]:
         model = self.model
@@ -349,7 +346,7 @@ def compile(  # noqa: A001 - the name users call, as torch.compile
     deferred_stop: bool = True,
     trust_modules: bool = False,
     kv_store: bool | None = None,
-    replay: bool = True,
+    replay: bool | None = None,
 ) -> nn.Module:
     """Compile ``model`` in place for inference and return it (see the module docstring).
 
@@ -360,16 +357,16 @@ def compile(  # noqa: A001 - the name users call, as torch.compile
     (``transfuse/compile/kv_store.py``; None: on CUDA with ``cuda_graphs``, True: on any device,
     for tests of the store without graphs).
 
-    On CUDA, a decode step through a store is replayed as one CUDA graph of the whole call
-    without entering Dynamo (``replay.py``) once Dynamo's own guards for the entry it compiled
-    pass on the call's arguments and the model's modules and weights are the objects and
-    addresses they were at the capture; ``replay=False`` enters Dynamo at every step.
-
     ``trust_modules=True`` drops Dynamo's guards on the model's modules (their attributes are
     then not checked before each call; checking them costs about 150 us a call at 8 layers):
     only for a model nothing changes after this call (no new weights by replacement, no dtype
-    or device change, no adapters, no attribute set on a module). Its replays check the modules
-    and weights but not Dynamo's guards."""
+    or device change, no adapters, no attribute set on a module). On CUDA its decode steps through
+    a store are then replayed as one CUDA graph of the whole call without entering Dynamo
+    (``replay.py``), once Dynamo's remaining guards for the entry it compiled pass on the call's
+    arguments (its inputs, globals, the grad mode and autocast) and the model's modules and
+    weights are the objects and addresses they were at the capture. ``replay`` overrides that
+    choice: False enters Dynamo at every step, True replays with every guard checked (which, with
+    the module guards on, measured no faster than Dynamo)."""
     configs = _check(model)
     attention.register()
     compiled = _Compiled(
