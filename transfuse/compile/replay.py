@@ -14,10 +14,11 @@ A replay stands for what Dynamo would have run, so before each one it checks:
   evaluated on the call's arguments as Dynamo evaluates them before running an entry. They are
   what notice a global, the grad mode or autocast and, with the module guards on, a changed
   attribute the forward reads through a module (a config value, an epsilon). With the module
-  guards on they cost what the rest of Dynamo's way to the graph costs (150 us a call at 8 layers
-  on the development CPU against 17 with ``trust_modules``; a replay of a Qwen3-MoE step with
-  every guard took 0.81 ms a token on the H200, Dynamo 0.77), so ``transfuse.compile`` replays
-  by default only a model compiled with ``trust_modules=True``;
+  guards on they cost what the rest of Dynamo's way to the graph costs (150-210 us a call on the
+  development CPU against 17-26 with ``trust_modules``, ``benchmarks/dynamo_guards.py``; a
+  replay of a Qwen3-MoE step with every guard took 0.81 ms a token on the H200, Dynamo 0.73-0.77
+  in two sessions), so ``transfuse.compile`` replays by default only a model compiled with
+  ``trust_modules=True``;
 * that the model's module tree is made of the same objects (``_Snapshot``, taken at the capture):
   every submodule, parameter, buffer and forward hook entry, none added or removed, each module
   in the same training mode, every weight and buffer where it was (new data, ``p.data = ...`` or
