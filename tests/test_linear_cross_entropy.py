@@ -249,8 +249,8 @@ _MEMORY_SCRIPT = textwrap.dedent(
     if sys.argv[1] == "fused":
         transfuse.rewrite(model, fusions=["linear_cross_entropy"])
     ids = torch.randint(0, 131072, (1, 2048))
-    # The peak from here on: the process's peak so far (an import of a CUDA build of torch, the
-    # rewrite's checks) is reset where Linux lets it be, else it would hide the step's own peak.
+    # The peak from here on: the process's peak so far (building the model, the rewrite's checks)
+    # is reset where Linux lets it be, else it would hide part of the step's own peak.
     try:
         with open("/proc/self/clear_refs", "w") as refs:
             refs.write("5")
