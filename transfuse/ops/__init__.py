@@ -19,6 +19,7 @@ from .dispatch import (
     set_priority,
     trace,
 )
+from .decode_attention import decode_attention, decode_attention_native
 from .fused_add_rms_norm import fused_add_rms_norm, fused_add_rms_norm_native
 from .layers import GatedRMSNorm, LinearPart, MergedProjection, MoE, RMSNorm, add_rms_norm, layer, register_layer
 from .linear_cross_entropy import causal_lm_loss, linear_cross_entropy
@@ -50,6 +51,8 @@ __all__ = [
     "act_and_mul_linear",
     "causal_lm_loss",
     "current_platform",
+    "decode_attention",
+    "decode_attention_native",
     "fused_add_rms_norm",
     "fused_add_rms_norm_native",
     "gated_rms_norm",

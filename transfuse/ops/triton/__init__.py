@@ -7,7 +7,8 @@ which is how CI tests their logic without a GPU. Kernels live in one module per 
 ``rms_norm.py`` (rms_norm, fused_add_rms_norm, gated_rms_norm), ``act_and_mul.py`` and ``rotary.py`` (each with its
 backward kernels and the ``torch.autograd.Function`` that pairs them: the provider's ``autograd``) and
 ``cross_entropy.py`` (a loss and its gradient in one kernel, and the in-place scale of the saved
-gradients, for ``linear_cross_entropy``).
+gradients, for ``linear_cross_entropy``) and ``decode_attention.py`` (one query per sequence over a
+buffer of keys and values, forward only).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from ..act_and_mul import GELU_AND_MUL, SILU_AND_MUL
 from ..checks import KERNEL_DTYPES, rows_fit, same_rows, weight_fits
+from ..decode_attention import DECODE_ATTENTION
 from ..dispatch import Provider
 from ..fused_add_rms_norm import FUSED_ADD_RMS_NORM
 from ..linear_cross_entropy import CROSS_ENTROPY_GRAD, SCALE_
@@ -128,6 +130,26 @@ def _rotary_args(q, k, cos, sin, unsqueeze_dim: int = 1) -> bool:
     )
 
 
+def _decode_attention_args(query, keys, values, bias, scaling, key=None, value=None, position=None) -> bool:
+    """One float dtype for the query, the buffers, the bias and a token to write; unit stride along
+    the head dimension (any other strides); the bias contiguous; heads of at most 256 and groups of
+    at most 64 query heads a key/value head (a program holds them in registers)."""
+    tensors = [t for t in (query, keys, values, bias, key, value) if t is not None]
+    if not on_device(*tensors, *([position] if position is not None else [])):
+        return False
+    dtype = query.dtype
+    if dtype not in KERNEL_DTYPES or any(t.dtype != dtype for t in tensors):
+        return False
+    if position is not None and (position.dtype != torch.long or position.numel() != 1):
+        return False
+    return (
+        all(t.stride(-1) == 1 for t in tensors)
+        and bias.is_contiguous()
+        and max(query.shape[-1], values.shape[-1]) <= 256
+        and query.shape[1] // keys.shape[1] <= 64
+    )
+
+
 def _cross_entropy_grad_args(logits, targets, scale, ignore_index) -> bool:
     return (
         on_device(logits, targets, scale)
@@ -167,5 +189,9 @@ GATED_RMS_NORM.register(Provider("triton", _lazy("rms_norm", "gated_rms_norm"), 
 _provider(SILU_AND_MUL, "act_and_mul", "silu_and_mul", _act_and_mul_args, backward_and_output=True)
 _provider(GELU_AND_MUL, "act_and_mul", "gelu_and_mul", _act_and_mul_args, backward_and_output=True)
 _provider(ROTARY, "rotary", "rotary", _rotary_args, backward=True)
+# Forward only: under autograd the native definition runs.
+DECODE_ATTENTION.register(
+    Provider("triton", _lazy("decode_attention", "decode_attention"), available, _decode_attention_args)
+)
 CROSS_ENTROPY_GRAD.register(Provider("triton", _lazy("cross_entropy", "cross_entropy_grad"), available, _cross_entropy_grad_args))
 SCALE_.register(Provider("triton", _lazy("cross_entropy", "scale_"), available, _scale_args))

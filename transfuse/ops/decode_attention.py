@@ -1,0 +1,85 @@
+"""decode_attention: one query per sequence attending over a buffer of keys and values.
+
+``query`` ``[batch, heads, 1, dim]``, ``keys``/``values`` ``[batch, kv_heads, length, dim]``
+(``heads`` a multiple of ``kv_heads``: the query heads of one key/value head share it), and an
+additive ``bias`` ``[batch * kv_heads, 1, length]`` (0 where a key may be attended to, -inf
+where not): ``softmax(scaling * q k^T + bias) v``, returned as ``[batch, 1, heads, dim]``, the
+layout transformers' attention functions return. With ``key``, ``value`` (``[batch, kv_heads, 1,
+dim]``) and ``position`` (a one-element int64 tensor on the device), the token's key and value are
+first written into the buffers at that position (in place), so a decode step that keeps its cache
+in fixed buffers (``transfuse/compile/kv_store.py``) writes and attends in one call.
+
+The native definition is three kernels (scores with the bias added, the softmax, the weighted
+sum), each rounding to the query's dtype as the eager path's separate ops do. The Triton provider
+(``ops/triton/decode_attention.py``) is one pass over the keys in blocks (the softmax online, in
+float32) split over programs, and a second small kernel that combines the splits; it writes the
+token itself. Forward only: a call that needs a gradient runs the native definition.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .dispatch import Op
+
+__all__ = ["DECODE_ATTENTION", "decode_attention", "decode_attention_native"]
+
+
+def decode_attention_native(
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    bias: Tensor,
+    scaling: float,
+    key: Tensor | None = None,
+    value: Tensor | None = None,
+    position: Tensor | None = None,
+) -> Tensor:
+    """``[batch, 1, heads, dim]``; see the module's docstring."""
+    if key is not None:
+        keys.index_copy_(2, position, key.to(keys.dtype))
+        values.index_copy_(2, position, value.to(values.dtype))
+    batch, heads, _, dim = query.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    # The query heads of one key/value head are one matrix: the buffers are never repeated per head.
+    grouped = query.reshape(batch * kv_heads, heads // kv_heads, dim)
+    keys_t = keys.reshape(batch * kv_heads, length, dim).transpose(1, 2)
+    scores = torch.baddbmm(bias, grouped, keys_t, alpha=scaling)
+    weights = torch.softmax(scores, dim=-1)
+    output = torch.bmm(weights, values.reshape(batch * kv_heads, length, values.shape[-1]))
+    return output.reshape(batch, heads, 1, values.shape[-1]).transpose(1, 2).contiguous()
+
+
+DECODE_ATTENTION = Op("decode_attention", decode_attention_native)
+
+
+def decode_attention(
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    bias: Tensor,
+    scaling: float,
+    key: Tensor | None = None,
+    value: Tensor | None = None,
+    position: Tensor | None = None,
+) -> Tensor:
+    """``softmax(scaling * q k^T + bias) v`` of one query per sequence, ``[batch, 1, heads, dim]``;
+    with ``key``, ``value`` and ``position``, the token written into ``keys``/``values`` first."""
+    batch, heads, new, dim = query.shape
+    if new != 1 or keys.dim() != 4 or keys.shape[0] != batch or heads % keys.shape[1]:
+        raise ValueError(
+            f"decode_attention takes one query per sequence [batch, heads, 1, dim] and buffers "
+            f"[batch, kv_heads, length, dim] with heads a multiple of kv_heads; got query "
+            f"{tuple(query.shape)}, keys {tuple(keys.shape)}."
+        )
+    if values.shape[:3] != keys.shape[:3] or keys.shape[-1] != dim:
+        raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} do not match the query's {dim}.")
+    if bias.shape != (batch * keys.shape[1], 1, keys.shape[2]):
+        raise ValueError(
+            f"decode_attention's bias is [batch * kv_heads, 1, length] = "
+            f"{(batch * keys.shape[1], 1, keys.shape[2])}; got {tuple(bias.shape)}."
+        )
+    if (key is None) != (value is None) or (key is None) != (position is None):
+        raise ValueError("decode_attention writes a token only given all of key, value and position.")
+    return DECODE_ATTENTION(query, keys, values, bias, float(scaling), key, value, position)
