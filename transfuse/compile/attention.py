@@ -9,8 +9,10 @@ The op reads the cache and the 2D padding mask of the current call from a ``Step
 ``compiled_forward`` opens around each call of the compiled model. It writes through the
 cache's own ``update`` (so the cache the caller holds is the one that grows, and
 ``generate`` crops it and returns it as usual), builds the mask from absolute positions
-(causal, the padding mask, a sliding window) and runs ``scaled_dot_product_attention``, or a
-plain softmax where a layer soft-caps its scores or has attention sinks.
+(causal, the padding mask, a sliding window) and runs ``scaled_dot_product_attention``, the
+``decode_attention`` op for a decode step's one query under a mask (SDPA with a mask picks
+kernels whose host cost per call is several times this op's), or a plain softmax where a layer
+soft-caps its scores or has attention sinks.
 
 A decode step whose ``Step`` carries a ``KVStore`` (``kv_store.py``) writes and attends there
 instead, over buffers of fixed shape and address, so the whole step can be one CUDA graph; a
@@ -33,6 +35,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from ..ops.decode_attention import decode_attention
 
 __all__ = ["IMPLEMENTATION", "Step", "attention_forward", "cached_attention", "current_step", "current_store", "step"]
 
@@ -151,9 +155,7 @@ def cached_attention(
             from .kv_store import StoreUnusable
 
             raise StoreUnusable(f"layer {layer} attends with a window, soft-capping, sinks or no causal mask")
-        keys, values = current.store.write(layer, key, value)
-        bias = current.store.bias(query.dtype, keys.shape[1], current.masks)
-        return _attend_one(query, keys, values, bias, scaling).transpose(1, 2).contiguous()
+        return current.store.attend(layer, query, key, value, scaling, current.masks)
     if cache is not None:
         seen = cache.get_seq_length(layer)
         key, value = cache.update(key, value, layer)
@@ -163,7 +165,7 @@ def cached_attention(
     if softcap or sinks is not None:
         output = _attend_softmax(query, key, value, mask, is_causal, scaling, softcap, sinks)
     elif new == 1 and mask is not None:
-        output = _attend_one(query, key, value, _bias(current, mask, query.dtype, key.shape[1]), scaling)
+        return decode_attention(query, key, value, _bias(current, mask, query.dtype, key.shape[1]), scaling)
     else:
         output = F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling,
@@ -230,7 +232,7 @@ def _mask(
 
 def _bias(current: Step, mask: Tensor, dtype: torch.dtype, kv_heads: int) -> Tensor:
     """A decode step's boolean mask ``[batch, 1, 1, keys]`` as 0 / -inf in ``dtype``, one row per
-    (sequence, key/value head) as ``baddbmm`` takes it: made once a call for all layers."""
+    (sequence, key/value head) as ``decode_attention`` takes it: made once a call for all layers."""
     key_ = ("bias", mask.data_ptr(), dtype, kv_heads)
     found = current.masks.get(key_)
     if found is None:
@@ -240,23 +242,6 @@ def _bias(current: Step, mask: Tensor, dtype: torch.dtype, kv_heads: int) -> Ten
         found = found.reshape(batch * kv_heads, 1, keys)
         current.masks[key_] = found
     return found
-
-
-def _attend_one(query: Tensor, key: Tensor, value: Tensor, bias: Tensor, scaling: float) -> Tensor:
-    """Attention of one query per sequence in three kernels: scores with the mask added
-    (``baddbmm``), the softmax (float32 inside, one rounding to the query's dtype, as the
-    eager path's float32 softmax and cast), the weighted sum. SDPA with a mask picks kernels
-    (cuDNN's on Hopper) whose host cost per call is several times these three launches', at a
-    decode step's size where the host is the bottleneck. The query heads of one key/value
-    head are one matrix, so the cache is never repeated per query head."""
-    batch, heads, _, dim = query.shape
-    kv_heads, keys = key.shape[1], key.shape[2]
-    grouped = query.reshape(batch * kv_heads, heads // kv_heads, dim)
-    keys_t = key.reshape(batch * kv_heads, keys, dim).transpose(1, 2)
-    scores = torch.baddbmm(bias, grouped, keys_t, alpha=scaling)
-    weights = torch.softmax(scores, dim=-1)
-    output = torch.bmm(weights, value.reshape(batch * kv_heads, keys, value.shape[-1]))
-    return output.reshape(batch, heads, 1, value.shape[-1])
 
 
 def _attend_softmax(

@@ -1,7 +1,7 @@
 """Keys and values in buffers with room, so a whole decode step is one CUDA graph.
 
 With the cache outside the graph, every layer's attention runs from Python at every token
-(the cache's two concatenations, the mask, three kernels, the copies into the next piece's
+(the cache's two concatenations, the mask, the attention, the copies into the next piece's
 graph): about 90 launches a token at 8 layers, and the host, not the GPU, sets the pace.
 
 A ``KVStore`` holds every layer's keys and values for one batch in buffers of a fixed
@@ -9,7 +9,8 @@ capacity, ``[batch, kv_heads, capacity, head_dim]``, and the cache's layers hold
 them (``buffer[:, :, :length]``): the cache stays an ordinary ``DynamicCache`` for whoever
 reads it (``get_seq_length``, ``generate``'s crop, a cache ``generate`` returns). A decode step
 writes its token's key and value at the position a one-element device tensor holds and attends
-over the whole capacity, the positions past the token masked out, so every address and shape
+over the whole capacity, the positions past the token masked out, in one ``decode_attention``
+call (on the GPU a Triton kernel that writes the token as it reads the buffers), so every address and shape
 of the step is fixed for a capacity and the backend replays the whole step, every layer and its
 attention, as one CUDA graph (``backend.StepGraph``). The host's work per token is then the
 graph's launch, the position and the padding mask written into their buffers, and a view per
@@ -33,6 +34,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from ..ops.decode_attention import decode_attention
 
 __all__ = ["GRANULE", "KVStore", "StoreUnusable", "signature"]
 
@@ -184,13 +187,14 @@ class KVStore:
 
     # -- inside the step (and its graph) ---------------------------------------------------
 
-    def write(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        """Write one token's key and value (``[batch, heads, 1, dim]``) at the position; the
-        layer's whole buffers, to attend over with ``bias``."""
+    def attend(self, layer: int, query: Tensor, key: Tensor, value: Tensor, scaling: float, masks: dict) -> Tensor:
+        """Write one token's key and value (``[batch, heads, 1, dim]``) at the position and attend
+        to the layer's whole buffers with ``bias``, in one ``decode_attention`` call:
+        ``[batch, 1, heads, dim]``."""
         keys, values = self.keys[layer], self.values[layer]
-        keys.index_copy_(2, self.position, key.to(keys.dtype))
-        values.index_copy_(2, self.position, value.to(values.dtype))
-        return keys, values
+        bias = self.bias(query.dtype, keys.shape[1], masks)
+        key, value = key.to(keys.dtype), value.to(values.dtype)
+        return decode_attention(query, keys, values, bias, scaling, key, value, self.position)
 
     def bias(self, dtype: torch.dtype, kv_heads: int, masks: dict) -> Tensor:
         """0 / -inf ``[batch * kv_heads, 1, capacity]``: the positions before the token where
