@@ -150,3 +150,18 @@ def test_a_gradient_runs_native(triton_first, seeded):
     assert [c.provider for c in calls] == ["native"]
     out.sum().backward()
     assert query.grad is not None and not query.grad.isnan().any()
+
+
+def test_native_runs_unless_a_user_asks_for_the_kernel(seeded):
+    """The kernel has not yet run on a GPU: by default the native definition runs."""
+    query, keys, values, _, _, bias = _inputs(1, 4, 2, 20, 8, torch.float32, torch.tensor([12]))
+    with ops.trace() as calls:
+        decode_attention(query, keys, values, bias, 0.5)
+    assert [c.provider for c in calls] == ["native"]
+    ops.set_priority(["triton", "native"], op="decode_attention")
+    try:
+        with ops.trace() as calls:
+            decode_attention(query, keys, values, bias, 0.5)
+    finally:
+        ops.set_priority(None, op="decode_attention")
+    assert [c.provider for c in calls] == ["triton"]
