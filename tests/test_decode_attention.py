@@ -25,13 +25,16 @@ from .test_kernels_backward import _error, _factor, _floor, seeded, triton_first
 
 # (batch, heads, kv_heads, length, dim, splits): grouped heads, one head a key/value head, a
 # length no multiple of the block, one chunk a head (the first kernel writes the output) and
-# several (the combine kernel does), a head size no power of two.
+# several (the combine kernel does), more than the combine kernel reads as one tile (35 chunks of
+# one block: a whole tile of 32 and a partial one), a head size no power of two.
 CASES = [
     (1, 8, 2, 100, 32, None),
     (2, 8, 2, 130, 32, 3),
     (1, 4, 4, 64, 16, 1),
+    (1, 4, 2, 35 * 64 - 10, 16, 35),
     (3, 6, 2, 200, 24, 2),
 ]
+assert max(case[-1] or 0 for case in CASES) > triton_decode._COMBINE_SPLITS
 
 
 def _inputs(batch, heads, kv_heads, length, dim, dtype, position):
@@ -43,7 +46,7 @@ def _inputs(batch, heads, kv_heads, length, dim, dtype, position):
     values = torch.randn(batch, kv_heads, length, dim, device=DEVICE, dtype=dtype)
     key = torch.randn(batch, kv_heads, 1, dim, device=DEVICE, dtype=dtype)
     value = torch.randn(batch, kv_heads, 1, dim, device=DEVICE, dtype=dtype)
-    allowed = (torch.arange(length, device=DEVICE) <= position)[None].repeat(batch, 1)
+    allowed = (torch.arange(length, device=DEVICE) <= position.to(DEVICE))[None].repeat(batch, 1)
     allowed[0, :5] = False
     bias = torch.zeros(batch, kv_heads, 1, length, device=DEVICE, dtype=dtype)
     bias.masked_fill_(~allowed[:, None, None, :], -math.inf)
@@ -111,7 +114,7 @@ def test_a_masked_position_never_counts(triton_first, seeded):
 
 def test_bad_arguments_are_refused_with_a_reason():
     query, keys, values, key, value, bias = _inputs(1, 4, 2, 10, 8, torch.float32, torch.tensor([3]))
-    position = torch.tensor([3])
+    position = torch.tensor([3], device=DEVICE)
     with pytest.raises(ValueError, match="one query per sequence"):
         decode_attention(query.expand(-1, -1, 2, -1), keys, values, bias, 1.0)
     with pytest.raises(ValueError, match="multiple of kv_heads"):

@@ -6,8 +6,8 @@ would leave all but eight of the GPU's SMs idle, each reading its whole buffer. 
 the query heads that share its key/value head as one ``[groups, dim]`` tile, walks its chunk in
 blocks of keys (scores, the bias added, the softmax online in float32, the weights rounded to the
 values' dtype for the weighted sum as flash attention does) and keeps its running maximum, sum and
-weighted sum; a second kernel combines the chunks of each head. With one chunk a head the first
-kernel writes the output itself.
+weighted sum; a second kernel, a program per query head, combines the chunks of each head. With
+one chunk a head the first kernel writes the output itself.
 
 The token's key and value are written by the program whose chunk holds the position, which also
 uses them from registers in place of the loads at that position (other programs never read it),
@@ -32,7 +32,9 @@ __all__ = ["decode_attention"]
 _BLOCK_N = 64
 # Programs to aim for (per SM): chunks are made smaller until the grid has about this many.
 _PROGRAMS_PER_SM = 2
-# Benchmarks and tests override the launch here: block_n, splits, num_warps.
+# Chunks the combine kernel reads as one tile.
+_COMBINE_SPLITS = 32
+# Benchmarks and tests override the launch here: block_n, splits, programs_per_sm, num_warps.
 TUNING: dict = {}
 
 
@@ -111,27 +113,32 @@ def _partial_kernel(
 @triton.jit
 def _combine_kernel(
     acc_ptr, ml_ptr, out_ptr, KVH, SPLITS,
-    G: tl.constexpr, DV: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr,
+    G: tl.constexpr, DV: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
+    # One program a query head, the chunks read BLOCK_S at a time as one tile: a loop over the
+    # chunks one by one would be a chain of dependent loads (a head of 64 chunks, 64 round trips).
     bh = tl.program_id(0)
+    g = tl.program_id(1)
     b = bh // KVH
     h = bh % KVH
-    g = tl.arange(0, BLOCK_G)
+    s = tl.arange(0, BLOCK_S)
     dv = tl.arange(0, BLOCK_DV)
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    for split in range(0, SPLITS):
-        m = tl.maximum(m, tl.load(ml_ptr + (bh * SPLITS + split) * (2 * BLOCK_G) + g))
+    m = float("-inf")
+    for s0 in range(0, SPLITS, BLOCK_S):
+        row = bh * SPLITS + s0 + s
+        m = tl.maximum(m, tl.max(tl.load(ml_ptr + row * (2 * BLOCK_G) + g, mask=s0 + s < SPLITS, other=float("-inf"))))
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.zeros([BLOCK_G], tl.float32)
-    out = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-    for split in range(0, SPLITS):
-        row = bh * SPLITS + split
-        scale = tl.exp(tl.load(ml_ptr + row * (2 * BLOCK_G) + g) - m_safe)
-        total += scale * tl.load(ml_ptr + row * (2 * BLOCK_G) + BLOCK_G + g)
-        out += scale[:, None] * tl.load(acc_ptr + row * (BLOCK_G * BLOCK_DV) + g[:, None] * BLOCK_DV + dv[None, :])
-    out = out / total[:, None]
-    offsets = b * (KVH * G * DV) + (h * G + g)[:, None] * DV + dv[None, :]
-    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None] & (dv < DV)[None, :])
+    total = 0.0
+    out = tl.zeros([BLOCK_DV], tl.float32)
+    for s0 in range(0, SPLITS, BLOCK_S):
+        here = s0 + s < SPLITS
+        row = bh * SPLITS + s0 + s
+        scale = tl.exp(tl.load(ml_ptr + row * (2 * BLOCK_G) + g, mask=here, other=float("-inf")) - m_safe)
+        total += tl.sum(scale * tl.load(ml_ptr + row * (2 * BLOCK_G) + BLOCK_G + g, mask=here, other=0.0))
+        acc = tl.load(acc_ptr + row[:, None] * (BLOCK_G * BLOCK_DV) + g * BLOCK_DV + dv[None, :], mask=here[:, None], other=0.0)
+        out += tl.sum(scale[:, None] * acc, 0)
+    out = out / total
+    tl.store(out_ptr + b * (KVH * G * DV) + (h * G + g) * DV + dv, out.to(out_ptr.dtype.element_ty), mask=dv < DV)
 
 
 @functools.cache
@@ -143,7 +150,8 @@ def _splits(rows: int, length: int, block_n: int, device: torch.device) -> tuple
     """(chunks a head, keys a chunk): chunks of whole blocks, as many as bring the grid to about
     ``_PROGRAMS_PER_SM`` programs an SM, and no more than there are blocks."""
     blocks = triton.cdiv(length, block_n)
-    splits = TUNING.get("splits") or min(blocks, max(1, triton.cdiv(_PROGRAMS_PER_SM * _sms(device), rows)))
+    programs = TUNING.get("programs_per_sm", _PROGRAMS_PER_SM) * _sms(device)
+    splits = TUNING.get("splits") or min(blocks, max(1, triton.cdiv(programs, rows)))
     chunk = triton.cdiv(blocks, splits) * block_n
     return triton.cdiv(length, chunk), chunk
 
@@ -191,8 +199,8 @@ def decode_attention(
             WRITE=write, FINAL=final, PRECISION=precision, DOT_FP32=dot_fp32, num_warps=num_warps,
         )  # fmt: skip
         if not final:
-            _combine_kernel[(rows,)](
+            _combine_kernel[(rows, groups)](
                 acc, ml, out, kv_heads, splits, G=groups, DV=value_dim, BLOCK_G=block_g, BLOCK_DV=block_dv,
-                num_warps=num_warps,
+                BLOCK_S=min(_COMBINE_SPLITS, triton.next_power_of_2(splits)), num_warps=num_warps,
             )  # fmt: skip
     return out
