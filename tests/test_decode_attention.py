@@ -155,16 +155,24 @@ def test_a_gradient_runs_native(triton_first, seeded):
     assert query.grad is not None and not query.grad.isnan().any()
 
 
-def test_native_runs_unless_a_user_asks_for_the_kernel(seeded):
-    """The kernel has not yet run on a GPU: by default the native definition runs."""
+def test_the_kernel_runs_by_default_on_a_gpu_platform(seeded, monkeypatch):
+    """No gate of its own: with no user setting, a GPU platform's own priority (triton first)
+    sends a call the kernel supports to it; the CPU platform's sends it to native."""
+    from transfuse.ops import dispatch, platform
+
+    monkeypatch.delenv("TRANSFUSE_OP_PRIORITY", raising=False)
+    monkeypatch.delenv("TRANSFUSE_FORCE_NATIVE", raising=False)
     query, keys, values, _, _, bias = _inputs(1, 4, 2, 20, 8, torch.float32, torch.tensor([12]))
-    with ops.trace() as calls:
-        decode_attention(query, keys, values, bias, 0.5)
-    assert [c.provider for c in calls] == ["native"]
-    ops.set_priority(["triton", "native"], op="decode_attention")
+    providers = {}
     try:
-        with ops.trace() as calls:
-            decode_attention(query, keys, values, bias, 0.5)
+        for name in ("cuda", "cpu"):
+            gpu = platform.Platform(name, "cuda" if name == "cuda" else "cpu", platform.BUILTIN_PRIORITY[name])
+            monkeypatch.setattr(dispatch, "current_platform", lambda gpu=gpu: gpu)
+            dispatch.refresh()
+            with ops.trace() as calls:
+                decode_attention(query, keys, values, bias, 0.5)
+            providers[name] = [c.provider for c in calls]
     finally:
-        ops.set_priority(None, op="decode_attention")
-    assert [c.provider for c in calls] == ["triton"]
+        monkeypatch.undo()
+        dispatch.refresh()
+    assert providers == {"cuda": ["triton"], "cpu": ["native"]}

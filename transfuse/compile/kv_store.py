@@ -10,8 +10,8 @@ them (``buffer[:, :, :length]``): the cache stays an ordinary ``DynamicCache`` f
 reads it (``get_seq_length``, ``generate``'s crop, a cache ``generate`` returns). A decode step
 writes its token's key and value at the position a one-element device tensor holds and attends
 over the whole capacity, the positions past the token masked out, in one ``decode_attention``
-call (native by default; a Triton kernel that writes the token as it reads, on request), so every address and shape
-of the step is fixed for a capacity and the backend replays the whole step, every layer and its
+call (on a GPU a Triton kernel that writes the token as it reads), so every address and shape of
+the step is fixed for a capacity and the backend replays the whole step, every layer and its
 attention, as one CUDA graph (``backend.StepGraph``). The host's work per token is then the
 graph's launch, the position and the padding mask written into their buffers, and a view per
 layer.

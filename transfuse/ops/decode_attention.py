@@ -13,10 +13,9 @@ The native definition is three kernels (scores with the bias added, the softmax,
 sum), each rounding to the query's dtype as the eager path's separate ops do. The Triton provider
 (``ops/triton/decode_attention.py``) is one pass over the keys in blocks (the softmax online, in
 float32) split over programs, and a second small kernel that combines the splits; it writes the
-token itself. Forward only: a call that needs a gradient runs the native definition. The
-provider runs only where a user names a priority for this op (for example
-``TRANSFUSE_OP_PRIORITY="decode_attention=triton,native"``): it has been checked under Triton's
-interpreter, not yet timed or checked on a GPU.
+token itself. Forward only: a call that needs a gradient runs the native definition. On the
+H200 the Triton provider takes 7 us where native takes 17.5 at one sequence of Llama-3-8B's heads
+over 768 keys (``benchmarks/decode_attention_kernel.py``; ``benchmarks/results/``).
 """
 
 from __future__ import annotations

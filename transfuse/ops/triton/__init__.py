@@ -8,7 +8,7 @@ which is how CI tests their logic without a GPU. Kernels live in one module per 
 backward kernels and the ``torch.autograd.Function`` that pairs them: the provider's ``autograd``) and
 ``cross_entropy.py`` (a loss and its gradient in one kernel, and the in-place scale of the saved
 gradients, for ``linear_cross_entropy``) and ``decode_attention.py`` (one query per sequence over a
-buffer of keys and values, forward only; used only where a user asks for it, until it has run on a GPU).
+buffer of keys and values, forward only).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from ..act_and_mul import GELU_AND_MUL, SILU_AND_MUL
 from ..checks import KERNEL_DTYPES, rows_fit, same_rows, weight_fits
 from ..decode_attention import DECODE_ATTENTION
-from ..dispatch import Provider, _priority_and_origin
+from ..dispatch import Provider
 from ..fused_add_rms_norm import FUSED_ADD_RMS_NORM
 from ..linear_cross_entropy import CROSS_ENTROPY_GRAD, SCALE_
 from ..platform import current_platform
@@ -131,13 +131,9 @@ def _rotary_args(q, k, cos, sin, unsqueeze_dim: int = 1) -> bool:
 
 
 def _decode_attention_args(query, keys, values, bias, scaling, key=None, value=None, position=None) -> bool:
-    """Only where a user named a priority for decode_attention (``TRANSFUSE_OP_PRIORITY`` or
-    ``set_priority``): the kernel has run under Triton's interpreter only, not yet on a GPU, so by
-    default the native definition runs. Then: one float dtype for the query, the buffers, the bias and a token to write; unit stride along
+    """One float dtype for the query, the buffers, the bias and a token to write; unit stride along
     the head dimension (any other strides); the bias contiguous; heads of at most 256 and groups of
     at most 64 query heads a key/value head (a program holds them in registers)."""
-    if not _priority_and_origin("decode_attention")[1]:
-        return False
     tensors = [t for t in (query, keys, values, bias, key, value) if t is not None]
     if not on_device(*tensors, *([position] if position is not None else [])):
         return False

@@ -31,7 +31,7 @@ __all__ = ["decode_attention"]
 # Keys a block; a chunk is a whole number of blocks.
 _BLOCK_N = 64
 # Programs to aim for (per SM): chunks are made smaller until the grid has about this many.
-_PROGRAMS_PER_SM = 2
+_PROGRAMS_PER_SM = 1
 # Chunks the combine kernel reads as one tile.
 _COMBINE_SPLITS = 32
 # Benchmarks and tests override the launch here: block_n, splits, programs_per_sm, num_warps.
