@@ -166,8 +166,8 @@ def test_the_kernel_runs_by_default_on_a_gpu_platform(seeded, monkeypatch):
     providers = {}
     try:
         for name in ("cuda", "cpu"):
-            gpu = platform.Platform(name, "cuda" if name == "cuda" else "cpu", platform.BUILTIN_PRIORITY[name])
-            monkeypatch.setattr(dispatch, "current_platform", lambda gpu=gpu: gpu)
+            chosen = platform.Platform(name, name, platform.BUILTIN_PRIORITY[name])
+            monkeypatch.setattr(dispatch, "current_platform", lambda chosen=chosen: chosen)
             dispatch.refresh()
             with ops.trace() as calls:
                 decode_attention(query, keys, values, bias, 0.5)
