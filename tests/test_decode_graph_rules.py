@@ -153,3 +153,16 @@ def test_a_table_does_not_keep_its_layer_alive():
     del layer
     gc.collect()
     assert alive() is None and table.name == "_Layer"
+
+
+def test_a_graph_s_copy_of_an_input_keeps_its_strides_where_it_can():
+    """Compiled code may assume an input's strides (``generate`` passes a column of its ids):
+    the graph's own copy has them, or, for an input whose elements share memory (expanded),
+    is a dense copy; the values are the input's either way."""
+    column = torch.arange(33).reshape(3, 11)[:, -1:]
+    copied = graphs.input_buffer(column)
+    assert copied.stride() == (11, 1) and torch.equal(copied, column)
+    assert copied.data_ptr() != column.data_ptr()
+    expanded = torch.arange(4).unsqueeze(0).expand(3, -1)
+    copied = graphs.input_buffer(expanded)
+    assert copied.is_contiguous() and torch.equal(copied, expanded)

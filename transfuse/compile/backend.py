@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, fx
 
-from ..ops.graphs import copy_out, graph_pool
+from ..ops.graphs import copy_out, graph_pool, input_buffer
 from .attention import current_store
 
 __all__ = ["ATTENTION_OP", "GraphedPiece", "StepGraph", "compile_graph", "stats"]
@@ -311,7 +311,7 @@ class _Graph:
             if arg.data_ptr() in static:
                 pinned.append((index, arg.data_ptr()))
             else:
-                buffer = arg.clone()
+                buffer = input_buffer(arg)
                 copied.append(index)
                 buffers.append(buffer)
                 inputs[index] = buffer

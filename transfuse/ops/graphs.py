@@ -88,6 +88,17 @@ def graph_pool(device: int, stream: int) -> Any:
     return pool.id if hasattr(pool, "id") else pool
 
 
+def input_buffer(value: Tensor) -> Tensor:
+    """A graph's own copy of an input, with the input's strides: a compiled function's code may
+    assume them (a column of a wider tensor, ``ids[:, -1:]``, is not made contiguous). An input
+    whose elements share memory (an expanded tensor) cannot be written as such: a dense copy."""
+    buffer = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+    try:
+        return buffer.copy_(value)
+    except RuntimeError:  # overlapping elements (stride 0): no copy can be written into them
+        return value.clone()
+
+
 def copy_out(value: Any) -> Any:
     """``value`` with its tensors cloned (out of a graph's buffers, which the next replay
     overwrites), through tuples and lists."""
