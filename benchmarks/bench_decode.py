@@ -11,7 +11,11 @@ random bf16 weights, greedy decoding with no end-of-sequence token. Variants:
                          CUDA graphs through torch.compile's "reduce-overhead")
   transfuse eager        transfuse.rewrite, DynamicCache
   transfuse compiled     transfuse.rewrite + transfuse.compile, DynamicCache (a decode step is
-                         one CUDA graph, its keys and values in a KVStore, reached through Dynamo)
+                         one CUDA graph, its keys and values in a KVStore; in generate's closed
+                         loop the whole call is replayed, Dynamo's guards checked at the first
+                         replay of each generate call)
+  transfuse compiled, Dynamo every step    replay=False (every step through Dynamo and its
+                         guards to the step's graph: the default before closed loops)
   transfuse compiled, module guards off    the same with trust_modules=True (the whole call
                          replayed without entering Dynamo once Dynamo's remaining guards pass)
   transfuse compiled, module guards off, Dynamo every step    trust_modules=True, replay=False
@@ -197,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     fused = transfuse.rewrite(copy.deepcopy(stock))
     compiled_options = {
         "transfuse compiled": {},
+        "transfuse compiled, Dynamo every step": {"replay": False},
         "transfuse compiled, module guards off": {"trust_modules": True},
         "transfuse compiled, module guards off, Dynamo every step": {"trust_modules": True, "replay": False},
         "transfuse compiled, replayed, every guard": {"replay": True},

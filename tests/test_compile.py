@@ -201,6 +201,55 @@ def test_deferred_stop_check_is_turned_on_for_cuda_for_caches_a_compiled_model_s
     assert not DeferredStopCheck.is_supported(torch.device("cpu"), served, False, is_assistant=False)
 
 
+def test_the_compiled_model_knows_when_a_call_is_a_step_of_a_closed_decoding_loop():
+    """Inside transformers' own loop with nothing of the caller's in it, every call of one
+    ``generate`` sees the same loop token (a new one per ``generate``); a streamer, a processor
+    holding a function, or a call of the model's own are not closed loops."""
+    from transformers import LogitsProcessorList, StoppingCriteria
+    from transformers.generation.streamers import BaseStreamer
+
+    model = transfuse.compile(_model("llama", num_hidden_layers=1), inductor=False)
+    compiled = model._transfuse_compiled
+    inner, seen = compiled.compiled, []
+
+    def recording(*args, **kwargs):
+        seen.append(compiled.loop)
+        return inner(*args, **kwargs)
+
+    compiled.compiled = recording
+    ids, mask = _padded_batch()
+
+    def loops(**extra):
+        seen.clear()
+        _generate(model, ids, mask, new=4, **extra)
+        return list(seen)
+
+    first, second = loops(), loops()
+    assert len(first) == 4 and first[0] is not None and all(token is first[0] for token in first)
+    assert second[0] is not None and second[0] is not first[0]
+    assert all(token is not None for token in loops(num_beams=2))
+    assert compiled.loop is None
+    with torch.no_grad():
+        model(ids, attention_mask=mask)
+    assert seen[-1] is None
+
+    class Streamer(BaseStreamer):
+        def put(self, value):
+            pass
+
+        def end(self):
+            pass
+
+    class Never(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    assert set(loops(streamer=Streamer())) == {None}
+    assert set(loops(prefix_allowed_tokens_fn=lambda batch, tokens: list(range(256)))) == {None}
+    assert set(loops(stopping_criteria=[Never()])) == {None}
+    assert generate.closed({"logits_processor": LogitsProcessorList(), "streamer": None})
+
+
 def test_a_copy_or_pickle_of_a_compiled_model_is_the_model_uncompiled(tmp_path):
     import copy
 
@@ -374,7 +423,7 @@ def test_a_decode_step_is_one_cuda_graph_with_the_eager_answers(model_type):
     model = _model(model_type, device="cuda")
     ids, mask = _padded_batch("cuda")
     want_tokens, want_logits = _logits_of_generate(model, ids, mask, 16)
-    transfuse.compile(model)
+    transfuse.compile(model, replay=False)  # every step through Dynamo to the step's graph
     before = backend.stats()
     first_tokens, first_logits = _logits_of_generate(model, ids, mask, 16)
     middle = backend.stats()
@@ -415,20 +464,43 @@ def test_release_drops_the_stores_and_the_next_call_makes_one_again():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("trust_modules", [False, True], ids=["every_guard", "trusted"])
+@pytest.mark.parametrize("options", ["default", "every_guard", "trusted"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
-def test_whole_calls_replay_and_notice_new_weights(model_type, trust_modules):
+def test_whole_calls_replay_and_notice_new_weights(model_type, options):
     model = _model(model_type, device="cuda")
     ids, mask = _padded_batch("cuda")
     want_tokens, want_logits = _logits_of_generate(model, ids, mask, 16)
-    assert transfuse.compile(copy.deepcopy(model))._transfuse_compiled.call_graphs is None  # not by default
-    transfuse.compile(model, trust_modules=trust_modules, replay=None if trust_modules else True)
-    calls = model._transfuse_compiled.call_graphs
+    assert transfuse.compile(copy.deepcopy(model), replay=False)._transfuse_compiled.call_graphs is None
+    trust_modules = options == "trusted"
+    transfuse.compile(model, trust_modules=trust_modules, replay=True if options == "every_guard" else None)
+    compiled = model._transfuse_compiled
+    calls = compiled.call_graphs
     _logits_of_generate(model, ids, mask, 16)
+    checks, serving = [], compiled.dynamo.serving
+    compiled.dynamo.serving = lambda f_locals: checks.append(1) or serving(f_locals)
     before = calls.replays
     got_tokens, got_logits = _logits_of_generate(model, ids, mask, 16)
     assert calls.failed is None and calls.refused is None
     assert 15 <= calls.replays - before <= 16  # every decode step replayed
+    # generate's loop being closed, Dynamo's guards are checked before its first replay only.
+    assert len(checks) == 1
+    # Decode steps of the caller's own: replayed after a check each, by default not at all (the
+    # check of every guard is as dear as Dynamo).
+    from transformers import DynamicCache
+
+    checks.clear()
+    before = calls.replays
+    cache, step_mask = DynamicCache(config=model.config), mask
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache)
+        for _ in range(5):
+            step_mask = torch.cat([step_mask, torch.ones_like(step_mask[:, :1])], 1)
+            model(ids[:, -1:], attention_mask=step_mask, past_key_values=cache)
+    if options == "default":
+        assert calls.replays == before and not checks
+    else:
+        assert calls.replays - before >= 3 and len(checks) >= calls.replays - before
+    compiled.dynamo.serving = serving
     assert torch.equal(got_tokens, want_tokens)
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
     # New weights (a new tensor where the old one was): the replay notices and captures again.

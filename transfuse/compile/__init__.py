@@ -15,9 +15,13 @@ What it does to the model (knowing no model family):
   cache's layers are views of), so the whole step, attention included, is one CUDA graph
   (``transfuse/compile/kv_store.py``); the buffers stay with the model between calls, as a
   static cache's do, until ``transfuse.compile.release(model)``;
-* with ``trust_modules=True``, such a step is then replayed as one CUDA graph of the whole call
-  without entering Dynamo, after a check of Dynamo's own guards for the entry it would run and
-  of the model's modules and weights (``transfuse/compile/replay.py``);
+* inside ``generate``'s own decoding loop (with no streamer and no processor or stopping
+  criterion of the caller's), such a step is replayed as one CUDA graph of the whole call without
+  entering Dynamo: Dynamo's own guards for the entry it would run and the model's modules and
+  weights are checked at a captured step's first replay in the loop, and not again, since
+  nothing between two steps of that loop can change what they check
+  (``transfuse/compile/replay.py``, ``transfuse/compile/generate.py``); with
+  ``trust_modules=True`` decode steps are replayed outside ``generate`` too;
 * ``generate`` on CUDA reads its stop flag one step late, so the host queues the next token
   while the GPU runs this one (``transfuse/compile/generate.py``).
 
@@ -36,11 +40,13 @@ from __future__ import annotations
 
 import builtins
 import collections
+import contextlib
 import functools
 import itertools
 import sys
 import time
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -149,10 +155,15 @@ class _Compiled:
         self.stores: collections.OrderedDict[tuple, kv_store.KVStore] = collections.OrderedDict()
         # Why decode steps do not use a store (a layer's attention needs more than it gives).
         self.store_refused: str | None = None
-        # Decode steps replayed without entering Dynamo, after a check of Dynamo's guards
-        # (``replay.py``): by default only where those guards are cheap (``trust_modules``).
-        replays = options["trust_modules"] if options["replay"] is None else options["replay"]
+        # Decode steps replayed without entering Dynamo (``replay.py``): inside a closed decoding
+        # loop (``generate.py``: Dynamo's guards checked at a captured step's first replay in the
+        # loop only), and by default anywhere else only where checking them is cheap
+        # (``trust_modules``).
+        self.replay_anywhere = options["trust_modules"] if options["replay"] is None else options["replay"]
+        replays = options["replay"] is not False
         self.call_graphs = replay.CallGraphs(model, self.dynamo) if replays and options["cuda_graphs"] else None
+        # The closed decoding loop running now (a token of its own), or None.
+        self.loop: object | None = None
 
     def static_pointers(self) -> set[int]:
         model = self.model
@@ -162,6 +173,15 @@ class _Compiled:
         # A copy or a pickle of a compiled model is the model uncompiled (as nn.Module drops
         # ``_compiled_call_impl`` from its state): compile the copy again to compile it.
         return (_uncompiled, ())
+
+    @contextlib.contextmanager
+    def closed_loop(self) -> Iterator[None]:
+        """Inside: the calls are the decode steps of one closed decoding loop (``generate.py``)."""
+        outer, self.loop = self.loop, object()
+        try:
+            yield
+        finally:
+            self.loop = outer
 
     def _eager(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
         self.calls["eager"] += 1
@@ -204,8 +224,8 @@ class _Compiled:
                 return self.dynamo.serving({"args": (), "kwargs": {"use_cache": False, **arguments}})
 
         try:
-            if store is not None and self.call_graphs is not None:
-                output = self.call_graphs(run, store, kwargs, serving)
+            if store is not None and self.call_graphs is not None and (self.replay_anywhere or self.loop is not None):
+                output = self.call_graphs(run, store, kwargs, serving, self.loop)
             else:
                 output = run(kwargs)
         except kv_store.StoreUnusable as exc:
@@ -357,16 +377,20 @@ def compile(  # noqa: A001 - the name users call, as torch.compile
     (``transfuse/compile/kv_store.py``; None: on CUDA with ``cuda_graphs``, True: on any device,
     for tests of the store without graphs).
 
+    On CUDA, decode steps through a store inside ``generate``'s own decoding loop are replayed as
+    one CUDA graph of the whole call without entering Dynamo (``replay.py``), their checks made at
+    the first replay in each ``generate`` call (``generate.py``).
+
     ``trust_modules=True`` drops Dynamo's guards on the model's modules (their attributes are
     then not checked before each call; checking them costs about 150 us a call at 8 layers):
     only for a model nothing changes after this call (no new weights by replacement, no dtype
-    or device change, no adapters, no attribute set on a module). On CUDA its decode steps through
-    a store are then replayed as one CUDA graph of the whole call without entering Dynamo
-    (``replay.py``), once Dynamo's remaining guards for the entry it compiled pass on the call's
-    arguments (its inputs, globals, the grad mode and autocast) and the model's modules and
-    weights are the objects and addresses they were at the capture. ``replay`` overrides that
-    choice: False enters Dynamo at every step, True replays with every guard checked (which, with
-    the module guards on, measured no faster than Dynamo)."""
+    or device change, no adapters, no attribute set on a module). Its decode steps are then
+    replayed outside ``generate`` as well, once Dynamo's remaining guards for the entry it
+    compiled pass on the call's arguments (its inputs, globals, the grad mode and autocast) and
+    the model's modules and weights are the objects and addresses they were at the capture.
+    ``replay`` overrides where steps are replayed: False never (Dynamo at every step), True
+    everywhere, with every guard checked outside ``generate`` (which, with the module guards on,
+    measured no faster than Dynamo)."""
     configs = _check(model)
     attention.register()
     compiled = _Compiled(
@@ -384,6 +408,7 @@ def compile(  # noqa: A001 - the name users call, as torch.compile
     )
     model._compiled_call_impl = compiled
     model._transfuse_compiled = compiled
+    generate.install_loops()
     if deferred_stop:
         generate.install()
     return model

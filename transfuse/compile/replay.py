@@ -17,14 +17,18 @@ A replay stands for what Dynamo would have run, so before each one it checks:
   guards on they cost what the rest of Dynamo's way to the graph costs (150-210 us a call on the
   development CPU against 17-26 with ``trust_modules``, ``benchmarks/dynamo_guards.py``; a
   replay of a Qwen3-MoE step with every guard took 0.81 ms a token on the H200, Dynamo 0.73-0.77
-  in two sessions), so ``transfuse.compile`` replays by default only a model compiled with
-  ``trust_modules=True``;
+  in two sessions), so outside a closed decoding loop ``transfuse.compile`` replays by default
+  only a model compiled with ``trust_modules=True``;
 * that the model's module tree is made of the same objects (``_Snapshot``, taken at the capture):
   every submodule, parameter, buffer and forward hook entry, none added or removed, each module
   in the same training mode, every weight and buffer where it was (new data, ``p.data = ...`` or
   a ``.to()`` that moves it: the graph reads weights by address, which Dynamo's guards do not
   look at, with the module guards on or off); and the dispatch generation
   (``transfuse.ops.dispatch``) is the same.
+
+Inside a closed decoding loop (``generate.py``: transformers' own loop, with nothing of the
+caller's run between its steps) these checks are made at a graph's first replay in the loop and
+not again: nothing that could change their answer runs between two steps of the loop.
 
 Anything else means the call goes through Dynamo (which recompiles if its guards say so) and
 the next call with that signature is captured again. A capture is made only of an entry whose
@@ -45,7 +49,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ops import dispatch
-from ..ops.graphs import copy_out, graph_pool
+from ..ops.graphs import copy_out, graph_pool, input_buffer
 from . import kv_store
 
 __all__ = ["CallGraphs", "DynamoEntries", "frame_effects"]
@@ -197,7 +201,16 @@ def _entry_list() -> Callable[[Any], list[Any]] | None:
 
 
 class _Entry:
-    def __init__(self, graph: Any, inputs: dict[str, Any], output: Any, snapshot: _Snapshot, generation: int, code: Any):
+    def __init__(
+        self,
+        graph: Any,
+        inputs: dict[str, Any],
+        output: Any,
+        snapshot: _Snapshot,
+        generation: int,
+        code: Any,
+        checked_in: object | None,
+    ):
         self.graph = graph
         self.inputs = inputs
         self.output = output
@@ -205,6 +218,8 @@ class _Entry:
         self.generation = generation
         # The transformed code of Dynamo's entry the capture ran.
         self.code = code
+        # The closed decoding loop in which this graph was last checked (None: none).
+        self.checked_in = checked_in
 
 
 Serving = Callable[[dict[str, Any]], Any]
@@ -224,9 +239,18 @@ class CallGraphs:
         self._failed: set[tuple] = set()
         self._graphs: dict[tuple, _Entry] = {}
 
-    def __call__(self, run: Callable[[dict[str, Any]], Any], store: Any, kwargs: dict[str, Any], serving: Serving) -> Any:
+    def __call__(
+        self,
+        run: Callable[[dict[str, Any]], Any],
+        store: Any,
+        kwargs: dict[str, Any],
+        serving: Serving,
+        loop: object | None = None,
+    ) -> Any:
         """``run(kwargs)``, or the replay of its graph; ``serving(kwargs)`` is
-        ``DynamoEntries.serving`` of the locals ``run`` gives Dynamo, in ``run``'s context."""
+        ``DynamoEntries.serving`` of the locals ``run`` gives Dynamo, in ``run``'s context.
+        ``loop``: the closed decoding loop this call is a step of (``generate.py``), in which a
+        graph checked once is replayed without checking it again."""
         if store.device.type != "cuda" or torch.is_grad_enabled() or torch.cuda.is_current_stream_capturing():
             return run(kwargs)
         if not self.dynamo.available:
@@ -240,11 +264,11 @@ class CallGraphs:
         except TypeError:  # an argument that cannot be a key: no graph
             return run(kwargs)
         if entry is not None:
-            if (
-                entry.generation == dispatch.generation()
-                and entry.snapshot.holds()
-                and _code(serving(kwargs)) is entry.code
+            if entry.generation == dispatch.generation() and (
+                (loop is not None and entry.checked_in is loop)
+                or (entry.snapshot.holds() and _code(serving(kwargs)) is entry.code)
             ):
+                entry.checked_in = loop
                 for name, buffer in entry.inputs.items():
                     buffer.copy_(kwargs[name])
                 entry.graph.replay()
@@ -265,12 +289,18 @@ class CallGraphs:
             self._failed.add(key)
             self.refused = refusal
             return run(kwargs)
-        return self._capture(run, key, kwargs, store, _code(served))
+        return self._capture(run, key, kwargs, store, _code(served), loop)
 
     def _capture(
-        self, run: Callable[[dict[str, Any]], Any], key: tuple, kwargs: dict[str, Any], store: Any, code: Any
+        self,
+        run: Callable[[dict[str, Any]], Any],
+        key: tuple,
+        kwargs: dict[str, Any],
+        store: Any,
+        code: Any,
+        loop: object | None,
     ) -> Any:
-        inputs = {name: value.clone() for name, value in kwargs.items() if isinstance(value, Tensor)}
+        inputs = {name: input_buffer(value) for name, value in kwargs.items() if isinstance(value, Tensor)}
         static = {**kwargs, **inputs}
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.current_stream(store.device)
@@ -290,7 +320,7 @@ class CallGraphs:
             return run(kwargs)
         for dead in [k for k in self._graphs if not kv_store.live(k[0])]:
             del self._graphs[dead]
-        self._graphs[key] = _Entry(graph, inputs, output, _Snapshot(self.model), dispatch.generation(), code)
+        self._graphs[key] = _Entry(graph, inputs, output, _Snapshot(self.model), dispatch.generation(), code, loop)
         for name, buffer in inputs.items():  # the capture ran nothing: this call is the replay
             buffer.copy_(kwargs[name])
         graph.replay()
