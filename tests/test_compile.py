@@ -250,6 +250,103 @@ def test_the_compiled_model_knows_when_a_call_is_a_step_of_a_closed_decoding_loo
     assert generate.closed({"logits_processor": LogitsProcessorList(), "streamer": None})
 
 
+LEAN_CASES = {
+    "greedy": {"max_new_tokens": 10, "min_new_tokens": 10},
+    "one token": {"max_new_tokens": 1},
+    "a processor": {"max_new_tokens": 12, "repetition_penalty": 1.3},
+    "sampling": {"max_new_tokens": 12, "do_sample": True, "top_k": 20, "temperature": 0.7},
+    "end tokens": {"max_new_tokens": 20},  # an end token two of the rows emit
+}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_the_lean_loop_returns_the_tokens_transformers_loop_returns(model_type):
+    """The same compiled model, its closed loops run by transfuse (``_lean_sample``) and by
+    transformers (a dict asked for: the lean loop returns only tokens): the same tokens for
+    greedy, sampling from one seed, processors, and rows that end early (padded after, and the
+    loop stopping before the length when every row has ended)."""
+    model = transfuse.compile(_model(model_type), inductor=False)
+    loops = model._transfuse_compiled.loops
+    ids, mask = _padded_batch()
+    greedy = _generate(model, ids, mask, new=8)
+    ended = {int(greedy[0, ids.shape[1] + 2]), int(greedy[1, ids.shape[1] + 5])}
+    for name, options in LEAN_CASES.items():
+        if name == "end tokens":
+            options = {**options, "eos_token_id": sorted(ended), "pad_token_id": 0}
+        before = dict(loops)
+        with torch.no_grad():
+            torch.manual_seed(3)
+            lean = model.generate(ids, attention_mask=mask, **options)
+            torch.manual_seed(3)
+            theirs = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, **options).sequences
+        assert loops["transfuse"] == before["transfuse"] + 1 and loops["transformers"] == before["transformers"] + 1
+        assert torch.equal(lean, theirs), name
+        assert lean.is_contiguous()
+    # A row alone stops at its end token, before the length.
+    first_end = next(i for i, token in enumerate(greedy[0, ids.shape[1]:].tolist()) if token in ended)
+    with torch.no_grad():
+        alone = model.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=20, eos_token_id=sorted(ended), pad_token_id=0)
+    assert torch.equal(alone, greedy[:1, : ids.shape[1] + first_end + 1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_the_lean_loop_on_cuda_replays_its_steps_and_stops_where_transformers_loop_does(model_type):
+    """On CUDA: the store, whole-call replays and the deferred stop check under the lean loop."""
+    model = transfuse.compile(_model(model_type, device="cuda"))
+    compiled = model._transfuse_compiled
+    ids, mask = _padded_batch("cuda")
+    greedy = _generate(model, ids, mask, new=8)
+    ended = sorted({int(greedy[0, ids.shape[1] + 2]), int(greedy[1, ids.shape[1] + 5])})
+    for options in ({"max_new_tokens": 24, "min_new_tokens": 24}, {"max_new_tokens": 24, "eos_token_id": ended, "pad_token_id": 0}):
+        with torch.no_grad():
+            lean = model.generate(ids, attention_mask=mask, **options)
+            replays = compiled.call_graphs.replays
+            lean_again = model.generate(ids, attention_mask=mask, **options)
+            replayed = compiled.call_graphs.replays - replays
+            theirs = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, **options).sequences
+        assert torch.equal(lean, theirs) and torch.equal(lean_again, theirs)
+        assert replayed >= lean.shape[1] - ids.shape[1] - 2  # every decode step but the first
+    assert compiled.loops["transfuse"] == 5 and compiled.call_graphs.failed is None
+
+
+def test_the_lean_loop_leaves_to_transformers_what_it_does_not_do():
+    from transformers import DynamicCache, StoppingCriteria
+
+    class Never(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    model = transfuse.compile(_model("llama", num_hidden_layers=1), inductor=False)
+    loops = model._transfuse_compiled.loops
+    ids, mask = _padded_batch()
+    end = int(_generate(model, ids, mask, new=2)[0, -1])
+    for options in (
+        {"return_dict_in_generate": True, "output_scores": True},  # more than tokens asked for
+        {"max_time": 60.0},  # a stopping criterion other than length and end tokens
+        {"num_beams": 2},  # not sampling
+        # a cache of the caller's, with end tokens: a step past the end would stay in it
+        {"past_key_values": DynamicCache(config=model.config), "eos_token_id": end, "pad_token_id": 0},
+    ):
+        before = loops["transfuse"]
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=4, **options)
+        assert loops["transfuse"] == before, options
+    # A cache of the caller's with no end token: the lean loop, and the cache holds every token.
+    model.generation_config.eos_token_id = None  # (the tiny model's config has one)
+    cache = DynamicCache(config=model.config)
+    before = loops["transfuse"]
+    got = _generate(model, ids, mask, new=4, past_key_values=cache, pad_token_id=0)
+    assert loops["transfuse"] == before + 1
+    assert cache.get_seq_length() == got.shape[1] - 1
+    assert set(loops) == {"transfuse", "transformers"}
+    with torch.no_grad():  # a criterion of the caller's: not a closed loop at all
+        before = dict(loops)
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, stopping_criteria=[Never()])
+    assert loops == before
+
+
 def test_a_copy_or_pickle_of_a_compiled_model_is_the_model_uncompiled(tmp_path):
     import copy
 

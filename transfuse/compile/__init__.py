@@ -151,6 +151,8 @@ class _Compiled:
         # eagerly (``_covers``); its submodules' hooks are traced as usual.
         self.compiled = torch.compile(entry, backend=graph_backend, dynamic=options["dynamic"], **extra)
         self.calls = {"compiled": 0, "eager": 0}
+        # Closed decoding loops run by transfuse's lean loop and by transformers' own (``generate.py``).
+        self.loops = {"transfuse": 0, "transformers": 0}
         # Key/value stores of decode steps by cache layout, the most recently used last.
         self.stores: collections.OrderedDict[tuple, kv_store.KVStore] = collections.OrderedDict()
         # Why decode steps do not use a store (a layer's attention needs more than it gives).

@@ -20,20 +20,30 @@ again (``replay.CallGraphs``): the first replay of each captured step in a loop 
 everything, the later ones nothing. ``install_loops`` wraps the two loops to tell the compiled model
 when it is inside one (``_Compiled.closed_loop``).
 
+Inside a closed greedy or sampling loop whose only stopping criteria are the length and end
+tokens, and which returns just the tokens (``lean_loop``), transfuse runs the loop itself
+(``_lean_sample``): the same prefill, processors, token choice, padding of finished rows and
+(deferred) stop check as transformers' ``_sample``, without what a step of it costs the host
+beyond those: the inputs prepared again from every keyword, the mask and the tokens
+concatenated into new tensors, the length criterion evaluated on the device. At a MoE model's
+decode step that host work is most of the token.
+
 Versions of transformers without ``DeferredStopCheck`` decode as they always do; without a
 loop of these names, every step is checked.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import types
 from typing import Any
 
+import torch
 from torch import nn
 
-__all__ = ["closed", "install", "install_loops", "mark", "supported"]
+__all__ = ["closed", "install", "install_loops", "lean_loop", "mark", "supported"]
 
 # transformers' decoding loops that run only transformers' code between two decode steps when
 # given nothing of the caller's (assisted decoding runs another model between them).
@@ -131,7 +141,136 @@ def _closing(original: Any) -> Any:
         if not closed(arguments):
             return original(self, *args, **kwargs)
         with compiled.closed_loop():
+            if original.__name__ == "_sample" and lean_loop(self, arguments):
+                compiled.loops["transfuse"] += 1
+                return _lean_sample(self, compiled, arguments)
+            compiled.loops["transformers"] += 1
             return original(self, *args, **kwargs)
 
     loop._transfuse = True  # type: ignore[attr-defined]
     return loop
+
+
+# The keyword arguments ``_sample`` passes on to the model that ``_lean_sample`` passes on too.
+_LEAN_KWARGS = frozenset({"attention_mask", "cache", "past_key_values", "use_cache", "logits_to_keep", "position_ids"})
+
+
+def lean_loop(model: Any, arguments: dict[str, Any]) -> bool:
+    """Whether ``_lean_sample`` may run this call of ``_sample`` (arguments by name): a
+    decoder-only model, tokens only returned, no peers to wait for, stopping criteria of
+    transformers' length and end-token classes with a length, inputs of ids, a padding mask and
+    the cache, and a cache that is not handed back to the caller where the stop check defers."""
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+    config = arguments.get("generation_config")
+    criteria = arguments.get("stopping_criteria")
+    input_ids = arguments.get("input_ids")
+    model_kwargs = arguments.get("model_kwargs") or {}
+    if config is None or criteria is None or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        return False
+    if config.return_dict_in_generate or getattr(config, "is_assistant", False) or arguments.get("synced_gpus"):
+        return False
+    if getattr(model.config, "is_encoder_decoder", False) or not model_kwargs.get("use_cache", True):
+        return False
+    if any(type(c) not in (MaxLengthCriteria, EosTokenCriteria) for c in criteria):
+        return False
+    if getattr(criteria, "max_length", None) is None or set(model_kwargs) - _LEAN_KWARGS:
+        return False
+    positions = model_kwargs.get("position_ids")
+    if positions is not None and not isinstance(positions, torch.Tensor):
+        return False
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    ends = any(isinstance(c, EosTokenCriteria) for c in criteria)
+    # A cache the caller gave is theirs afterwards: a step past the end would have to be undone in it.
+    return not (ends and getattr(cache, "_is_user_defined", False))
+
+
+def _lean_sample(model: Any, compiled: Any, arguments: dict[str, Any]) -> torch.Tensor:
+    """transformers' ``_sample`` for the calls ``lean_loop`` admits, with the host's work a step
+    cut to the step itself. The tokens go into one buffer of the final length, the padding mask
+    is a view of one (ones past the prompt), the length criterion is the loop's bound, and the
+    end tokens are checked on the device, read a step late on CUDA (``DeferredStopCheck``)."""
+    from transformers.generation.stopping_criteria import EosTokenCriteria
+    from transformers.generation.utils import StopCheck
+
+    input_ids = arguments["input_ids"]
+    processors = arguments.get("logits_processor")
+    criteria = arguments["stopping_criteria"]
+    config = arguments["generation_config"]
+    model_kwargs = dict(arguments.get("model_kwargs") or {})
+    max_length = criteria.max_length
+    ends = [c for c in criteria if isinstance(c, EosTokenCriteria)]
+    batch, prompt = input_ids.shape
+    device = input_ids.device
+
+    outputs = model._prefill(input_ids, config, model_kwargs, is_first_iteration=True)
+    model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=False)
+    cache_name = "cache" if "cache" in model_kwargs else "past_key_values"
+    cache = model_kwargs.get(cache_name)
+
+    tokens = input_ids.new_empty(batch, max(max_length, prompt))
+    tokens[:, :prompt] = input_ids
+    mask = model_kwargs.pop("attention_mask", None)
+    if mask is not None:
+        grown = mask.new_ones(batch, max(max_length, mask.shape[1]))
+        grown[:, : mask.shape[1]] = mask
+        mask = grown
+    # Each step's positions: the one after the last (``_update_model_kwargs_for_generation``
+    # appends it, ``prepare_inputs_for_generation`` passes that column on).
+    positions = model_kwargs.pop("position_ids", None)
+    if positions is not None:
+        positions = positions[..., -1:].clone(memory_format=torch.contiguous_format)
+    step_kwargs = {name: value for name, value in model_kwargs.items() if name in _LEAN_KWARGS}
+    step_kwargs["return_dict"] = True
+    forward = model.__call__
+    choose_in_float = bool(processors) or config.do_sample
+
+    unfinished = torch.ones(batch, dtype=torch.long, device=device) if ends else None
+    pad = config._pad_token_tensor
+    if ends and pad is not None:
+        pad = pad.to(device)
+    stop_check = None
+    if ends:
+        deferred = _check_class()
+        stop_check = (
+            deferred(input_ids, max_length, cache, False)
+            if deferred is not None and deferred.is_supported(device, cache, False, is_assistant=False)
+            else StopCheck(None)
+        )
+
+    length = prompt
+    optimise = getattr(model, "_optimize_model_for_decode", contextlib.nullcontext)
+    with optimise():
+        while True:
+            logits = outputs.logits[:, -1]
+            if choose_in_float:
+                scores = logits.to(copy=True, dtype=torch.float32, device=device)
+                if processors:
+                    scores = processors(tokens[:, :length], scores)
+                if config.do_sample:
+                    chosen = torch.multinomial(torch.nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+                else:
+                    chosen = torch.argmax(scores, dim=-1)
+            else:  # the argmax of the float32 copy is the argmax of the logits
+                chosen = torch.argmax(logits, dim=-1).to(device)
+            if ends:
+                chosen = chosen * unfinished + pad * (1 - unfinished)
+            tokens[:, length] = chosen
+            length += 1
+            if ends:
+                done = ends[0](tokens[:, :length], None)
+                for criterion in ends[1:]:
+                    done = done | criterion(tokens[:, :length], None)
+                unfinished = unfinished & ~done
+                if stop_check(unfinished, chosen, length) or length >= max_length:
+                    break
+            elif length >= max_length:
+                break
+            if mask is not None:
+                step_kwargs["attention_mask"] = mask[:, :length]
+            if positions is not None:
+                step_kwargs["position_ids"] = positions
+                positions = positions + 1
+            outputs = forward(input_ids=chosen.unsqueeze(1), **step_kwargs)
+    undo = stop_check.finish() if stop_check is not None else 0
+    return tokens[:, : length - undo].contiguous()
