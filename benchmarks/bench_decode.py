@@ -16,6 +16,8 @@ random bf16 weights, greedy decoding with no end-of-sequence token. Variants:
                          replay of each generate call)
   transfuse compiled, Dynamo every step    replay=False (every step through Dynamo and its
                          guards to the step's graph: the default before closed loops)
+  transfuse compiled, transformers' loop    lean_loop=False (generate's steps run by
+                         transformers' _sample rather than transfuse's lean loop)
   transfuse compiled, module guards off    the same with trust_modules=True (the whole call
                          replayed without entering Dynamo once Dynamo's remaining guards pass)
   transfuse compiled, module guards off, Dynamo every step    trust_modules=True, replay=False
@@ -202,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     compiled_options = {
         "transfuse compiled": {},
         "transfuse compiled, Dynamo every step": {"replay": False},
+        "transfuse compiled, transformers' loop": {"lean_loop": False},
         "transfuse compiled, module guards off": {"trust_modules": True},
         "transfuse compiled, module guards off, Dynamo every step": {"trust_modules": True, "replay": False},
         "transfuse compiled, replayed, every guard": {"replay": True},

@@ -2,8 +2,9 @@
 
     python benchmarks/decode_host.py [--model qwen3_moe|llama] [--batch 1] [--prompt 512] [--new 128]
 
-The model of ``bench_decode.py``, ``transfuse.compile``'d three times (``replay=False``: every
-step through Dynamo; the defaults; ``trust_modules=True``), warmed up, then one ``generate`` with the layers of the compiled call
+The model of ``bench_decode.py``, ``transfuse.compile``'d four times (``replay=False``: every
+step through Dynamo; ``lean_loop=False``: transformers' own decoding loop; the defaults;
+``trust_modules=True``), warmed up, then one ``generate`` with the layers of the compiled call
 wrapped in host timers: the whole call (``_Compiled.__call__``), the Dynamo-compiled function
 inside it, the backend's whole-step graph (``StepGraph``), the replay itself, and the
 ``KVStore``'s work before and after the step. Each is the host time per token (the GPU is not
@@ -66,7 +67,7 @@ def main() -> int:
     timed_method(backend._Graph, "replay", "    the replay (input copies, launch, output copies)")
     timed_method(kv_store.KVStore, "begin", "  KVStore.begin")
     timed_method(kv_store.KVStore, "end", "  KVStore.end")
-    for options in ({"replay": False}, {}, {"trust_modules": True}):
+    for options in ({"replay": False}, {"lean_loop": False}, {}, {"trust_modules": True}):
         model = transfuse.compile(transfuse.rewrite(copy.deepcopy(stock)), **options)
         dynamo = model._transfuse_compiled.compiled
 

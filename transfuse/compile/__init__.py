@@ -23,7 +23,8 @@ What it does to the model (knowing no model family):
   (``transfuse/compile/replay.py``, ``transfuse/compile/generate.py``); with
   ``trust_modules=True`` decode steps are replayed outside ``generate`` too;
 * ``generate`` on CUDA reads its stop flag one step late, so the host queues the next token
-  while the GPU runs this one (``transfuse/compile/generate.py``).
+  while the GPU runs this one, and a greedy or sampling loop that returns only tokens runs in a
+  lean loop of transfuse's with the same tokens (``transfuse/compile/generate.py``).
 
 Calls the compiled path does not cover run the model's ordinary forward, unchanged: anything
 that records autograd or is in training mode, a cache other than transformers' dynamic one,
@@ -369,6 +370,7 @@ def compile(  # noqa: A001 - the name users call, as torch.compile
     trust_modules: bool = False,
     kv_store: bool | None = None,
     replay: bool | None = None,
+    lean_loop: bool = True,
 ) -> nn.Module:
     """Compile ``model`` in place for inference and return it (see the module docstring).
 
@@ -381,7 +383,10 @@ def compile(  # noqa: A001 - the name users call, as torch.compile
 
     On CUDA, decode steps through a store inside ``generate``'s own decoding loop are replayed as
     one CUDA graph of the whole call without entering Dynamo (``replay.py``), their checks made at
-    the first replay in each ``generate`` call (``generate.py``).
+    the first replay in each ``generate`` call (``generate.py``). ``lean_loop=False`` leaves
+    greedy and sampling loops to transformers' ``_sample`` (by default transfuse runs the ones
+    that return only tokens and stop at a length or end tokens itself, with less host work a
+    token and the same tokens: ``generate.py``).
 
     ``trust_modules=True`` drops Dynamo's guards on the model's modules (their attributes are
     then not checked before each call; checking them costs about 150 us a call at 8 layers):
@@ -406,6 +411,7 @@ def compile(  # noqa: A001 - the name users call, as torch.compile
             "deferred_stop": deferred_stop,
             "kv_store": kv_store,
             "replay": replay,
+            "lean_loop": lean_loop,
         },
     )
     model._compiled_call_impl = compiled

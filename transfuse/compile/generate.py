@@ -141,7 +141,7 @@ def _closing(original: Any) -> Any:
         if not closed(arguments):
             return original(self, *args, **kwargs)
         with compiled.closed_loop():
-            if original.__name__ == "_sample" and lean_loop(self, arguments):
+            if original.__name__ == "_sample" and compiled.options["lean_loop"] and lean_loop(self, arguments):
                 compiled.loops["transfuse"] += 1
                 return _lean_sample(self, compiled, arguments)
             compiled.loops["transformers"] += 1
