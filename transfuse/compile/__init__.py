@@ -214,7 +214,10 @@ class _Compiled:
         seen = cache.get_seq_length() if cache is not None else 0
         if kwargs.get("position_ids") is None:
             positions = torch.arange(seen, seen + inputs.shape[1], device=inputs.device)
-            kwargs["position_ids"] = positions.unsqueeze(0).expand(inputs.shape[0], -1)
+            # One row for the batch, as transformers' models make them when given none (an
+            # expanded batch would share memory, which a graph's copy of it cannot keep:
+            # ``ops.graphs.input_buffer``).
+            kwargs["position_ids"] = positions.unsqueeze(0)
         self.calls["compiled"] += 1
         store = self._store(cache, inputs, padding, seen)
 
