@@ -15,7 +15,7 @@ random bf16 weights, greedy decoding with no end-of-sequence token. Variants:
                          loop the whole call is replayed, Dynamo's guards checked at the first
                          replay of each generate call)
   transfuse compiled, Dynamo every step    replay=False (every step through Dynamo and its
-                         guards to the step's graph: the default before closed loops)
+                         guards to the step's graph; the lean loop still runs)
   transfuse compiled, transformers' loop    lean_loop=False (generate's steps run by
                          transformers' _sample rather than transfuse's lean loop)
   transfuse compiled, module guards off    the same with trust_modules=True (the whole call
