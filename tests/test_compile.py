@@ -255,6 +255,7 @@ LEAN_CASES = {
     "one token": {"max_new_tokens": 1},
     "a processor": {"max_new_tokens": 12, "repetition_penalty": 1.3},
     "sampling": {"max_new_tokens": 12, "do_sample": True, "top_k": 20, "temperature": 0.7},
+    "two samples a prompt": {"max_new_tokens": 6, "do_sample": True, "num_return_sequences": 2},
     "end tokens": {"max_new_tokens": 20},  # an end token two of the rows emit
 }
 
