@@ -123,10 +123,12 @@ def install_loops() -> None:
         original = GenerationMixin.__dict__.get(name)
         if original is None or getattr(original, "_transfuse", False):
             continue
-        setattr(GenerationMixin, name, _closing(original))
+        setattr(GenerationMixin, name, _closing(original, lean=name == "_sample"))
 
 
-def _closing(original: Any) -> Any:
+def _closing(original: Any, lean: bool) -> Any:
+    """``original`` (a decoding loop) run as a closed loop where it is one; ``lean``: the loop
+    is ``_sample``, which ``_lean_sample`` may stand in for."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -141,7 +143,7 @@ def _closing(original: Any) -> Any:
         if not closed(arguments):
             return original(self, *args, **kwargs)
         with compiled.closed_loop():
-            if original.__name__ == "_sample" and compiled.options["lean_loop"] and lean_loop(self, arguments):
+            if lean and compiled.options["lean_loop"] and lean_loop(self, arguments):
                 compiled.loops["transfuse"] += 1
                 return _lean_sample(self, compiled, arguments)
             compiled.loops["transformers"] += 1
