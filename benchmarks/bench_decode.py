@@ -9,7 +9,10 @@ random bf16 weights, greedy decoding with no end-of-sequence token. Variants:
   transformers dynamic   stock model, the default DynamicCache
   transformers static    stock model, cache_implementation="static" (transformers compiles it,
                          CUDA graphs through torch.compile's "reduce-overhead")
-  transfuse eager        transfuse.rewrite, DynamicCache
+  transfuse eager        transfuse.rewrite, DynamicCache (on CUDA, generate's decode steps
+                         replayed as CUDA graphs of the eager forward: compile/eager_steps.py)
+  transfuse eager, layer graphs only    TRANSFUSE_STEP_GRAPHS=0 (only the MoE blocks graphed)
+  transfuse eager, no graphs            TRANSFUSE_DECODE_GRAPHS=0
   transfuse compiled     transfuse.rewrite + transfuse.compile, DynamicCache (a decode step is
                          one CUDA graph, its keys and values in a KVStore; in generate's closed
                          loop the whole call is replayed, Dynamo's guards checked at the first
@@ -105,10 +108,20 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def generate(model, ids, new: int, **extra):
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                              min_new_tokens=new, do_sample=False, **extra)
+def generate(model, ids, new: int, _env: dict[str, str] | None = None, **extra):
+    """Greedy ``generate`` of ``new`` tokens; ``_env``: environment variables set for the call."""
+    saved = {name: os.environ.get(name) for name in _env or {}}
+    os.environ.update(_env or {})
+    try:
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                  min_new_tokens=new, do_sample=False, **extra)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def timed(fn, device: str) -> float:
@@ -214,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         "transformers dynamic": (stock, {}),
         "transformers static": (stock, {"cache_implementation": "static"}),
         "transfuse eager": (fused, {}),
+        "transfuse eager, layer graphs only": (fused, {"_env": {"TRANSFUSE_STEP_GRAPHS": "0"}}),
+        "transfuse eager, no graphs": (fused, {"_env": {"TRANSFUSE_DECODE_GRAPHS": "0"}}),
     }
     for name, options in compiled_options.items():
         if name in args.variants:
@@ -287,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, (model, _) in models.items()
         if (graphs := getattr(getattr(model, "_transfuse_compiled", None), "call_graphs", None)) is not None
     }
+    result["eager_steps"] = transfuse.compile.eager_steps.stats(fused)
     with open(os.path.join(args.out, f"decode_{args.model}.json"), "w") as f:
         json.dump(result, f, indent=1)
     lines = [f"# Decode per token, {args.model} shapes ({result['device']}, torch {result['torch']})", "",
@@ -302,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefill:
         lines += ["", f"Prefill of {args.prefill} tokens (no cache): "
                   + "; ".join(f"{k} {v['ms']:.2f} ms (first call {v['first_call_s']:.1f} s)" for k, v in result["prefill"].items())]
-    lines += ["", f"Backend counters: {result['backend_stats']}", "", f"Whole-call replays: {result['call_graphs']}"]
+    lines += ["", f"Backend counters: {result['backend_stats']}", "", f"Whole-call replays: {result['call_graphs']}",
+              "", f"Eager steps (transfuse eager's generate loops): {result['eager_steps']}"]
     with open(os.path.join(args.out, f"decode_{args.model}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

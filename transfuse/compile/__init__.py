@@ -124,53 +124,37 @@ def _check(model: nn.Module) -> list[Any]:
     return configs
 
 
-class _Compiled:
-    """What ``transfuse.compile`` installs as the model's ``_compiled_call_impl``."""
+class _DecodeCalls:
+    """A model's calls through transfuse's attention op and, for decode steps on CUDA, a
+    ``KVStore`` and whole-call CUDA graphs: what ``transfuse.compile`` installs as the model's
+    ``_compiled_call_impl`` (``_Compiled``), and what a closed decoding loop of a rewritten model
+    that is not compiled runs its steps through (``eager_steps.EagerSteps``)."""
+
+    # The key of ``calls`` that counts the calls this path runs (the other: "eager").
+    _PATH = "compiled"
+    # Whether calls without a store run the path (compiled) or the model's own forward.
+    _STORELESS_CALLS = True
 
     def __init__(self, model: nn.Module, configs: list[Any], options: dict[str, Any]):
         self.model = model
         self.configs = configs
         self.options = options
         self.cache_name = "cache" if "cache" in _forward_parameters(model) else "past_key_values"
-        entry = _entry(model.forward)
-        # Dynamo's compiled entries of ``entry``: which one a call would run, what each changes
-        # outside its graph (``replay.py``).
-        self.dynamo = replay.DynamoEntries(entry)
-        graph_backend = functools.partial(
-            backend.compile_graph,
-            inductor=options["inductor"],
-            cuda_graphs=options["cuda_graphs"],
-            static_pointers=self.static_pointers,
-            on_frame=self.dynamo.record,
-        )
-        extra: dict[str, Any] = {}
-        if options["trust_modules"] and hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"):
-            extra["options"] = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        # ``forward``, not ``_call_impl``: some torch versions do not trace into nn.Module's own
-        # call and start at the model's forward wrapper instead, which every transformers model
-        # shares (see ``_entry``). The model's own hooks are honoured by running those calls
-        # eagerly (``_covers``); its submodules' hooks are traced as usual.
-        self.compiled = torch.compile(entry, backend=graph_backend, dynamic=options["dynamic"], **extra)
-        self.calls = {"compiled": 0, "eager": 0}
-        # Closed decoding loops run by transfuse's lean loop and by transformers' own (``generate.py``).
-        self.loops = {"transfuse": 0, "transformers": 0}
+        self.calls = {self._PATH: 0, "eager": 0}
         # Key/value stores of decode steps by cache layout, the most recently used last.
         self.stores: collections.OrderedDict[tuple, kv_store.KVStore] = collections.OrderedDict()
         # Why decode steps do not use a store (a layer's attention needs more than it gives).
         self.store_refused: str | None = None
-        # Decode steps replayed without entering Dynamo (``replay.py``): inside a closed decoding
-        # loop (``generate.py``: Dynamo's guards checked at a captured step's first replay in the
-        # loop only), and by default anywhere else only where checking them is cheap
-        # (``trust_modules``).
-        self.replay_anywhere = options["trust_modules"] if options["replay"] is None else options["replay"]
-        replays = options["replay"] is not False
-        self.call_graphs = replay.CallGraphs(model, self.dynamo) if replays and options["cuda_graphs"] else None
         # The closed decoding loop running now (a token of its own), or None.
         self.loop: object | None = None
-
-    def static_pointers(self) -> set[int]:
-        model = self.model
-        return {t.data_ptr() for t in (*model.parameters(), *model.buffers())}
+        # Closed decoding loops run by transfuse's lean loop and by transformers' own (``generate.py``).
+        self.loops = {"transfuse": 0, "transformers": 0}
+        # Set by subclasses: the forward a call of the path runs (with ``use_cache=False``),
+        # Dynamo's entries of it (None: no Dynamo), whole calls replayed as CUDA graphs.
+        self.compiled: Any = None
+        self.dynamo: replay.DynamoEntries | None = None
+        self.call_graphs: replay.CallGraphs | None = None
+        self.replay_anywhere = False
 
     def __reduce__(self) -> tuple:
         # A copy or a pickle of a compiled model is the model uncompiled (as nn.Module drops
@@ -194,6 +178,7 @@ class _Compiled:
         model = self.model
         if not self._covers(model, args, kwargs):
             return self._eager(model, args, kwargs)
+        given = kwargs
         kwargs = dict(kwargs)
         if args:
             kwargs["input_ids"] = args[0]
@@ -218,8 +203,10 @@ class _Compiled:
             # expanded batch would share memory, which a graph's copy of it cannot keep:
             # ``ops.graphs.input_buffer``).
             kwargs["position_ids"] = positions.unsqueeze(0)
-        self.calls["compiled"] += 1
         store = self._store(cache, inputs, padding, seen)
+        if store is None and not self._STORELESS_CALLS:
+            return self._eager(model, args, given)
+        self.calls[self._PATH] += 1
 
         def run(arguments: dict[str, Any]) -> Any:
             with attention.step(cache, padding, store), _implementation(self.configs, IMPLEMENTATION):
@@ -231,7 +218,7 @@ class _Compiled:
 
         try:
             if store is not None and self.call_graphs is not None and (self.replay_anywhere or self.loop is not None):
-                output = self.call_graphs(run, store, kwargs, serving, self.loop)
+                output = self.call_graphs(run, store, kwargs, serving if self.dynamo is not None else None, self.loop)
             else:
                 output = run(kwargs)
         except kv_store.StoreUnusable as exc:
@@ -241,6 +228,8 @@ class _Compiled:
                 unused.retire()
             self.stores.clear()
             store = None
+            if not self._STORELESS_CALLS:
+                return self._eager(model, args, given)
             with attention.step(cache, padding), _implementation(self.configs, IMPLEMENTATION):
                 output = self.compiled(use_cache=False, **kwargs)
         if store is not None:
@@ -301,6 +290,43 @@ class _Compiled:
     def _dynamic(cache: Any) -> bool:
         kinds = _cache_layer_types()
         return isinstance(cache, _dynamic_cache()) and all(type(layer) in kinds for layer in cache.layers)
+
+
+class _Compiled(_DecodeCalls):
+    """What ``transfuse.compile`` installs as the model's ``_compiled_call_impl``."""
+
+    def __init__(self, model: nn.Module, configs: list[Any], options: dict[str, Any]):
+        super().__init__(model, configs, options)
+        entry = _entry(model.forward)
+        # Dynamo's compiled entries of ``entry``: which one a call would run, what each changes
+        # outside its graph (``replay.py``).
+        self.dynamo = replay.DynamoEntries(entry)
+        graph_backend = functools.partial(
+            backend.compile_graph,
+            inductor=options["inductor"],
+            cuda_graphs=options["cuda_graphs"],
+            static_pointers=self.static_pointers,
+            on_frame=self.dynamo.record,
+        )
+        extra: dict[str, Any] = {}
+        if options["trust_modules"] and hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"):
+            extra["options"] = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        # ``forward``, not ``_call_impl``: some torch versions do not trace into nn.Module's own
+        # call and start at the model's forward wrapper instead, which every transformers model
+        # shares (see ``_entry``). The model's own hooks are honoured by running those calls
+        # eagerly (``_covers``); its submodules' hooks are traced as usual.
+        self.compiled = torch.compile(entry, backend=graph_backend, dynamic=options["dynamic"], **extra)
+        # Decode steps replayed without entering Dynamo (``replay.py``): inside a closed decoding
+        # loop (``generate.py``: Dynamo's guards checked at a captured step's first replay in the
+        # loop only), and by default anywhere else only where checking them is cheap
+        # (``trust_modules``).
+        self.replay_anywhere = options["trust_modules"] if options["replay"] is None else options["replay"]
+        replays = options["replay"] is not False
+        self.call_graphs = replay.CallGraphs(model, self.dynamo) if replays and options["cuda_graphs"] else None
+
+    def static_pointers(self) -> set[int]:
+        model = self.model
+        return {t.data_ptr() for t in (*model.parameters(), *model.buffers())}
 
 
 def _entry(call: Any) -> Any:
@@ -476,3 +502,5 @@ class _CallableModule(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _CallableModule
+
+from . import eager_steps  # noqa: E402 - it builds on ``_DecodeCalls`` above

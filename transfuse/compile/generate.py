@@ -43,6 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..rewriter.apply import REPORT_ATTR
+
 __all__ = ["closed", "install", "install_loops", "lean_loop", "mark", "supported"]
 
 # transformers' decoding loops that run only transformers' code between two decode steps when
@@ -134,7 +136,9 @@ def _closing(original: Any, lean: bool) -> Any:
     @functools.wraps(original)
     def loop(self: Any, *args: Any, **kwargs: Any) -> Any:
         compiled = getattr(self, "_transfuse_compiled", None)
-        if compiled is None or self.__dict__.get("_compiled_call_impl") is not compiled:
+        if compiled is not None and self.__dict__.get("_compiled_call_impl") is not compiled:
+            compiled = None
+        if compiled is None and getattr(self, REPORT_ATTR, None) is None:  # neither compiled nor rewritten
             return original(self, *args, **kwargs)
         try:
             arguments = signature.bind_partial(self, *args, **kwargs).arguments
@@ -142,7 +146,16 @@ def _closing(original: Any, lean: bool) -> Any:
             return original(self, *args, **kwargs)
         if not closed(arguments):
             return original(self, *args, **kwargs)
-        with compiled.closed_loop():
+        if compiled is not None:
+            running = compiled.closed_loop()
+        else:  # a rewritten model, not compiled: its steps as graphs of its eager forward
+            from . import eager_steps
+
+            compiled = eager_steps.for_loop(self)
+            if compiled is None:
+                return original(self, *args, **kwargs)
+            running = compiled.installed()
+        with running:
             if lean and compiled.options["lean_loop"] and lean_loop(self, arguments):
                 compiled.loops["transfuse"] += 1
                 return _lean_sample(self, compiled, arguments)

@@ -226,9 +226,13 @@ Serving = Callable[[dict[str, Any]], Any]
 
 
 class CallGraphs:
-    """Whole compiled calls of one model as CUDA graphs, keyed by store and input signature."""
+    """Whole compiled calls of one model as CUDA graphs, keyed by store and input signature.
 
-    def __init__(self, model: nn.Module, dynamo: DynamoEntries):
+    With ``dynamo`` None the calls are the model's eager forward (``eager_steps.py``): there are
+    no Dynamo guards to stand for what the forward reads on the host, so a graph is replayed only
+    inside the closed decoding loop it was captured in, and never checked or replayed outside it."""
+
+    def __init__(self, model: nn.Module, dynamo: DynamoEntries | None):
         self.model = model
         self.dynamo = dynamo
         self.failed: str | None = None
@@ -244,16 +248,20 @@ class CallGraphs:
         run: Callable[[dict[str, Any]], Any],
         store: Any,
         kwargs: dict[str, Any],
-        serving: Serving,
+        serving: Serving | None,
         loop: object | None = None,
     ) -> Any:
         """``run(kwargs)``, or the replay of its graph; ``serving(kwargs)`` is
-        ``DynamoEntries.serving`` of the locals ``run`` gives Dynamo, in ``run``'s context.
+        ``DynamoEntries.serving`` of the locals ``run`` gives Dynamo, in ``run``'s context (None
+        without Dynamo).
         ``loop``: the closed decoding loop this call is a step of (``generate.py``), in which a
         graph checked once is replayed without checking it again."""
         if store.device.type != "cuda" or torch.is_grad_enabled() or torch.cuda.is_current_stream_capturing():
             return run(kwargs)
-        if not self.dynamo.available:
+        dynamo = self.dynamo
+        if dynamo is None and loop is None:
+            return run(kwargs)
+        if dynamo is not None and not dynamo.available:
             return run(kwargs)
         try:
             key = (store.key(), *sorted(
@@ -266,7 +274,7 @@ class CallGraphs:
         if entry is not None:
             if entry.generation == dispatch.generation() and (
                 (loop is not None and entry.checked_in is loop)
-                or (entry.snapshot.holds() and _code(serving(kwargs)) is entry.code)
+                or (dynamo is not None and entry.snapshot.holds() and _code(serving(kwargs)) is entry.code)
             ):
                 entry.checked_in = loop
                 for name, buffer in entry.inputs.items():
@@ -283,8 +291,8 @@ class CallGraphs:
         if key not in self._seen:
             self._seen.add(key)
             return run(kwargs)
-        served = serving(kwargs)
-        refusal = self.dynamo.refusal(served)
+        served = serving(kwargs) if dynamo is not None else None
+        refusal = dynamo.refusal(served) if dynamo is not None else None
         if refusal is not None:
             self._failed.add(key)
             self.refused = refusal

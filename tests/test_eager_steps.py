@@ -1,0 +1,204 @@
+"""``generate`` on a rewritten model that is not compiled: decode steps through a key/value store
+and, on CUDA, replayed as CUDA graphs of the eager forward (``transfuse/compile/eager_steps.py``).
+
+Every answer is compared with the same model's ``generate`` with the path turned off
+(``TRANSFUSE_STEP_GRAPHS=0``). On the CPU the path's steps run through the store without graphs
+(``eager_steps.STORE = True``, the refusal of a CPU model lifted): the wiring, the store's
+attention and the loops; the graphs themselves run on a GPU only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import transfuse
+from transfuse.compile import eager_steps
+from transfuse.tiny import tiny_model
+
+
+def _model(model_type: str = "llama", device: str = "cpu", dtype=torch.float32, **overrides):
+    torch.manual_seed(0)
+    return transfuse.rewrite(tiny_model(model_type, **overrides).to(device, dtype).eval())
+
+
+def _batch(device: str = "cpu"):
+    torch.manual_seed(1)
+    ids = torch.randint(0, 256, (3, 11), device=device)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    mask[2, :1] = 0
+    return ids, mask
+
+
+def _generate(model, ids, mask, new=12, off=False, **options):
+    saved = eager_steps.os.environ.get(eager_steps.ENV)
+    if off:
+        eager_steps.os.environ[eager_steps.ENV] = "0"
+    try:
+        with torch.no_grad():
+            torch.manual_seed(5)
+            return model.generate(ids, attention_mask=mask, max_new_tokens=new, **options)
+    finally:
+        if off and saved is None:
+            eager_steps.os.environ.pop(eager_steps.ENV)
+        elif off:
+            eager_steps.os.environ[eager_steps.ENV] = saved
+
+
+CASES = {
+    "greedy": {"min_new_tokens": 12, "do_sample": False},
+    "sampling": {"min_new_tokens": 12, "do_sample": True, "top_k": 20},
+    "transformers' loop, logits": {"min_new_tokens": 12, "do_sample": False, "return_dict_in_generate": True,
+                                   "output_logits": True},
+    "beam search": {"min_new_tokens": 12, "do_sample": False, "num_beams": 2},
+}
+
+
+def _same(got, want, case):
+    if isinstance(want, torch.Tensor):
+        assert torch.equal(got, want), case
+        return
+    assert torch.equal(got.sequences, want.sequences), case
+    for mine, theirs in zip(got.logits, want.logits):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture
+def store_on_cpu(monkeypatch):
+    """The path's steps through the store on the CPU (no graphs there)."""
+    monkeypatch.setattr(eager_steps, "STORE", True)
+    cpu_refusal = eager_steps.refusal
+
+    def refusal(model):
+        why = cpu_refusal(model)
+        return None if why == "the model's weights are not all on one CUDA device" else why
+
+    monkeypatch.setattr(eager_steps, "refusal", refusal)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_steps_through_the_store_give_the_model_s_answers(model_type, store_on_cpu):
+    model = _model(model_type)
+    ids, mask = _batch()
+    for case, options in CASES.items():
+        want = _generate(model, ids, mask, off=True, **options)
+        before = eager_steps.stats(model)
+        got = _generate(model, ids, mask, **options)
+        after = eager_steps.stats(model)
+        _same(got, want, case)
+        assert after["loops"] == before["loops"] + 1 and after["steps"] >= before["steps"] + 11, case
+        assert after["refused"] is None and model.__dict__["_compiled_call_impl"] is None
+    # End tokens that end some rows early: padded after them, the same as the model's own loop.
+    greedy = _generate(model, ids, mask, **CASES["greedy"])
+    ended = sorted({int(greedy[0, ids.shape[1] + 2]), int(greedy[1, ids.shape[1] + 5])})
+    options = {"eos_token_id": ended, "pad_token_id": 0, "do_sample": False}
+    assert torch.equal(_generate(model, ids, mask, **options), _generate(model, ids, mask, off=True, **options))
+
+
+def test_the_model_is_left_as_it_was_when_the_loop_raises(store_on_cpu):
+    model = _model(num_hidden_layers=1)
+    ids, mask = _batch()
+
+    class Boom(Exception):
+        pass
+
+    calls = []
+
+    def forward_once_then_raise(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 2:
+            raise Boom
+        return type(model).forward(model, *args, **kwargs)
+
+    model.forward = forward_once_then_raise
+    with pytest.raises(Boom):
+        _generate(model, ids, mask, do_sample=False)
+    assert model.__dict__["_compiled_call_impl"] is None
+    del model.forward
+    assert torch.equal(_generate(model, ids, mask, do_sample=False), _generate(model, ids, mask, off=True, do_sample=False))
+
+
+def test_loops_the_path_does_not_take_say_why():
+    model = _model(num_hidden_layers=1)
+    ids, mask = _batch()
+    _generate(model, ids, mask, new=2)
+    assert eager_steps.stats(model)["refused"] == "the model's weights are not all on one CUDA device"
+    _generate(model, ids, mask, new=2, off=True)
+    assert eager_steps.stats(model)["refused"].startswith("turned off")
+    handle = model.model.layers[0].mlp.register_forward_hook(lambda *args: None)
+    _generate(model, ids, mask, new=2)
+    assert eager_steps.stats(model)["refused"] == "model.layers.0.mlp has a forward hook (it would run once, at the capture)"
+    handle.remove()
+    # transformers' own output recorders (installed once hidden states are asked for) are no reason.
+    with torch.no_grad():
+        model(ids, attention_mask=mask, output_hidden_states=True)
+    assert any(m._forward_hooks for m in model.modules())
+    with torch.no_grad():
+        assert eager_steps.refusal(model) == "the model's weights are not all on one CUDA device"
+        model.train()
+        assert eager_steps.refusal(model) == "the model is in training mode"
+        model.eval()
+    assert eager_steps.refusal(model) == "autograd is recording"
+    stock = tiny_model("llama", num_hidden_layers=1).eval()
+    _generate(stock, ids, mask, new=2)
+    assert eager_steps.stats(stock) == {"loops": 0, "steps": 0, "replays": 0, "refused": None, "failed": None}
+    flash = _model(num_hidden_layers=1)
+    flash.config._attn_implementation_internal = "flash_attention_2"
+    with torch.no_grad():
+        assert eager_steps.refusal(stock) == "the model is not rewritten by transfuse.rewrite"
+        assert "attn_implementation='sdpa'" in eager_steps.refusal(flash)
+
+
+def test_a_compiled_model_takes_its_own_path(store_on_cpu):
+    model = transfuse.compile(_model(num_hidden_layers=1), inductor=False)
+    ids, mask = _batch()
+    _generate(model, ids, mask, new=3, do_sample=False)
+    assert eager_steps.stats(model)["loops"] == 0
+    assert model._transfuse_compiled.loops["transfuse"] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_on_cuda_steps_replay_as_graphs_with_the_model_s_answers(model_type):
+    model = _model(model_type, device="cuda")
+    ids, mask = _batch("cuda")
+    for case, options in CASES.items():
+        want = _generate(model, ids, mask, new=24, off=True, **options)
+        for _ in range(2):  # each loop captures its own graph
+            before = eager_steps.stats(model)
+            got = _generate(model, ids, mask, new=24, **options)
+            after = eager_steps.stats(model)
+            _same(got, want, case)
+            assert after["failed"] is None and after["refused"] is None, case
+            assert after["replays"] - before["replays"] >= 24 - 3, case  # every step but the prompt's and two
+    # End tokens: the stop check read a step late, the extra step undone.
+    greedy = _generate(model, ids, mask, new=24, **CASES["greedy"])
+    ended = sorted({int(greedy[0, ids.shape[1] + 2]), int(greedy[1, ids.shape[1] + 5])})
+    options = {"eos_token_id": ended, "pad_token_id": 0, "do_sample": False}
+    assert torch.equal(_generate(model, ids, mask, new=24, **options), _generate(model, ids, mask, new=24, off=True, **options))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_each_loop_sees_weights_and_attributes_changed_before_it():
+    """Graphs live for one loop: weights changed in place or replaced, and an attribute the forward
+    reads, are all seen by the next ``generate``."""
+    model = _model("llama", device="cuda")
+    ids, mask = _batch("cuda")
+    options = {"min_new_tokens": 12, "do_sample": False}
+    first = _generate(model, ids, mask, **options)
+    changes = [
+        lambda: model.model.layers[0].mlp.down_proj.weight.data.mul_(-1.5),
+        lambda: setattr(model.model.layers[1].self_attn.o_proj.weight, "data", torch.randn_like(model.model.layers[1].self_attn.o_proj.weight) * 0.2),
+        lambda: setattr(model.model.norm, "variance_epsilon", 0.5),
+    ]
+    previous = first
+    for change in changes:
+        change()
+        got = _generate(model, ids, mask, **options)
+        assert torch.equal(got, _generate(model, ids, mask, off=True, **options))
+        assert not torch.equal(got, previous)
+        previous = got
+    assert eager_steps.stats(model)["failed"] is None

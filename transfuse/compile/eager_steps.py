@@ -1,0 +1,185 @@
+"""``generate`` on a rewritten model that is not compiled: its decode steps as CUDA graphs of the eager forward.
+
+An eager decode step of a small model is the host's work: at Qwen3-MoE's shapes the GPU is busy
+about 0.24 ms a token and the host issues some 600 torch ops for it (the fourteenth session's
+profile in ``benchmarks/NOTES.md``), so the token takes 4-5 ms whatever the kernels do. The
+pieces that take the host off the GPU's way exist for the compile path: the attention op that
+writes a token's key and value into a ``KVStore`` and attends there (every shape and address of
+a step fixed), whole calls captured as one CUDA graph (``replay.CallGraphs``), and closed
+decoding loops (``generate.py``), in which only transformers' generation code runs between two
+steps. Here they run without Dynamo or Inductor: the graph is a capture of the model's own eager
+forward, the same kernels an eager step launches, attention aside.
+
+Inside a closed decoding loop of a rewritten model on CUDA (``refusal`` says when not):
+
+* the prompt's forward runs as usual (the model's forward, its cache, its attention);
+* each decode step of one token runs the eager forward with attention through
+  ``transfuse::cached_attention`` over a ``KVStore`` (which the cache's layers are views of,
+  so the cache stays an ordinary ``DynamicCache``); the second such step is captured as one CUDA
+  graph and the rest of the loop replays it: the inputs copied in, one launch, the outputs
+  copied out;
+* ``generate`` reads its stop flag one step late (``DeferredStopCheck``, as for compiled models)
+  and greedy or sampling loops that return only tokens run in transfuse's lean loop.
+
+Graphs are replayed only in the loop that captured them, and the loop's stores and graphs are
+dropped when it ends: an eager forward reads things on the host that no check here sees (an
+adapter switched, an attribute set on a module, a config value), and none of them can change
+between two steps of a closed loop. The cost is a capture per ``generate`` call (one eager
+forward under capture). A step whose capture fails (code that synchronises with the host, such
+as ``.item()``) runs eagerly through the store for the rest of the loop, with one warning.
+
+Not taken (``refusal``): a model not rewritten by ``transfuse.rewrite`` in this process, one
+compiled (``torch.compile``, ``model.compile()`` or ``transfuse.compile``, which has its own
+path), in training mode, with weights not all on the current CUDA device (offloaded, sharded,
+another device), forward hooks other than transformers' own output recorders, accelerate's
+hooks, or attention the op cannot run (``transfuse.compile``'s own refusals: flash attention,
+cache layers that are not key/value layers). ``TRANSFUSE_STEP_GRAPHS=0`` turns this off alone,
+``TRANSFUSE_DECODE_GRAPHS=0`` (or ``ops.graphs.suspended()``) with the eager layer graphs.
+``stats(model)`` counts the loops this ran and the steps replayed, and says why the latest loop
+was refused or its capture failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as module_globals
+
+# The package imports this module after it defines what is imported here.
+from . import CompileError, _check, _DecodeCalls, attention, generate, replay
+from ..ops import graphs
+from ..rewriter.apply import REPORT_ATTR
+
+__all__ = ["ENV", "EagerSteps", "install", "refusal", "stats"]
+
+ENV = "TRANSFUSE_STEP_GRAPHS"
+# Whether decode steps go through a store: None on CUDA (where graphs replay them), True on any
+# device (the tests' way to run the path's steps without graphs on a CPU).
+STORE: bool | None = None
+
+# Per model: what the loops did (``stats``).
+_STATS: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def install() -> None:
+    """Wrap transformers' decoding loops and stop check (once each): ``transfuse.rewrite`` calls this."""
+    generate.install_loops()
+    generate.install()
+
+
+def stats(model: nn.Module) -> dict[str, Any]:
+    """``loops``: closed loops whose steps went through this path; ``steps``: decode steps through
+    a store; ``replays``: those replayed as graphs; ``refused``: why the latest loop did not (None: it did); ``failed``: why the
+    latest failed capture failed."""
+    return dict(_STATS.get(model) or {"loops": 0, "steps": 0, "replays": 0, "refused": None, "failed": None})
+
+
+def _record(model: nn.Module) -> dict[str, Any]:
+    found = _STATS.get(model)
+    if found is None:
+        found = _STATS[model] = {"loops": 0, "steps": 0, "replays": 0, "refused": None, "failed": None}
+    return found
+
+
+def refusal(model: nn.Module) -> str | None:
+    """Why a closed decoding loop of ``model`` cannot run its steps as graphs now, or None."""
+    if not graphs.enabled() or os.environ.get(ENV, "1") == "0":
+        return f"turned off ({ENV}=0, TRANSFUSE_DECODE_GRAPHS=0 or ops.graphs.suspended())"
+    if getattr(model, REPORT_ATTR, None) is None:
+        return "the model is not rewritten by transfuse.rewrite"
+    if model.__dict__.get("_compiled_call_impl") is not None:
+        return "the model is compiled"
+    if model.training:
+        return "the model is in training mode"
+    if torch.is_grad_enabled():
+        return "autograd is recording"
+    if module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks:
+        return "global forward hooks are registered (a hook would run once, at the capture)"
+    for name, module in model.named_modules():
+        if hasattr(module, "_hf_hook"):
+            return f"{name or 'the model'} has accelerate's hooks (they move weights or inputs in Python)"
+        hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
+        if any(not _records_outputs(hook) for hook in hooks):
+            return f"{name or 'the model'} has a forward hook (it would run once, at the capture)"
+    try:
+        _check(model)
+    except CompileError as exc:
+        return str(exc).replace("transfuse.compile", "the decode path", 1)
+    devices = {t.device for t in (*model.parameters(), *model.buffers())}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        return "the model's weights are not all on one CUDA device"
+    if next(iter(devices)).index != torch.cuda.current_device():
+        return "the model's weights are not on the current CUDA device"
+    return None
+
+
+def _records_outputs(hook: Any) -> bool:
+    """transformers' output recorder: it records only when the forward is asked for attentions or
+    hidden states (a closed loop's steps are asked the same at every step, and a recorded tensor
+    is copied out of the graph with the output)."""
+    return getattr(hook, "__module__", "").startswith("transformers.") and "output_capturing_hook" in getattr(
+        hook, "__qualname__", ""
+    )
+
+
+class EagerSteps(_DecodeCalls):
+    """One closed loop's calls of a rewritten model: installed as its ``_compiled_call_impl``
+    for the loop (``installed``), so the loop's ``self(...)`` comes here."""
+
+    _PATH = "store"
+    _STORELESS_CALLS = False
+
+    def __init__(self, model: nn.Module, configs: list[Any]):
+        super().__init__(
+            model, configs, {"kv_store": STORE, "cuda_graphs": True, "deferred_stop": True, "lean_loop": True}
+        )
+        attention.register()
+        self.compiled = model._call_impl
+        self.call_graphs = replay.CallGraphs(model, None)
+
+    def _eager(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
+        output = super()._eager(model, args, kwargs)
+        # The prompt's forward: ``generate`` may defer its stop check with the cache it returns.
+        cache = output.get(self.cache_name) if isinstance(output, dict) else None
+        if cache is not None and self._dynamic(cache):
+            generate.mark(cache)
+        return output
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """The loop's calls come here; afterwards the model is as it was, the stores and graphs dropped."""
+        model = self.model
+        model._compiled_call_impl = self
+        record = _record(model)
+        record["refused"] = None
+        record["loops"] += 1
+        try:
+            with self.closed_loop():
+                yield
+        finally:
+            model._compiled_call_impl = None
+            record["steps"] += self.calls[self._PATH]
+            record["replays"] += self.call_graphs.replays
+            if self.call_graphs.failed is not None:
+                record["failed"] = self.call_graphs.failed
+            for store in self.stores.values():
+                store.retire()
+            self.stores.clear()
+            self.call_graphs = replay.CallGraphs(model, None)
+
+
+def for_loop(model: nn.Module) -> EagerSteps | None:
+    """The path for a closed decoding loop of ``model`` starting now, or None (why: ``stats``)."""
+    if getattr(model, REPORT_ATTR, None) is None:  # the common case, without a walk of the model
+        return None
+    why = refusal(model)
+    if why is not None:
+        _record(model)["refused"] = why
+        return None
+    return EagerSteps(model, _check(model))
