@@ -9,10 +9,12 @@ random bf16 weights, greedy decoding with no end-of-sequence token. Variants:
   transformers dynamic   stock model, the default DynamicCache
   transformers static    stock model, cache_implementation="static" (transformers compiles it,
                          CUDA graphs through torch.compile's "reduce-overhead")
-  transfuse eager        transfuse.rewrite, DynamicCache (on CUDA, generate's decode steps
-                         replayed as CUDA graphs of the eager forward: compile/eager_steps.py)
-  transfuse eager, layer graphs only    TRANSFUSE_STEP_GRAPHS=0 (only the MoE blocks graphed)
-  transfuse eager, no graphs            TRANSFUSE_DECODE_GRAPHS=0
+  transfuse eager        transfuse.rewrite, DynamicCache (the MoE blocks of decode steps
+                         replayed as CUDA graphs: ops/graphs.py)
+  transfuse eager, step graphs    TRANSFUSE_STEP_GRAPHS=1: generate's decode steps replayed as
+                         CUDA graphs of the eager forward (compile/eager_steps.py; off by default
+                         until measured on a GPU)
+  transfuse eager, no graphs      TRANSFUSE_DECODE_GRAPHS=0
   transfuse compiled     transfuse.rewrite + transfuse.compile, DynamicCache (a decode step is
                          one CUDA graph, its keys and values in a KVStore; in generate's closed
                          loop the whole call is replayed, Dynamo's guards checked at the first
@@ -227,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         "transformers dynamic": (stock, {}),
         "transformers static": (stock, {"cache_implementation": "static"}),
         "transfuse eager": (fused, {}),
-        "transfuse eager, layer graphs only": (fused, {"_env": {"TRANSFUSE_STEP_GRAPHS": "0"}}),
+        "transfuse eager, step graphs": (fused, {"_env": {"TRANSFUSE_STEP_GRAPHS": "1"}}),
         "transfuse eager, no graphs": (fused, {"_env": {"TRANSFUSE_DECODE_GRAPHS": "0"}}),
     }
     for name, options in compiled_options.items():
@@ -319,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         lines += ["", f"Prefill of {args.prefill} tokens (no cache): "
                   + "; ".join(f"{k} {v['ms']:.2f} ms (first call {v['first_call_s']:.1f} s)" for k, v in result["prefill"].items())]
     lines += ["", f"Backend counters: {result['backend_stats']}", "", f"Whole-call replays: {result['call_graphs']}",
-              "", f"Eager steps (transfuse eager's generate loops): {result['eager_steps']}"]
+              "", f"Eager steps (transfuse eager's generate loops with step graphs): {result['eager_steps']}"]
     with open(os.path.join(args.out, f"decode_{args.model}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -2,12 +2,15 @@
 and, on CUDA, replayed as CUDA graphs of the eager forward (``transfuse/compile/eager_steps.py``).
 
 Every answer is compared with the same model's ``generate`` with the path turned off
-(``TRANSFUSE_STEP_GRAPHS=0``). On the CPU the path's steps run through the store without graphs
+(``TRANSFUSE_STEP_GRAPHS=0``); the other tests turn it on (``TRANSFUSE_STEP_GRAPHS=1``: off by
+default until its graphs have run on a GPU). On the CPU the path's steps run through the store without graphs
 (``eager_steps.STORE = True``, the refusal of a CPU model lifted): the wiring, the store's
 attention and the loops; the graphs themselves run on a GPU only.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -31,19 +34,21 @@ def _batch(device: str = "cpu"):
     return ids, mask
 
 
+@pytest.fixture(autouse=True)
+def path_on(monkeypatch):
+    monkeypatch.setenv(eager_steps.ENV, "1")
+
+
 def _generate(model, ids, mask, new=12, off=False, **options):
-    saved = eager_steps.os.environ.get(eager_steps.ENV)
+    saved = os.environ[eager_steps.ENV]
     if off:
-        eager_steps.os.environ[eager_steps.ENV] = "0"
+        os.environ[eager_steps.ENV] = "0"
     try:
         with torch.no_grad():
             torch.manual_seed(5)
             return model.generate(ids, attention_mask=mask, max_new_tokens=new, **options)
     finally:
-        if off and saved is None:
-            eager_steps.os.environ.pop(eager_steps.ENV)
-        elif off:
-            eager_steps.os.environ[eager_steps.ENV] = saved
+        os.environ[eager_steps.ENV] = saved
 
 
 CASES = {
@@ -119,9 +124,13 @@ def test_the_model_is_left_as_it_was_when_the_loop_raises(store_on_cpu):
     assert torch.equal(_generate(model, ids, mask, do_sample=False), _generate(model, ids, mask, off=True, do_sample=False))
 
 
-def test_loops_the_path_does_not_take_say_why():
+def test_loops_the_path_does_not_take_say_why(monkeypatch):
     model = _model(num_hidden_layers=1)
     ids, mask = _batch()
+    monkeypatch.delenv(eager_steps.ENV)
+    with torch.no_grad():
+        assert eager_steps.refusal(model) == f"off ({eager_steps.ENV}=1 turns it on)"
+    monkeypatch.setenv(eager_steps.ENV, "1")
     _generate(model, ids, mask, new=2)
     assert eager_steps.stats(model)["refused"] == "the model's weights are not all on one CUDA device"
     _generate(model, ids, mask, new=2, off=True)
@@ -202,3 +211,56 @@ def test_on_cuda_each_loop_sees_weights_and_attributes_changed_before_it():
         assert not torch.equal(got, previous)
         previous = got
     assert eager_steps.stats(model)["failed"] is None
+
+
+class _OpTrace(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every op a call issues, as a graph would hold it: the op, its tensors' shapes, dtypes and
+    strides, and every argument that is not a tensor (a Python number baked into the op), plus
+    the values of tensors made from Python numbers (``torch.tensor(n)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat, _ = torch.utils._pytree.tree_flatten((args, kwargs))
+        made_from_numbers = func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+        described = tuple(
+            (tuple(a.shape), a.dtype, a.stride(), tuple(a.tolist()) if made_from_numbers else None)
+            if isinstance(a, torch.Tensor) else a
+            for a in flat
+        )
+        self.ops.append((str(func), described))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_a_step_issues_the_same_ops_at_every_position(model_type, store_on_cpu, monkeypatch):
+    """What makes a captured step right at every later position: the step's forward issues the
+    same ops with the same shapes and the same Python numbers at every step of a loop (the
+    position, the padding and the cache's length reach it only through tensors whose addresses
+    are fixed). Recorded on the CPU, where the path runs the forward at every step."""
+    model = _model(model_type)
+    ids, mask = _batch()
+    traces = []
+    original = eager_steps.EagerSteps.__init__
+
+    def recording(self, model, configs):
+        original(self, model, configs)
+        forward = self.compiled
+
+        def traced(*args, **kwargs):
+            with _OpTrace() as trace:
+                output = forward(*args, **kwargs)
+            traces.append(trace.ops)
+            return output
+
+        self.compiled = traced
+
+    monkeypatch.setattr(eager_steps.EagerSteps, "__init__", recording)
+    _generate(model, ids, mask, new=12, min_new_tokens=12, do_sample=False)
+    assert len(traces) == 11  # every step after the prompt's
+    assert len(traces[0]) > 50
+    for position, trace in enumerate(traces[1:], start=1):
+        assert trace == traces[0], f"the step at position {position} issues other ops than the first"

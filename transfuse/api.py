@@ -36,7 +36,8 @@ def rewrite(
     chosen = fusers_for(fusions)
     suggest = [f for f in FUSERS if f.opt_in and f not in chosen]
     rewrite_model(model, chosen, verify=verify, example_inputs=example_inputs, suggest=suggest)
-    # ``generate`` on the rewritten model replays its decode steps as CUDA graphs (on a GPU).
+    # ``generate`` on the rewritten model may replay its decode steps as CUDA graphs (on a GPU,
+    # with TRANSFUSE_STEP_GRAPHS=1 for now: ``transfuse/compile/eager_steps.py``).
     from .compile import eager_steps
 
     eager_steps.install()

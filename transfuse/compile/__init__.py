@@ -32,6 +32,11 @@ a 4D mask, ``output_attentions``, positional arguments past ``input_ids``. The m
 have to be rewritten first, but it is the rewritten model (merged projections, fused ops)
 that this path is for.
 
+A rewritten model that is *not* compiled takes the same attention op, stores, whole-call graphs
+and loops inside ``generate``'s closed decoding loops on CUDA, with its eager forward captured in
+place of a compiled one and no Dynamo (``transfuse/compile/eager_steps.py``): the decode
+machinery lives here whichever way the model runs.
+
 ``transfuse.compile`` is this package, and calling it calls ``compile`` (the module's class is
 made callable), so ``transfuse.compile(model)``, ``transfuse.compile.warm_up(model)`` and
 ``import transfuse.compile.backend`` all work.

@@ -34,7 +34,9 @@ path), in training mode, with weights not all on the current CUDA device (offloa
 another device), forward hooks other than transformers' own output recorders, accelerate's
 hooks, or attention the op cannot run (``transfuse.compile``'s own refusals: flash attention,
 cache layers that are not key/value layers). ``TRANSFUSE_STEP_GRAPHS=0`` turns this off alone,
-``TRANSFUSE_DECODE_GRAPHS=0`` (or ``ops.graphs.suspended()``) with the eager layer graphs.
+``TRANSFUSE_DECODE_GRAPHS=0`` (or ``ops.graphs.suspended()``) with the eager layer graphs. For now
+it is off unless ``TRANSFUSE_STEP_GRAPHS=1`` (``ON_BY_DEFAULT``): its graphs have not yet run on a
+GPU.
 ``stats(model)`` counts the loops this ran and the steps replayed, and says why the latest loop
 was refused or its capture failed.
 """
@@ -59,6 +61,10 @@ from ..rewriter.apply import REPORT_ATTR
 __all__ = ["ENV", "EagerSteps", "install", "refusal", "stats"]
 
 ENV = "TRANSFUSE_STEP_GRAPHS"
+# Off unless ``TRANSFUSE_STEP_GRAPHS=1``: the graphs of this path have not yet run on a GPU (the
+# session that wrote it had no device time left); to be turned on by default once a GPU run has
+# passed ``tests/test_eager_steps.py -m gpu`` and measured it (``benchmarks/bench_decode.py``).
+ON_BY_DEFAULT = False
 # Whether decode steps go through a store: None on CUDA (where graphs replay them), True on any
 # device (the tests' way to run the path's steps without graphs on a CPU).
 STORE: bool | None = None
@@ -89,8 +95,10 @@ def _record(model: nn.Module) -> dict[str, Any]:
 
 def refusal(model: nn.Module) -> str | None:
     """Why a closed decoding loop of ``model`` cannot run its steps as graphs now, or None."""
-    if not graphs.enabled() or os.environ.get(ENV, "1") == "0":
-        return f"turned off ({ENV}=0, TRANSFUSE_DECODE_GRAPHS=0 or ops.graphs.suspended())"
+    if os.environ.get(ENV, "1" if ON_BY_DEFAULT else "0") == "0":
+        return f"off ({ENV}=1 turns it on)" if ENV not in os.environ else f"turned off ({ENV}=0)"
+    if not graphs.enabled():
+        return "turned off (TRANSFUSE_DECODE_GRAPHS=0 or ops.graphs.suspended())"
     if getattr(model, REPORT_ATTR, None) is None:
         return "the model is not rewritten by transfuse.rewrite"
     if model.__dict__.get("_compiled_call_impl") is not None:

@@ -26,7 +26,9 @@ and a shape whose warm-up or capture fails runs eagerly from then on (with one w
 layer). Replays run no Python, so ``transfuse.ops.trace()`` records the calls of a capture,
 not of its replays.
 
-``TRANSFUSE_DECODE_GRAPHS=0`` turns this off; ``suspended()`` turns it off inside a block.
+``TRANSFUSE_DECODE_GRAPHS=0`` turns this off; ``suspended()`` turns it off inside a block. Both
+also turn off the graphs of whole decode steps that ``generate`` replays for a rewritten model
+(``transfuse/compile/eager_steps.py``), inside which these layer graphs are not used.
 """
 
 from __future__ import annotations
