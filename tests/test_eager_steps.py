@@ -264,3 +264,23 @@ def test_a_step_issues_the_same_ops_at_every_position(model_type, store_on_cpu, 
     assert len(traces[0]) > 50
     for position, trace in enumerate(traces[1:], start=1):
         assert trace == traces[0], f"the step at position {position} issues other ops than the first"
+
+
+def test_lora_adapters_decode_through_the_path_and_each_loop_sees_them_switched(store_on_cpu):
+    peft = pytest.importorskip("peft")
+    model = _model("llama")
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0)).eval()
+    with torch.no_grad():
+        for name, p in sorted(lora.named_parameters()):
+            if "lora_B" in name:
+                p.copy_(torch.randn_like(p) * 0.3)
+    ids, mask = _batch()
+    options = {"min_new_tokens": 12, "do_sample": False}
+    with_adapter = _generate(lora, ids, mask, **options)
+    assert eager_steps.stats(model)["refused"] is None and eager_steps.stats(model)["steps"] >= 11
+    assert torch.equal(with_adapter, _generate(lora, ids, mask, off=True, **options))
+    with lora.disable_adapter():
+        without = _generate(lora, ids, mask, **options)
+        assert torch.equal(without, _generate(lora, ids, mask, off=True, **options))
+    assert not torch.equal(without, with_adapter)
+    assert torch.equal(_generate(lora, ids, mask, **options), with_adapter)
