@@ -159,6 +159,15 @@ def test_loops_the_path_does_not_take_say_why(monkeypatch):
         assert "attn_implementation='sdpa'" in eager_steps.refusal(flash)
 
 
+def test_a_loop_with_a_static_cache_runs_as_usual(store_on_cpu):
+    model = _model(num_hidden_layers=1)
+    ids, mask = _batch()
+    options = {"min_new_tokens": 4, "do_sample": False, "cache_implementation": "static"}
+    got = _generate(model, ids, mask, new=4, **options)
+    assert eager_steps.stats(model)["refused"] == "the cache is a StaticCache, not transformers' dynamic one"
+    assert torch.equal(got, _generate(model, ids, mask, new=4, off=True, **options))
+
+
 def test_a_compiled_model_takes_its_own_path(store_on_cpu):
     model = transfuse.compile(_model(num_hidden_layers=1), inductor=False)
     ids, mask = _batch()

@@ -32,7 +32,8 @@ Not taken (``refusal``): a model not rewritten by ``transfuse.rewrite`` in this 
 compiled (``torch.compile``, ``model.compile()`` or ``transfuse.compile``, which has its own
 path), in training mode, with weights not all on the current CUDA device (offloaded, sharded,
 another device), forward hooks other than transformers' own output recorders, accelerate's
-hooks, or attention the op cannot run (``transfuse.compile``'s own refusals: flash attention,
+hooks, a loop whose cache is not transformers' dynamic one (a static cache is served by
+transformers' own compiled call), or attention the op cannot run (``transfuse.compile``'s own refusals: flash attention,
 cache layers that are not key/value layers). ``TRANSFUSE_STEP_GRAPHS=0`` turns this off alone,
 ``TRANSFUSE_DECODE_GRAPHS=0`` (or ``ops.graphs.suspended()``) with the eager layer graphs. For now
 it is off unless ``TRANSFUSE_STEP_GRAPHS=1`` (``ON_BY_DEFAULT``): its graphs have not yet run on a
@@ -182,11 +183,17 @@ class EagerSteps(_DecodeCalls):
             self.call_graphs = replay.CallGraphs(model, None)
 
 
-def for_loop(model: nn.Module) -> EagerSteps | None:
-    """The path for a closed decoding loop of ``model`` starting now, or None (why: ``stats``)."""
+def for_loop(model: nn.Module, arguments: dict[str, Any]) -> EagerSteps | None:
+    """The path for a closed decoding loop of ``model`` starting now (``arguments``: the loop's,
+    by name), or None (why: ``stats``)."""
     if getattr(model, REPORT_ATTR, None) is None:  # the common case, without a walk of the model
         return None
     why = refusal(model)
+    model_kwargs = arguments.get("model_kwargs") or {}
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    if why is None and cache is not None and not EagerSteps._dynamic(cache):
+        # (a static cache also makes transformers compile the model's call for the loop)
+        why = f"the cache is a {type(cache).__name__}, not transformers' dynamic one"
     if why is not None:
         _record(model)["refused"] = why
         return None

@@ -151,7 +151,7 @@ def _closing(original: Any, lean: bool) -> Any:
         else:  # a rewritten model, not compiled: its steps as graphs of its eager forward
             from . import eager_steps
 
-            compiled = eager_steps.for_loop(self)
+            compiled = eager_steps.for_loop(self, arguments)
             if compiled is None:
                 return original(self, *args, **kwargs)
             running = compiled.installed()
