@@ -321,8 +321,9 @@ class CallGraphs:
             self._failed.add(key)
             if self.failed is None:
                 self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                where = "through Dynamo" if self.dynamo is not None else "eagerly for the rest of this generate call"
                 warnings.warn(
-                    f"transfuse.compile: decode steps go through Dynamo: capturing a whole call failed ({self.failed})",
+                    f"transfuse: decode steps run {where}: capturing a whole call failed ({self.failed})",
                     stacklevel=3,
                 )
             return run(kwargs)
