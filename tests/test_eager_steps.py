@@ -224,32 +224,51 @@ def test_on_cuda_each_loop_sees_weights_and_attributes_changed_before_it():
 
 class _OpTrace(torch.utils._python_dispatch.TorchDispatchMode):
     """Every op a call issues, as a graph would hold it: the op, its tensors' shapes, dtypes and
-    strides, and every argument that is not a tensor (a Python number baked into the op), plus
-    the values of tensors made from Python numbers (``torch.tensor(n)``)."""
+    strides, every argument that is not a tensor (a Python number baked into the op), the values
+    of tensors made from Python numbers (``torch.tensor(n)``), and where each tensor it reads
+    comes from: made earlier in the call, one of the call's inputs (a graph copies those into
+    buffers of its own), or from outside the call (a weight, the store, a module's cached tensor:
+    a graph reads those at the address they had at the capture, so the address is recorded)."""
 
-    def __init__(self):
+    def __init__(self, inputs):
         super().__init__()
         self.ops = []
+        self.inputs = {t.untyped_storage().data_ptr() for t in inputs}
+        self.made: set[int] = set()
+
+    def _source(self, tensor):
+        storage = tensor.untyped_storage().data_ptr()
+        if storage in self.made:
+            return "made"
+        if storage in self.inputs:
+            return "input"
+        return ("outside", storage, tensor.storage_offset())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         flat, _ = torch.utils._pytree.tree_flatten((args, kwargs))
         made_from_numbers = func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
         described = tuple(
-            (tuple(a.shape), a.dtype, a.stride(), tuple(a.tolist()) if made_from_numbers else None)
+            (tuple(a.shape), a.dtype, a.stride(), tuple(a.tolist()) if made_from_numbers else self._source(a))
             if isinstance(a, torch.Tensor) else a
             for a in flat
         )
         self.ops.append((str(func), described))
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        for t in torch.utils._pytree.tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.made.add(t.untyped_storage().data_ptr())
+        return out
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
 def test_a_step_issues_the_same_ops_at_every_position(model_type, store_on_cpu, monkeypatch):
     """What makes a captured step right at every later position: the step's forward issues the
-    same ops with the same shapes and the same Python numbers at every step of a loop (the
-    position, the padding and the cache's length reach it only through tensors whose addresses
-    are fixed). Recorded on the CPU, where the path runs the forward at every step."""
+    same ops with the same shapes and the same Python numbers at every step of a loop, and reads
+    every tensor it does not make or take as an input at the same address (the position, the
+    padding and the cache's length reach it only through tensors whose addresses are fixed; no
+    module swaps a cached tensor between steps). Recorded on the CPU, where the path runs the
+    forward at every step."""
     model = _model(model_type)
     ids, mask = _batch()
     traces = []
@@ -260,7 +279,7 @@ def test_a_step_issues_the_same_ops_at_every_position(model_type, store_on_cpu, 
         forward = self.compiled
 
         def traced(*args, **kwargs):
-            with _OpTrace() as trace:
+            with _OpTrace([v for v in kwargs.values() if isinstance(v, torch.Tensor)]) as trace:
                 output = forward(*args, **kwargs)
             traces.append(trace.ops)
             return output
