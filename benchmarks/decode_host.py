@@ -7,7 +7,9 @@ step through Dynamo; ``lean_loop=False``: transformers' own decoding loop; the d
 ``trust_modules=True``), warmed up, then one ``generate`` with the layers of the compiled call
 wrapped in host timers: the whole call (``_Compiled.__call__``), the Dynamo-compiled function
 inside it, the backend's whole-step graph (``StepGraph``), the replay itself, and the
-``KVStore``'s work before and after the step. Each is the host time per token (the GPU is not
+``KVStore``'s work before and after the step; then the rewritten model uncompiled, its decode
+steps replayed as graphs of its eager forward (``TRANSFUSE_STEP_GRAPHS=1``:
+``transfuse/compile/eager_steps.py``), its call timed the same way. Each is the host time per token (the GPU is not
 waited for; with the deferred stop check the host runs ahead until ``generate`` reads the flag
 of the step before). What is left of the token's wall time is ``generate``'s own loop, which
 includes that wait. Prints a table; nothing is written.
@@ -67,18 +69,24 @@ def main() -> int:
     timed_method(backend._Graph, "replay", "    the replay (input copies, launch, output copies)")
     timed_method(kv_store.KVStore, "begin", "  KVStore.begin")
     timed_method(kv_store.KVStore, "end", "  KVStore.end")
-    for options in ({"replay": False}, {"lean_loop": False}, {}, {"trust_modules": True}):
-        model = transfuse.compile(transfuse.rewrite(copy.deepcopy(stock)), **options)
-        dynamo = model._transfuse_compiled.compiled
+    timed_method(compile_package.eager_steps.EagerSteps, "__call__", "the eager path's call")
+    for options in ({"replay": False}, {"lean_loop": False}, {}, {"trust_modules": True}, "eager"):
+        if options == "eager":  # uncompiled, its steps as graphs of the eager forward
+            os.environ["TRANSFUSE_STEP_GRAPHS"] = "1"
+            model = transfuse.rewrite(copy.deepcopy(stock))
+            options = {"eager, step graphs": True}
+        else:
+            model = transfuse.compile(transfuse.rewrite(copy.deepcopy(stock)), **options)
+            dynamo = model._transfuse_compiled.compiled
 
-        def inner(*a, _f=dynamo, **k):
-            start = time.perf_counter()
-            try:
-                return _f(*a, **k)
-            finally:
-                TOTALS["  the Dynamo-compiled function"] += time.perf_counter() - start
+            def inner(*a, _f=dynamo, **k):
+                start = time.perf_counter()
+                try:
+                    return _f(*a, **k)
+                finally:
+                    TOTALS["  the Dynamo-compiled function"] += time.perf_counter() - start
 
-        model._transfuse_compiled.compiled = inner
+            model._transfuse_compiled.compiled = inner
         for _ in range(2):
             generate(model, ids, args.new)
         torch.cuda.synchronize() if device == "cuda" else None
