@@ -2,7 +2,8 @@
 
 An eager decode step of a small model is the host's work: at Qwen3-MoE's shapes the GPU is busy
 about 0.24 ms a token and the host issues some 600 torch ops for it (the fourteenth session's
-profile in ``benchmarks/NOTES.md``), so the token takes 4-5 ms whatever the kernels do. The
+profile in ``benchmarks/NOTES.md``), so the token took 3.5-5.6 ms in the H200 runs whatever the
+kernels do. The
 pieces that take the host off the GPU's way exist for the compile path: the attention op that
 writes a token's key and value into a ``KVStore`` and attends there (every shape and address of
 a step fixed), whole calls captured as one CUDA graph (``replay.CallGraphs``), and closed
@@ -33,8 +34,9 @@ compiled (``torch.compile``, ``model.compile()`` or ``transfuse.compile``, which
 path), in training mode, with weights not all on the current CUDA device (offloaded, sharded,
 another device), forward hooks other than transformers' own output recorders, accelerate's
 hooks, a loop whose cache is not transformers' dynamic one (a static cache is served by
-transformers' own compiled call), or attention the op cannot run (``transfuse.compile``'s own refusals: flash attention,
-cache layers that are not key/value layers). ``TRANSFUSE_STEP_GRAPHS=0`` turns this off alone,
+transformers' own compiled call), or attention the op cannot run (``transfuse.compile``'s own
+refusals: flash attention, cache layers that are not key/value layers).
+``TRANSFUSE_STEP_GRAPHS=0`` turns this off alone,
 ``TRANSFUSE_DECODE_GRAPHS=0`` (or ``ops.graphs.suspended()``) with the eager layer graphs. For now
 it is off unless ``TRANSFUSE_STEP_GRAPHS=1`` (``ON_BY_DEFAULT``): its graphs have not yet run on a
 GPU.
@@ -62,9 +64,9 @@ from ..rewriter.apply import REPORT_ATTR
 __all__ = ["ENV", "EagerSteps", "install", "refusal", "stats"]
 
 ENV = "TRANSFUSE_STEP_GRAPHS"
-# Off unless ``TRANSFUSE_STEP_GRAPHS=1``: the graphs of this path have not yet run on a GPU (the
-# session that wrote it had no device time left); to be turned on by default once a GPU run has
-# passed ``tests/test_eager_steps.py -m gpu`` and measured it (``benchmarks/bench_decode.py``).
+# Off unless ``TRANSFUSE_STEP_GRAPHS=1``: the graphs of this path have not yet run on a GPU (none
+# was lent to the session that wrote it); to be turned on by default once a GPU run has passed
+# ``tests/test_eager_steps.py -m gpu`` and measured it (``benchmarks/bench_decode.py``).
 ON_BY_DEFAULT = False
 # Whether decode steps go through a store: None on CUDA (where graphs replay them), True on any
 # device (the tests' way to run the path's steps without graphs on a CPU).
@@ -82,8 +84,8 @@ def install() -> None:
 
 def stats(model: nn.Module) -> dict[str, Any]:
     """``loops``: closed loops whose steps went through this path; ``steps``: decode steps through
-    a store; ``replays``: those replayed as graphs; ``refused``: why the latest loop did not (None: it did); ``failed``: why the
-    latest failed capture failed."""
+    a store; ``replays``: those replayed as graphs; ``refused``: why the latest loop did not (None:
+    it did); ``failed``: why the latest failed capture failed."""
     return dict(_STATS.get(model) or {"loops": 0, "steps": 0, "replays": 0, "refused": None, "failed": None})
 
 
