@@ -3,9 +3,9 @@ and, on CUDA, replayed as CUDA graphs of the eager forward (``transfuse/compile/
 
 Every answer is compared with the same model's ``generate`` with the path turned off
 (``TRANSFUSE_STEP_GRAPHS=0``); the other tests turn it on (``TRANSFUSE_STEP_GRAPHS=1``: off by
-default until its graphs have run on a GPU). On the CPU the path's steps run through the store without graphs
-(``eager_steps.STORE = True``, the refusal of a CPU model lifted): the wiring, the store's
-attention and the loops; the graphs themselves run on a GPU only.
+default until its graphs have run on a GPU). On the CPU the path's steps run through the store
+without graphs (``eager_steps.STORE = True``, the refusal of a CPU model lifted): the wiring, the
+store's attention and the loops; the graphs themselves run on a GPU only.
 """
 
 from __future__ import annotations
@@ -19,19 +19,9 @@ import transfuse
 from transfuse.compile import eager_steps
 from transfuse.tiny import tiny_model
 
+from .test_compile import _model
+from .test_compile import _padded_batch as _batch
 
-def _model(model_type: str = "llama", device: str = "cpu", dtype=torch.float32, **overrides):
-    torch.manual_seed(0)
-    return transfuse.rewrite(tiny_model(model_type, **overrides).to(device, dtype).eval())
-
-
-def _batch(device: str = "cpu"):
-    torch.manual_seed(1)
-    ids = torch.randint(0, 256, (3, 11), device=device)
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0  # left padding
-    mask[2, :1] = 0
-    return ids, mask
 
 
 @pytest.fixture(autouse=True)
