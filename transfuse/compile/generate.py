@@ -18,7 +18,9 @@ What Dynamo's guards check before a step therefore holds for every step of the l
 has held for one, and the compiled model may replay a captured step without checking them
 again (``replay.CallGraphs``): the first replay of each captured step in a loop checks
 everything, the later ones nothing. ``install_loops`` wraps the two loops to tell the compiled model
-when it is inside one (``_Compiled.closed_loop``).
+when it is inside one (``_Compiled.closed_loop``). A closed loop of a rewritten model that is
+not compiled may run its steps the same way, as graphs of its eager forward
+(``eager_steps.for_loop``, opt-in for now).
 
 Inside a closed greedy or sampling loop whose only stopping criteria are the length and end
 tokens, and which returns just the tokens (``lean_loop``), transfuse runs the loop itself
