@@ -251,14 +251,22 @@ class _OpTrace(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
+# Ops whose result the host needs the device's values for (``.item()``, ``bool(t)``, shapes that
+# depend on values).
+_READ_ON_THE_HOST = {
+    "aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.equal.default", "aten.nonzero.default",
+    "aten.masked_select.default", "aten._unique2.default", "aten.unique_dim.default", "aten.repeat_interleave.Tensor",
+}
+
+
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
 def test_a_step_issues_the_same_ops_at_every_position(model_type, store_on_cpu, monkeypatch):
     """What makes a captured step right at every later position: the step's forward issues the
     same ops with the same shapes and the same Python numbers at every step of a loop, and reads
     every tensor it does not make or take as an input at the same address (the position, the
     padding and the cache's length reach it only through tensors whose addresses are fixed; no
-    module swaps a cached tensor between steps). Recorded on the CPU, where the path runs the
-    forward at every step."""
+    module swaps a cached tensor between steps), and none of them reads values on the host.
+    Recorded on the CPU, where the path runs the forward at every step."""
     model = _model(model_type)
     ids, mask = _batch()
     traces = []
@@ -280,6 +288,8 @@ def test_a_step_issues_the_same_ops_at_every_position(model_type, store_on_cpu, 
     _generate(model, ids, mask, new=12, min_new_tokens=12, do_sample=False)
     assert len(traces) == 11  # every step after the prompt's
     assert len(traces[0]) > 50
+    # No op reads a tensor's values on the host (a capture cannot hold one; on CUDA it fails it).
+    assert not {op for op, _ in traces[0]} & _READ_ON_THE_HOST
     for position, trace in enumerate(traces[1:], start=1):
         assert trace == traces[0], f"the step at position {position} issues other ops than the first"
 
