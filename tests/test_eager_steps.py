@@ -23,7 +23,6 @@ from .test_compile import _model
 from .test_compile import _padded_batch as _batch
 
 
-
 @pytest.fixture(autouse=True)
 def path_on(monkeypatch):
     monkeypatch.setenv(eager_steps.ENV, "1")
@@ -55,6 +54,7 @@ def _same(got, want, case):
         assert torch.equal(got, want), case
         return
     assert torch.equal(got.sequences, want.sequences), case
+    assert len(got.logits) == len(want.logits), case
     for mine, theirs in zip(got.logits, want.logits):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
 
@@ -100,13 +100,13 @@ def test_the_model_is_left_as_it_was_when_the_loop_raises(store_on_cpu):
 
     calls = []
 
-    def forward_once_then_raise(*args, **kwargs):
+    def raises_at_the_third_call(*args, **kwargs):  # the prompt's, a step's, then this
         calls.append(1)
         if len(calls) > 2:
             raise Boom
         return type(model).forward(model, *args, **kwargs)
 
-    model.forward = forward_once_then_raise
+    model.forward = raises_at_the_third_call
     with pytest.raises(Boom):
         _generate(model, ids, mask, do_sample=False)
     assert model.__dict__["_compiled_call_impl"] is None
