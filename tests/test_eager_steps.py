@@ -63,13 +63,15 @@ def _same(got, want, case):
 def store_on_cpu(monkeypatch):
     """The path's steps through the store on the CPU (no graphs there)."""
     monkeypatch.setattr(eager_steps, "STORE", True)
-    cpu_refusal = eager_steps.refusal
+    cpu_admission = eager_steps._admission
 
-    def refusal(model):
-        why = cpu_refusal(model)
-        return None if why == "the model's weights are not all on one CUDA device" else why
+    def admission(model):
+        why, configs = cpu_admission(model)
+        if why == "the model's weights are not all on one CUDA device":
+            return None, eager_steps._check(model)
+        return why, configs
 
-    monkeypatch.setattr(eager_steps, "refusal", refusal)
+    monkeypatch.setattr(eager_steps, "_admission", admission)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])

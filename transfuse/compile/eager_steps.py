@@ -98,6 +98,28 @@ def _record(model: nn.Module) -> dict[str, Any]:
 
 def refusal(model: nn.Module) -> str | None:
     """Why a closed decoding loop of ``model`` cannot run its steps as graphs now, or None."""
+    return _admission(model)[0]
+
+
+def _admission(model: nn.Module) -> tuple[str | None, list[Any]]:
+    """(``refusal``, the configs whose attention the path switches: empty when refused)."""
+    why = _refused(model)
+    if why is not None:
+        return why, []
+    try:
+        configs = _check(model)
+    except CompileError as exc:
+        return str(exc).replace("transfuse.compile", "the decode path", 1), []
+    devices = {t.device for t in (*model.parameters(), *model.buffers())}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        return "the model's weights are not all on one CUDA device", []
+    if next(iter(devices)).index != torch.cuda.current_device():
+        return "the model's weights are not on the current CUDA device", []
+    return None, configs
+
+
+def _refused(model: nn.Module) -> str | None:
+    """The refusals that need neither the configs nor the weights."""
     if os.environ.get(ENV, "1" if ON_BY_DEFAULT else "0") == "0":
         return f"off ({ENV}=1 turns it on)" if ENV not in os.environ else f"turned off ({ENV}=0)"
     if not graphs.enabled():
@@ -118,15 +140,6 @@ def refusal(model: nn.Module) -> str | None:
         hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
         if any(not _records_outputs(hook) for hook in hooks):
             return f"{name or 'the model'} has a forward hook (it would run once, at the capture)"
-    try:
-        _check(model)
-    except CompileError as exc:
-        return str(exc).replace("transfuse.compile", "the decode path", 1)
-    devices = {t.device for t in (*model.parameters(), *model.buffers())}
-    if len(devices) != 1 or next(iter(devices)).type != "cuda":
-        return "the model's weights are not all on one CUDA device"
-    if next(iter(devices)).index != torch.cuda.current_device():
-        return "the model's weights are not on the current CUDA device"
     return None
 
 
@@ -190,7 +203,7 @@ def for_loop(model: nn.Module, arguments: dict[str, Any]) -> EagerSteps | None:
     by name), or None (why: ``stats``)."""
     if getattr(model, REPORT_ATTR, None) is None:  # the common case, without a walk of the model
         return None
-    why = refusal(model)
+    why, configs = _admission(model)
     model_kwargs = arguments.get("model_kwargs") or {}
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if why is None and cache is not None and not EagerSteps._dynamic(cache):
@@ -199,4 +212,4 @@ def for_loop(model: nn.Module, arguments: dict[str, Any]) -> EagerSteps | None:
     if why is not None:
         _record(model)["refused"] = why
         return None
-    return EagerSteps(model, _check(model))
+    return EagerSteps(model, configs)
