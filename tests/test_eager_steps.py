@@ -17,6 +17,7 @@ import torch
 
 import transfuse
 from transfuse.compile import eager_steps
+from transfuse.ops import dispatch
 from transfuse.tiny import tiny_model
 
 from .test_compile import _model
@@ -220,7 +221,9 @@ class _OpTrace(torch.utils._python_dispatch.TorchDispatchMode):
     of tensors made from Python numbers (``torch.tensor(n)``), and where each tensor it reads
     comes from: made earlier in the call, one of the call's inputs (a graph copies those into
     buffers of its own), or from outside the call (a weight, the store, a module's cached tensor:
-    a graph reads those at the address they had at the capture, so the address is recorded)."""
+    a graph reads those at the address they had at the capture, so the address is recorded).
+    Inside transfuse's own library ops (``transfuse::cached_attention``) the ops they issue are
+    recorded too."""
 
     def __init__(self, inputs):
         super().__init__()
@@ -246,11 +249,55 @@ class _OpTrace(torch.utils._python_dispatch.TorchDispatchMode):
             for a in flat
         )
         self.ops.append((str(func), described))
-        out = func(*args, **kwargs)
+        inside = _library_function(func)
+        if inside is not None:  # one of transfuse's library ops: what it issues is recorded too
+            with self:
+                out = inside(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
         for t in torch.utils._pytree.tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.made.add(t.untyped_storage().data_ptr())
         return out
+
+    def launch(self, kernel, grid, args, kwargs):
+        """A Triton kernel's launch (interpreted, not a torch op): its tensors as above, and every
+        number it is given (a length passed as an int would be baked into a graph), its grid
+        included."""
+        described = tuple(
+            (tuple(a.shape), a.dtype, a.stride(), self._source(a)) if isinstance(a, torch.Tensor) else a
+            for a in (*args, *sorted(kwargs.items()))
+        )
+        grid = grid if isinstance(grid, tuple) else "a function of its arguments"
+        self.ops.append((f"triton.{kernel}", (grid, *described)))
+
+
+@pytest.fixture
+def kernel_launches_traced(monkeypatch):
+    """Interpreted Triton launches recorded in the active ``_OpTrace``; the interpreter's own
+    copies of the arguments, torch ops a GPU does not issue, kept out of the trace."""
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        mode = torch.utils._python_dispatch._get_current_dispatch_mode()
+        if isinstance(mode, _OpTrace) and not warmup:
+            mode.launch(self.fn.__name__, grid, args, kwargs)
+        with torch.utils._python_dispatch._disable_current_modes():
+            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", run)
+
+
+def _library_function(func):
+    """The Python function behind a ``transfuse::`` library op (``torch.library.custom_op``), or None."""
+    if getattr(func, "namespace", None) != "transfuse":
+        return None
+    from torch._library.custom_ops import _maybe_get_opdef
+
+    definition = _maybe_get_opdef(func)
+    return None if definition is None else definition._init_fn
 
 
 # Ops whose result the host needs the device's values for (``.item()``, ``bool(t)``, shapes that
@@ -261,14 +308,31 @@ _READ_ON_THE_HOST = {
 }
 
 
+@pytest.fixture(params=["native", "triton"])
+def providers(request, triton_for):
+    """The ops' providers a step runs: the CPU's own, or the Triton kernels a GPU runs (their Python
+    wrappers and launches, which a capture holds too), interpreted on CPU tensors. Yields the
+    provider expected to run the step's attention."""
+    if request.param == "native":
+        yield "native"
+        return
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton's providers on CPU tensors need its interpreter (no GPU)")
+    request.getfixturevalue("kernel_launches_traced")
+    with triton_for(*(name for name, op in dispatch._OPS.items() if "triton" in op.providers)):
+        yield "triton"
+
+
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
-def test_a_step_issues_the_same_ops_at_every_position(model_type, store_on_cpu, monkeypatch):
+def test_a_step_issues_the_same_ops_at_every_position(model_type, providers, store_on_cpu, monkeypatch):
     """What makes a captured step right at every later position: the step's forward issues the
     same ops with the same shapes and the same Python numbers at every step of a loop, and reads
     every tensor it does not make or take as an input at the same address (the position, the
     padding and the cache's length reach it only through tensors whose addresses are fixed; no
     module swaps a cached tensor between steps), and none of them reads values on the host.
-    Recorded on the CPU, where the path runs the forward at every step."""
+    Recorded on the CPU, where the path runs the forward at every step, with the CPU's providers
+    and with the GPU's Triton kernels (interpreted; each launch recorded with its arguments and
+    grid, as a graph holds it)."""
     model = _model(model_type)
     ids, mask = _batch()
     traces = []
@@ -287,13 +351,25 @@ def test_a_step_issues_the_same_ops_at_every_position(model_type, store_on_cpu, 
         self.compiled = traced
 
     monkeypatch.setattr(eager_steps.EagerSteps, "__init__", recording)
-    _generate(model, ids, mask, new=12, min_new_tokens=12, do_sample=False)
+    with dispatch.trace() as calls:
+        _generate(model, ids, mask, new=12, min_new_tokens=12, do_sample=False)
+    ran = {(call.op, call.provider) for call in calls}
+    assert ("decode_attention", providers) in ran, sorted(ran)
     assert len(traces) == 11  # every step after the prompt's
     assert len(traces[0]) > 50
     # No op reads a tensor's values on the host (a capture cannot hold one; on CUDA it fails it).
-    assert not {op for op, _ in traces[0]} & _READ_ON_THE_HOST
-    for position, trace in enumerate(traces[1:], start=1):
-        assert trace == traces[0], f"the step at position {position} issues other ops than the first"
+    for trace in traces:
+        assert not {op for op, _ in trace} & _READ_ON_THE_HOST
+    # The second step is the one captured; the first may also do work cached for later calls (the
+    # Triton rotary's wrapper works out its output's layout on meta tensors once per shape).
+    captured = traces[1]
+    launched = {op for op, _ in captured if op.startswith("triton.")}
+    if providers == "triton":  # the norms', rotary's, the GLU's or the experts', attention's
+        assert len(launched) >= 4, launched
+    else:
+        assert not launched
+    for position, trace in enumerate(traces[2:], start=2):
+        assert trace == captured, f"the step at position {position} issues other ops than the captured one"
 
 
 def test_lora_adapters_decode_through_the_path_and_each_loop_sees_them_switched(store_on_cpu):
