@@ -36,6 +36,31 @@ def _padded_batch(device: str = "cpu"):
     return ids, mask
 
 
+def _word_tokenizer():
+    """A transformers tokenizer of the tiny models' 256 ids (``t0`` ... ``t255``), made in memory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=words)
+
+
+def _streamed(model, ids, mask, **options):
+    """``generate`` of one row with transformers' ``TextIteratorStreamer``: (tokens, streamed text)."""
+    from transformers import TextIteratorStreamer
+
+    streamer = TextIteratorStreamer(_word_tokenizer())
+    with torch.no_grad():
+        tokens = model.generate(ids, attention_mask=mask, streamer=streamer, do_sample=False, **options)
+    return tokens, "".join(streamer)
+
+
+def _words(ids):
+    """The words ``_word_tokenizer`` decodes these ids to."""
+    return [f"t{i}" for i in ids.tolist()]
+
+
 def _generate(model, ids, mask, new=10, **extra):
     with torch.no_grad():
         return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
@@ -219,9 +244,9 @@ def test_the_compiled_model_knows_when_a_call_is_a_step_of_a_closed_decoding_loo
     compiled.compiled = recording
     ids, mask = _padded_batch()
 
-    def loops(**extra):
+    def loops(rows=3, **extra):
         seen.clear()
-        _generate(model, ids, mask, new=4, **extra)
+        _generate(model, ids[:rows], mask[:rows], new=4, **extra)
         return list(seen)
 
     first, second = loops(), loops()
@@ -245,6 +270,23 @@ def test_the_compiled_model_knows_when_a_call_is_a_step_of_a_closed_decoding_loo
             return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
     assert set(loops(streamer=Streamer())) == {None}
+    # transformers' own text streamers (with a tokenizer of its own) run nothing of the caller's.
+    from transformers import TextIteratorStreamer, TextStreamer
+
+    tokenizer = _word_tokenizer()
+    for streamer in (TextStreamer(tokenizer), TextIteratorStreamer(tokenizer)):
+        streamed = loops(rows=1, streamer=streamer)
+        assert streamed[0] is not None and all(token is streamed[0] for token in streamed)
+
+    class Printing(TextStreamer):
+        def on_finalized_text(self, text, stream_end=False):
+            pass
+
+    class Words(type(tokenizer)):
+        pass
+
+    assert set(loops(rows=1, streamer=Printing(tokenizer))) == {None}
+    assert set(loops(rows=1, streamer=TextStreamer(Words(tokenizer_object=tokenizer.backend_tokenizer)))) == {None}
     assert set(loops(prefix_allowed_tokens_fn=lambda batch, tokens: list(range(256)))) == {None}
     assert set(loops(stopping_criteria=[Never()])) == {None}
     assert generate.closed({"logits_processor": LogitsProcessorList(), "streamer": None})
@@ -309,6 +351,13 @@ def test_the_lean_loop_on_cuda_replays_its_steps_and_stops_where_transformers_lo
             theirs = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, **options).sequences
         assert torch.equal(lean, theirs) and torch.equal(lean_again, theirs)
         assert replayed >= lean.shape[1] - ids.shape[1] - 2  # every decode step but the first
+        # transformers' loop with its own streamer: streamed a step late, each token once.
+        replays = compiled.call_graphs.replays
+        tokens, text = _streamed(model, ids[:1], mask[:1], **options)
+        assert compiled.call_graphs.replays - replays >= tokens.shape[1] - ids.shape[1] - 2
+        with torch.no_grad():
+            alone = model.generate(ids[:1], attention_mask=mask[:1], do_sample=False, **options)
+        assert torch.equal(tokens, alone) and text.split() == _words(tokens[0])
     assert compiled.loops["transfuse"] == 5 and compiled.call_graphs.failed is None
 
 
@@ -341,6 +390,14 @@ def test_the_lean_loop_leaves_to_transformers_what_it_does_not_do():
     got = _generate(model, ids, mask, new=4, past_key_values=cache, pad_token_id=0)
     assert loops["transfuse"] == before + 1
     assert cache.get_seq_length() == got.shape[1] - 1
+    # transformers' own streamer: a closed loop, run by transformers (which streams); every token
+    # streamed once.
+    before = dict(loops)
+    tokens, text = _streamed(model, ids[:1], mask[:1], max_new_tokens=6)
+    assert loops["transformers"] == before["transformers"] + 1 and loops["transfuse"] == before["transfuse"]
+    with torch.no_grad():
+        alone = model.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=6, do_sample=False)
+    assert torch.equal(tokens, alone) and text.split() == _words(tokens[0])
     assert set(loops) == {"transfuse", "transformers"}
     with torch.no_grad():  # a criterion of the caller's: not a closed loop at all
         before = dict(loops)

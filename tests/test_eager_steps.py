@@ -21,6 +21,7 @@ from transfuse.ops import dispatch
 from transfuse.tiny import tiny_model
 
 from .test_compile import _model
+from .test_compile import _streamed as streamed
 from .test_compile import _padded_batch as _batch
 
 
@@ -60,6 +61,17 @@ def _same(got, want, case):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
 
 
+def _streamed(model, ids, mask, off=False, **options):
+    """``generate`` of the first row with transformers' ``TextIteratorStreamer``: (tokens, text)."""
+    saved = os.environ[eager_steps.ENV]
+    if off:
+        os.environ[eager_steps.ENV] = "0"
+    try:
+        return streamed(model, ids[:1], mask[:1], **options)
+    finally:
+        os.environ[eager_steps.ENV] = saved
+
+
 @pytest.fixture
 def store_on_cpu(monkeypatch):
     """The path's steps through the store on the CPU (no graphs there)."""
@@ -92,6 +104,18 @@ def test_steps_through_the_store_give_the_model_s_answers(model_type, store_on_c
     ended = sorted({int(greedy[0, ids.shape[1] + 2]), int(greedy[1, ids.shape[1] + 5])})
     options = {"eos_token_id": ended, "pad_token_id": 0, "do_sample": False}
     assert torch.equal(_generate(model, ids, mask, **options), _generate(model, ids, mask, off=True, **options))
+
+
+def test_a_loop_with_transformers_streamer_goes_through_the_path_and_streams_every_token(store_on_cpu):
+    model = _model("qwen3_moe")
+    ids, mask = _batch()
+    options = {"max_new_tokens": 12, "min_new_tokens": 12}
+    want, want_text = _streamed(model, ids, mask, off=True, **options)
+    loops = eager_steps.stats(model)["loops"]
+    got, text = _streamed(model, ids, mask, **options)
+    assert eager_steps.stats(model)["loops"] == loops + 1
+    assert torch.equal(got, want) and text == want_text
+    assert len(text.split()) == ids.shape[1] + 12  # the prompt, then every new token
 
 
 def test_the_model_is_left_as_it_was_when_the_loop_raises(store_on_cpu):
@@ -189,6 +213,13 @@ def test_on_cuda_steps_replay_as_graphs_with_the_model_s_answers(model_type):
     ended = sorted({int(greedy[0, ids.shape[1] + 2]), int(greedy[1, ids.shape[1] + 5])})
     options = {"eos_token_id": ended, "pad_token_id": 0, "do_sample": False}
     assert torch.equal(_generate(model, ids, mask, new=24, **options), _generate(model, ids, mask, new=24, off=True, **options))
+    # Streamed a step late where the check defers: the same text, the extra token never streamed.
+    for stop in ({"eos_token_id": ended[:1], "pad_token_id": 0}, {}):
+        replays = eager_steps.stats(model)["replays"]
+        got, text = _streamed(model, ids, mask, max_new_tokens=24, **stop)
+        assert eager_steps.stats(model)["replays"] > replays
+        want, want_text = _streamed(model, ids, mask, off=True, max_new_tokens=24, **stop)
+        assert torch.equal(got, want) and text == want_text
 
 
 @pytest.mark.gpu

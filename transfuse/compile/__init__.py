@@ -15,8 +15,8 @@ What it does to the model (knowing no model family):
   cache's layers are views of), so the whole step, attention included, is one CUDA graph
   (``transfuse/compile/kv_store.py``); the buffers stay with the model between calls, as a
   static cache's do, until ``transfuse.compile.release(model)``;
-* inside ``generate``'s own decoding loop (with no streamer and no processor or stopping
-  criterion of the caller's), such a step is replayed as one CUDA graph of the whole call without
+* inside ``generate``'s own decoding loop (with no streamer but transformers' own text
+  streamers, and no processor or stopping criterion of the caller's), such a step is replayed as one CUDA graph of the whole call without
   entering Dynamo: Dynamo's own guards for the entry it would run and the model's modules and
   weights are checked at a captured step's first replay in the loop, and not again, since
   nothing between two steps of that loop can change what they check

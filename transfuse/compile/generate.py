@@ -10,10 +10,11 @@ caches a compiled model has served (``mark``): transformers asks whether to defe
 the prompt's forward, with the cache that forward returned.
 
 A decoding loop of transformers' own (``_sample``: greedy and sampling; ``_beam_search``) run
-on a compiled model with nothing of the caller's inside it (no streamer, and every logits
-processor and stopping criterion a transformers class that holds no function or module of
-the caller's: ``closed``) is a *closed loop*: between two of its decode steps only
-transformers' generation code runs, which changes no module, weight, global or grad mode.
+on a compiled model with nothing of the caller's inside it (no streamer but transformers' own
+text streamers, which decode the tokens with a transformers tokenizer and print or queue the
+text; every logits processor and stopping criterion a transformers class that holds no
+function or module of the caller's: ``closed``) is a *closed loop*: between two of its decode
+steps only transformers' code runs, which changes no module, weight, global or grad mode.
 What Dynamo's guards check before a step therefore holds for every step of the loop once it
 has held for one, and the compiled model may replay a captured step without checking them
 again (``replay.CallGraphs``): the first replay of each captured step in a loop checks
@@ -95,10 +96,12 @@ def install() -> None:
 
 def closed(arguments: dict[str, Any]) -> bool:
     """Whether a decoding loop called with these arguments (by name) runs nothing of the
-    caller's between its steps: no streamer, and only transformers' own processors and
-    criteria, none holding a function or a module (a prefix function, classifier-free
-    guidance's model)."""
-    if arguments.get("streamer") is not None:
+    caller's between its steps: no streamer but one of transformers' own (``TextStreamer``,
+    ``TextIteratorStreamer``, not a subclass of the caller's) with a tokenizer of transformers'
+    own, and only transformers' own processors and criteria, none holding a function or a
+    module (a prefix function, classifier-free guidance's model)."""
+    streamer = arguments.get("streamer")
+    if streamer is not None and not _own_streamer(streamer):
         return False
     for name in ("logits_processor", "stopping_criteria"):
         for item in arguments.get(name) or ():
@@ -107,8 +110,18 @@ def closed(arguments: dict[str, Any]) -> bool:
     return True
 
 
+def _own_streamer(streamer: Any) -> bool:
+    tokenizer = getattr(streamer, "tokenizer", None)
+    return _own(streamer) and (tokenizer is None or _of_transformers(tokenizer))
+
+
+def _of_transformers(item: Any) -> bool:
+    # (a model's remote code is in ``transformers_modules``, which this does not match)
+    return type(item).__module__.startswith("transformers.")
+
+
 def _own(item: Any) -> bool:
-    if not type(item).__module__.startswith("transformers."):
+    if not _of_transformers(item):
         return False
     state = getattr(item, "__dict__", {})
     return not any(isinstance(value, _CODE) for value in state.values())
@@ -174,7 +187,7 @@ _LEAN_KWARGS = frozenset({"attention_mask", "cache", "past_key_values", "use_cac
 
 def lean_loop(model: Any, arguments: dict[str, Any]) -> bool:
     """Whether ``_lean_sample`` may run this call of ``_sample`` (arguments by name): a
-    decoder-only model, tokens only returned, no peers to wait for, stopping criteria of
+    decoder-only model, tokens only returned, no streamer, no peers to wait for, stopping criteria of
     transformers' length and end-token classes with a length, inputs of ids, a padding mask and
     the cache, and a cache that is not handed back to the caller where the stop check defers."""
     from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
@@ -186,6 +199,8 @@ def lean_loop(model: Any, arguments: dict[str, Any]) -> bool:
     if config is None or criteria is None or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         return False
     if config.return_dict_in_generate or getattr(config, "is_assistant", False) or arguments.get("synced_gpus"):
+        return False
+    if arguments.get("streamer") is not None:  # transformers' loop streams (a step late where it defers)
         return False
     if getattr(model.config, "is_encoder_decoder", False) or not model_kwargs.get("use_cache", True):
         return False
