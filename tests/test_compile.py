@@ -9,8 +9,8 @@ graph tests run on a GPU only.
 from __future__ import annotations
 
 import copy
-
 import io
+import threading
 
 import pytest
 import torch
@@ -237,8 +237,14 @@ def test_the_compiled_model_knows_when_a_call_is_a_step_of_a_closed_decoding_loo
     compiled = model._transfuse_compiled
     inner, seen = compiled.compiled, []
 
+    elsewhere = []
+
     def recording(*args, **kwargs):
         seen.append(compiled.loop)
+        if not elsewhere:  # what another thread sees meanwhile
+            thread = threading.Thread(target=lambda: elsewhere.append(compiled.loop))
+            thread.start()
+            thread.join()
         return inner(*args, **kwargs)
 
     compiled.compiled = recording
@@ -251,6 +257,7 @@ def test_the_compiled_model_knows_when_a_call_is_a_step_of_a_closed_decoding_loo
 
     first, second = loops(), loops()
     assert len(first) == 4 and first[0] is not None and all(token is first[0] for token in first)
+    assert elsewhere == [None]  # another thread's calls are not the loop's steps
     assert second[0] is not None and second[0] is not first[0]
     assert all(token is not None for token in loops(num_beams=2))
     assert compiled.loop is None
@@ -406,8 +413,6 @@ def test_the_lean_loop_leaves_to_transformers_what_it_does_not_do():
 
 
 def test_a_copy_or_pickle_of_a_compiled_model_is_the_model_uncompiled(tmp_path):
-    import copy
-
     model = transfuse.compile(_model("llama"), inductor=False)
     ids, mask = _padded_batch()
     want = _generate(model, ids, mask, new=4)

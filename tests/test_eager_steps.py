@@ -11,6 +11,7 @@ store's attention and the loops; the graphs themselves run on a GPU only.
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -118,6 +119,41 @@ def test_a_loop_with_transformers_streamer_goes_through_the_path_and_streams_eve
     assert len(text.split()) == ids.shape[1] + 12  # the prompt, then every new token
 
 
+def test_a_generate_call_in_another_thread_during_a_loop_runs_as_usual(store_on_cpu, monkeypatch):
+    """While a loop runs its steps through the path, another thread's ``generate`` of the same
+    model is refused (saying why) and its calls of the model, which reach the loop's object, run
+    the model's own forward: both get the model's answers."""
+    model = _model("llama", num_hidden_layers=2)
+    ids, mask = _batch()
+    options = {"new": 8, "min_new_tokens": 8, "do_sample": False}
+    want = _generate(model, ids, mask, off=True, **options)
+    want_other = _generate(model, ids[:1], mask[:1], off=True, **options)
+    other = {}
+    loop_step = eager_steps.EagerSteps.__call__
+
+    def step(self, *args, **kwargs):
+        if self.calls["store"] == 3 and not other:  # the loop's fourth step waits for the other call
+            other["started"] = True
+
+            def generate():
+                other["tokens"] = _generate(model, ids[:1], mask[:1], **options)
+                other["refused"] = eager_steps.stats(model)["refused"]
+
+            thread = threading.Thread(target=generate)
+            thread.start()
+            thread.join()
+        return loop_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(eager_steps.EagerSteps, "__call__", step)
+    before = eager_steps.stats(model)
+    got = _generate(model, ids, mask, **options)
+    after = eager_steps.stats(model)
+    assert torch.equal(got, want) and torch.equal(other["tokens"], want_other)
+    assert other["refused"].startswith("another generate call of this model runs its steps through the path")
+    assert after["loops"] == before["loops"] + 1 and after["steps"] == before["steps"] + 7
+    assert model.__dict__["_compiled_call_impl"] is None
+
+
 def test_the_model_is_left_as_it_was_when_the_loop_raises(store_on_cpu):
     model = _model(num_hidden_layers=1)
     ids, mask = _batch()
@@ -220,6 +256,35 @@ def test_on_cuda_steps_replay_as_graphs_with_the_model_s_answers(model_type):
         assert eager_steps.stats(model)["replays"] > replays
         want, want_text = _streamed(model, ids, mask, off=True, max_new_tokens=24, **stop)
         assert torch.equal(got, want) and text == want_text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_two_threads_generating_at_once_get_the_model_s_answers():
+    """Two threads call ``generate`` on one model at once, again and again: one loop at a time
+    takes the path (capturing while the other thread runs kernels), the other runs as usual; no
+    call fails and every answer is the model's."""
+    model = _model("llama", device="cuda")
+    ids, mask = _batch("cuda")
+    options = {"new": 24, "min_new_tokens": 24, "do_sample": False}
+    want = {rows: _generate(model, ids[:rows], mask[:rows], off=True, **options) for rows in (1, 3)}
+    got, errors = [], []
+
+    def generate(rows):
+        try:
+            for _ in range(4):
+                got.append((rows, _generate(model, ids[:rows], mask[:rows], **options)))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=generate, args=(rows,)) for rows in (1, 3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert len(got) == 8 and all(torch.equal(tokens, want[rows]) for rows, tokens in got)
+    assert eager_steps.stats(model)["replays"] > 0 and model.__dict__["_compiled_call_impl"] is None
 
 
 @pytest.mark.gpu

@@ -50,6 +50,7 @@ import contextlib
 import functools
 import itertools
 import sys
+import threading
 import time
 import types
 from collections.abc import Iterator
@@ -150,8 +151,8 @@ class _DecodeCalls:
         self.stores: collections.OrderedDict[tuple, kv_store.KVStore] = collections.OrderedDict()
         # Why decode steps do not use a store (a layer's attention needs more than it gives).
         self.store_refused: str | None = None
-        # The closed decoding loop running now (a token of its own), or None.
-        self.loop: object | None = None
+        # The closed decoding loop running now in each thread (a token of its own; ``loop``).
+        self._loops = threading.local()
         # Closed decoding loops run by transfuse's lean loop and by transformers' own (``generate.py``).
         self.loops = {"transfuse": 0, "transformers": 0}
         # Set by subclasses: the forward a call of the path runs (with ``use_cache=False``),
@@ -166,14 +167,21 @@ class _DecodeCalls:
         # ``_compiled_call_impl`` from its state): compile the copy again to compile it.
         return (_uncompiled, ())
 
+    @property
+    def loop(self) -> object | None:
+        """The closed decoding loop this thread runs now (a token of its own), or None: a call
+        from another thread, while a loop runs, is not one of its steps."""
+        return getattr(self._loops, "token", None)
+
     @contextlib.contextmanager
     def closed_loop(self) -> Iterator[None]:
-        """Inside: the calls are the decode steps of one closed decoding loop (``generate.py``)."""
-        outer, self.loop = self.loop, object()
+        """Inside: this thread's calls are the decode steps of one closed decoding loop (``generate.py``)."""
+        outer = self.loop
+        self._loops.token = object()
         try:
             yield
         finally:
-            self.loop = outer
+            self._loops.token = outer
 
     def _eager(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
         self.calls["eager"] += 1

@@ -29,6 +29,10 @@ between two steps of a closed loop. The cost is a capture per ``generate`` call 
 forward under capture). A step whose capture fails (code that synchronises with the host, such
 as ``.item()``) runs eagerly through the store for the rest of the loop, with one warning.
 
+One loop of a model at a time takes the path: another thread's ``generate`` of the model
+meanwhile runs as usual (refused, saying why), and its calls of the model, which reach the
+running loop's object, go to the model's own forward.
+
 Not taken (``refusal``): a model not rewritten by ``transfuse.rewrite`` in this process, one
 compiled (``torch.compile``, ``model.compile()`` or ``transfuse.compile``, which has its own
 path), in training mode, with weights not all on the current CUDA device (offloaded, sharded,
@@ -48,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -72,6 +77,8 @@ ON_BY_DEFAULT = False
 # device (the tests' way to run the path's steps without graphs on a CPU).
 STORE: bool | None = None
 
+# Held while a loop makes a model's calls its own (``EagerSteps.installed``).
+_CLAIMING = threading.Lock()
 # Per model: what the loops did (``stats``).
 _STATS: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
 
@@ -126,7 +133,10 @@ def _refused(model: nn.Module) -> str | None:
         return "turned off (TRANSFUSE_DECODE_GRAPHS=0 or ops.graphs.suspended())"
     if getattr(model, REPORT_ATTR, None) is None:
         return "the model is not rewritten by transfuse.rewrite"
-    if model.__dict__.get("_compiled_call_impl") is not None:
+    running = model.__dict__.get("_compiled_call_impl")
+    if isinstance(running, EagerSteps):
+        return "another generate call of this model runs its steps through the path now (in another thread)"
+    if running is not None:
         return "the model is compiled"
     if model.training:
         return "the model is in training mode"
@@ -166,6 +176,13 @@ class EagerSteps(_DecodeCalls):
         attention.register()
         self.compiled = model._call_impl
         self.call_graphs = replay.CallGraphs(model, None)
+        self.thread = threading.get_ident()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() != self.thread:
+            # Another thread's call of the model while this loop runs: the model's own forward.
+            return self.model._call_impl(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
 
     def _eager(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
         output = super()._eager(model, args, kwargs)
@@ -179,8 +196,15 @@ class EagerSteps(_DecodeCalls):
     def installed(self) -> Iterator[None]:
         """The loop's calls come here; afterwards the model is as it was, the stores and graphs dropped."""
         model = self.model
-        model._compiled_call_impl = self
         record = _record(model)
+        with _CLAIMING:  # (two threads may both have found the model free)
+            taken = model.__dict__.get("_compiled_call_impl") is not None
+            if not taken:
+                model._compiled_call_impl = self
+        if taken:  # as usual: its calls reach the other loop's object, which hands them to the model
+            record["refused"] = _refused(model)
+            yield
+            return
         record["refused"] = None
         record["loops"] += 1
         try:
