@@ -50,7 +50,7 @@ def _streamed(model, ids, mask, **options):
     """``generate`` of one row with transformers' ``TextIteratorStreamer``: (tokens, streamed text)."""
     from transformers import TextIteratorStreamer
 
-    streamer = TextIteratorStreamer(_word_tokenizer())
+    streamer = TextIteratorStreamer(_word_tokenizer(), timeout=60)  # (a loop that never ends the stream fails)
     with torch.no_grad():
         tokens = model.generate(ids, attention_mask=mask, streamer=streamer, do_sample=False, **options)
     return tokens, "".join(streamer)
@@ -337,6 +337,14 @@ def test_the_lean_loop_returns_the_tokens_transformers_loop_returns(model_type):
     with torch.no_grad():
         alone = model.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=20, eos_token_id=sorted(ended), pad_token_id=0)
     assert torch.equal(alone, greedy[:1, : ids.shape[1] + first_end + 1])
+    # With transformers' own streamer: the text both loops stream, every token once.
+    for options in ({"max_new_tokens": 8}, {"max_new_tokens": 20, "eos_token_id": sorted(ended), "pad_token_id": 0}):
+        before = dict(loops)
+        lean, text = _streamed(model, ids[:1], mask[:1], **options)
+        theirs, their_text = _streamed(model, ids[:1], mask[:1], return_dict_in_generate=True, **options)
+        assert loops["transfuse"] == before["transfuse"] + 1 and loops["transformers"] == before["transformers"] + 1
+        assert torch.equal(lean, theirs.sequences) and text == their_text and text.split() == _words(lean[0])
+    assert lean.shape[1] == alone.shape[1]  # (the end token ended the row)
 
 
 @pytest.mark.gpu
@@ -358,14 +366,14 @@ def test_the_lean_loop_on_cuda_replays_its_steps_and_stops_where_transformers_lo
             theirs = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, **options).sequences
         assert torch.equal(lean, theirs) and torch.equal(lean_again, theirs)
         assert replayed >= lean.shape[1] - ids.shape[1] - 2  # every decode step but the first
-        # transformers' loop with its own streamer: streamed a step late, each token once.
+        # With transformers' own streamer: streamed a step late, each token once.
         replays = compiled.call_graphs.replays
         tokens, text = _streamed(model, ids[:1], mask[:1], **options)
         assert compiled.call_graphs.replays - replays >= tokens.shape[1] - ids.shape[1] - 2
         with torch.no_grad():
             alone = model.generate(ids[:1], attention_mask=mask[:1], do_sample=False, **options)
         assert torch.equal(tokens, alone) and text.split() == _words(tokens[0])
-    assert compiled.loops["transfuse"] == 5 and compiled.call_graphs.failed is None
+    assert compiled.loops["transfuse"] == 7 and compiled.call_graphs.failed is None
 
 
 def test_the_lean_loop_leaves_to_transformers_what_it_does_not_do():
@@ -397,14 +405,6 @@ def test_the_lean_loop_leaves_to_transformers_what_it_does_not_do():
     got = _generate(model, ids, mask, new=4, past_key_values=cache, pad_token_id=0)
     assert loops["transfuse"] == before + 1
     assert cache.get_seq_length() == got.shape[1] - 1
-    # transformers' own streamer: a closed loop, run by transformers (which streams); every token
-    # streamed once.
-    before = dict(loops)
-    tokens, text = _streamed(model, ids[:1], mask[:1], max_new_tokens=6)
-    assert loops["transformers"] == before["transformers"] + 1 and loops["transfuse"] == before["transfuse"]
-    with torch.no_grad():
-        alone = model.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=6, do_sample=False)
-    assert torch.equal(tokens, alone) and text.split() == _words(tokens[0])
     assert set(loops) == {"transfuse", "transformers"}
     with torch.no_grad():  # a criterion of the caller's: not a closed loop at all
         before = dict(loops)

@@ -25,8 +25,8 @@ not compiled may run its steps the same way, as graphs of its eager forward
 
 Inside a closed greedy or sampling loop whose only stopping criteria are the length and end
 tokens, and which returns just the tokens (``lean_loop``), transfuse runs the loop itself
-(``_lean_sample``): the same prefill, processors, token choice, padding of finished rows and
-(deferred) stop check as transformers' ``_sample``, without what a step of it costs the host
+(``_lean_sample``): the same prefill, processors, token choice, padding of finished rows,
+(deferred) stop check and streaming as transformers' ``_sample``, without what a step of it costs the host
 beyond those: the inputs prepared again from every keyword, the mask and the tokens
 concatenated into new tensors, the length criterion evaluated on the device. At a MoE model's
 decode step that host work is most of the token.
@@ -187,7 +187,7 @@ _LEAN_KWARGS = frozenset({"attention_mask", "cache", "past_key_values", "use_cac
 
 def lean_loop(model: Any, arguments: dict[str, Any]) -> bool:
     """Whether ``_lean_sample`` may run this call of ``_sample`` (arguments by name): a
-    decoder-only model, tokens only returned, no streamer, no peers to wait for, stopping criteria of
+    decoder-only model, tokens only returned, no peers to wait for, stopping criteria of
     transformers' length and end-token classes with a length, inputs of ids, a padding mask and
     the cache, and a cache that is not handed back to the caller where the stop check defers."""
     from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
@@ -199,8 +199,6 @@ def lean_loop(model: Any, arguments: dict[str, Any]) -> bool:
     if config is None or criteria is None or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         return False
     if config.return_dict_in_generate or getattr(config, "is_assistant", False) or arguments.get("synced_gpus"):
-        return False
-    if arguments.get("streamer") is not None:  # transformers' loop streams (a step late where it defers)
         return False
     if getattr(model.config, "is_encoder_decoder", False) or not model_kwargs.get("use_cache", True):
         return False
@@ -221,11 +219,13 @@ def _lean_sample(model: Any, compiled: Any, arguments: dict[str, Any]) -> torch.
     """transformers' ``_sample`` for the calls ``lean_loop`` admits, with the host's work a step
     cut to the step itself. The tokens go into one buffer of the final length, the padding mask
     is a view of one (ones past the prompt), the length criterion is the loop's bound, and the
-    end tokens are checked on the device, read a step late on CUDA (``DeferredStopCheck``)."""
+    end tokens are checked on the device, read a step late on CUDA (``DeferredStopCheck``, which
+    also hands the streamer each token, a step late there, as in ``_sample``)."""
     from transformers.generation.stopping_criteria import EosTokenCriteria
     from transformers.generation.utils import StopCheck
 
     input_ids = arguments["input_ids"]
+    streamer = arguments.get("streamer")
     processors = arguments.get("logits_processor")
     criteria = arguments["stopping_criteria"]
     config = arguments["generation_config"]
@@ -257,17 +257,18 @@ def _lean_sample(model: Any, compiled: Any, arguments: dict[str, Any]) -> torch.
     forward = model.__call__
     choose_in_float = bool(processors) or config.do_sample
 
-    unfinished = torch.ones(batch, dtype=torch.long, device=device) if ends else None
     pad = config._pad_token_tensor
     if ends and pad is not None:
         pad = pad.to(device)
-    stop_check = None
-    if ends:
+    # The stop check, which also hands each token to the streamer (a step late where it defers).
+    stop_check = unfinished = None
+    if ends or streamer is not None:
+        unfinished = torch.ones(batch, dtype=torch.long, device=device)
         deferred = _check_class()
         stop_check = (
-            deferred(input_ids, max_length, cache, False)
+            deferred(input_ids, max_length, cache, False, streamer)
             if deferred is not None and deferred.is_supported(device, cache, False, is_assistant=False)
-            else StopCheck(None)
+            else StopCheck(streamer)
         )
 
     length = prompt
@@ -294,6 +295,7 @@ def _lean_sample(model: Any, compiled: Any, arguments: dict[str, Any]) -> torch.
                 for criterion in ends[1:]:
                     done = done | criterion(tokens[:, :length], None)
                 unfinished = unfinished & ~done
+            if stop_check is not None:
                 if stop_check(unfinished, chosen, length) or length >= max_length:
                     break
             elif length >= max_length:
@@ -305,4 +307,6 @@ def _lean_sample(model: Any, compiled: Any, arguments: dict[str, Any]) -> torch.
                 positions = positions + 1
             outputs = forward(input_ids=chosen.unsqueeze(1), **step_kwargs)
     undo = stop_check.finish() if stop_check is not None else 0
+    if streamer is not None:
+        streamer.end()
     return tokens[:, : length - undo].contiguous()
