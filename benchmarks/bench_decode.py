@@ -15,6 +15,10 @@ random bf16 weights, greedy decoding with no end-of-sequence token. Variants:
                          CUDA graphs of the eager forward (compile/eager_steps.py; off by default
                          until measured on a GPU)
   transfuse eager, no graphs      TRANSFUSE_DECODE_GRAPHS=0
+  ..., streamed          a variant above (transformers dynamic, transfuse eager, transfuse eager
+                         with step graphs, transfuse compiled) with transformers'
+                         TextIteratorStreamer, as a chat interface streams (a tokenizer of the
+                         model's vocabulary made in memory; batch 1 only)
   transfuse compiled     transfuse.rewrite + transfuse.compile, DynamicCache (a decode step is
                          one CUDA graph, its keys and values in a KVStore; in generate's closed
                          loop the whole call is replayed, Dynamo's guards checked at the first
@@ -46,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import shlex
@@ -110,20 +115,39 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def generate(model, ids, new: int, _env: dict[str, str] | None = None, **extra):
-    """Greedy ``generate`` of ``new`` tokens; ``_env``: environment variables set for the call."""
+def generate(model, ids, new: int, _env: dict[str, str] | None = None, _streamed: bool = False, **extra):
+    """Greedy ``generate`` of ``new`` tokens; ``_env``: environment variables set for the call;
+    ``_streamed``: the tokens streamed through transformers' ``TextIteratorStreamer``."""
     saved = {name: os.environ.get(name) for name in _env or {}}
     os.environ.update(_env or {})
+    if _streamed:
+        from transformers import TextIteratorStreamer
+
+        extra["streamer"] = TextIteratorStreamer(word_tokenizer(model.config.vocab_size))
     try:
         with torch.no_grad():
-            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                                  min_new_tokens=new, do_sample=False, **extra)
+            tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                    min_new_tokens=new, do_sample=False, **extra)
+        if _streamed:
+            "".join(extra["streamer"])  # (all of it is there by now)
+        return tokens
     finally:
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+@functools.cache
+def word_tokenizer(vocab: int):
+    """A transformers tokenizer whose words are the ids (``t0`` ... ``t{vocab - 1}``), made in memory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=words)
 
 
 def timed(fn, device: str) -> float:
@@ -233,8 +257,12 @@ def main(argv: list[str] | None = None) -> int:
         "transfuse eager, no graphs": (fused, {"_env": {"TRANSFUSE_DECODE_GRAPHS": "0"}}),
     }
     for name, options in compiled_options.items():
-        if name in args.variants:
+        if name in args.variants or (name == "transfuse compiled" and f"{name}, streamed" in args.variants):
             models[name] = (transfuse.compile(transfuse.rewrite(copy.deepcopy(stock)), **options), {})
+    for name in ("transformers dynamic", "transfuse eager", "transfuse eager, step graphs", "transfuse compiled"):
+        if name in models:
+            model, extra = models[name]
+            models[f"{name}, streamed"] = (model, {**extra, "_streamed": True})
     variants = [v for v in args.variants if v in models]
     floor_ms = weight_bytes(stock) / copy_bandwidth(device) * 1e3  # batch 1
     vocab = stock.config.vocab_size
@@ -244,22 +272,26 @@ def main(argv: list[str] | None = None) -> int:
     for batch in args.batch:
         torch.manual_seed(batch)
         ids = torch.randint(0, vocab, (batch, args.prompt), device=device)
-        tokens, times = {}, {v: [] for v in variants}
-        for variant in variants:  # first calls: compile and capture (for the compiled ones)
+        # (transformers' streamers take one row)
+        running = [v for v in variants if batch == 1 or not v.endswith(", streamed")]
+        if running != variants:
+            print(f"batch {batch}: the streamed variants stream one row only, and are left out", flush=True)
+        tokens, times = {}, {v: [] for v in running}
+        for variant in running:  # first calls: compile and capture (for the compiled ones)
             model, extra = models[variant]
             seconds = timed(lambda: generate(model, ids, 2, **extra), device)
             first_call.setdefault(variant, seconds)
             tokens[variant] = generate(model, ids, args.new, **extra)
             print(f"batch {batch} {variant}: first calls {seconds:.1f} s", flush=True)
         for _ in range(args.rounds):
-            for variant in variants:
+            for variant in running:
                 model, extra = models[variant]
                 short = timed(lambda: generate(model, ids, 1, **extra), device)
                 full = timed(lambda: generate(model, ids, args.new, **extra), device)
                 times[variant].append((full - short) / (args.new - 1) * 1e3)
         want = tokens.get("transfuse eager", next(iter(tokens.values())))
         rows = {}
-        for variant in variants:
+        for variant in running:
             rows[variant] = {
                 "ms_per_token": statistics.median(times[variant]),
                 "min_ms_per_token": min(times[variant]),
@@ -274,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     result["first_call_s"] = first_call
     if args.profile:
         ids = torch.randint(0, vocab, (args.batch[0], args.prompt), device=device)
-        for variant in [v for v in variants if v in args.profile_variants or not args.profile_variants]:
+        chosen = [v for v in variants if v in args.profile_variants or not args.profile_variants]
+        for variant in [v for v in chosen if args.batch[0] == 1 or not v.endswith(", streamed")]:
             model, extra = models[variant]
             text = profile(lambda: generate(model, ids, args.profile, **extra), device, args.profile)
             name = variant.replace(",", "").replace(" ", "_")
