@@ -299,6 +299,44 @@ def test_the_compiled_model_knows_when_a_call_is_a_step_of_a_closed_decoding_loo
     assert generate.closed({"logits_processor": LogitsProcessorList(), "streamer": None})
 
 
+def test_two_threads_decoding_at_once_each_read_their_own_cache():
+    """Two compiled models decoding in two threads at once: while one thread's call is inside its
+    forward (its cache and padding the call in progress), the other's call runs whole; each reads
+    its own cache and gets its own model's answer."""
+    first = transfuse.compile(_model("llama", num_hidden_layers=2), inductor=False)
+    torch.manual_seed(7)
+    second = transfuse.compile(transfuse.rewrite(tiny_model("llama", num_hidden_layers=2).eval()), inductor=False)
+    ids, mask = _padded_batch()
+    want = {name: _generate(model, ids[:rows], mask[:rows], new=6)
+            for name, model, rows in (("first", first, 3), ("second", second, 1))}
+    inside, done, got = threading.Event(), threading.Event(), {}
+    first_forward, second_forward = first._transfuse_compiled.compiled, second._transfuse_compiled.compiled
+
+    def paused(*args, **kwargs):  # the second model's third call waits, inside it, for the first's
+        if not inside.is_set() and len(calls) == 2:
+            inside.set()
+            done.wait(timeout=60)
+        calls.append(1)
+        return second_forward(*args, **kwargs)
+
+    def during(*args, **kwargs):  # the first model's calls run while the second's is paused
+        if not done.is_set():
+            assert inside.wait(timeout=60)
+        return first_forward(*args, **kwargs)
+
+    calls = []
+    second._transfuse_compiled.compiled = paused
+    first._transfuse_compiled.compiled = during
+    thread = threading.Thread(target=lambda: got.update(second=_generate(second, ids[:1], mask[:1], new=6)))
+    thread.start()
+    try:
+        got["first"] = _generate(first, ids, mask, new=6)
+    finally:
+        done.set()
+        thread.join()
+    assert torch.equal(got["first"], want["first"]) and torch.equal(got["second"], want["second"])
+
+
 LEAN_CASES = {
     "greedy": {"max_new_tokens": 10, "min_new_tokens": 10},
     "one token": {"max_new_tokens": 1},

@@ -153,6 +153,7 @@ class _DecodeCalls:
         self.store_refused: str | None = None
         # The closed decoding loop running now in each thread (a token of its own; ``loop``).
         self._loops = threading.local()
+        self._calling = threading.RLock()
         # Closed decoding loops run by transfuse's lean loop and by transformers' own (``generate.py``).
         self.loops = {"transfuse": 0, "transformers": 0}
         # Set by subclasses: the forward a call of the path runs (with ``use_cache=False``),
@@ -188,6 +189,12 @@ class _DecodeCalls:
         return model._call_impl(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # One call at a time: a call writes the store's position and padding and copies into a
+        # graph's buffers, which another thread's call would overwrite before this one's replay.
+        with self._calling:
+            return self._call(args, kwargs)
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
         model = self.model
         if not self._covers(model, args, kwargs):
             return self._eager(model, args, kwargs)

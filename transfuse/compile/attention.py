@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,26 +63,37 @@ class Step:
     masks: dict[tuple, Tensor | None] = field(default_factory=dict)
 
 
-_STEPS: list[Step] = []
+class _Steps(threading.local):
+    """The calls in progress in this thread, the innermost last (two threads' calls, of one model
+    or two, each read their own cache and store)."""
+
+    def __init__(self) -> None:
+        self.stack: list[Step] = []
+
+
+_STEPS = _Steps()
 
 
 def current_store() -> Any:
-    """The ``KVStore`` of the call in progress, or None."""
-    return _STEPS[-1].store if _STEPS else None
+    """The ``KVStore`` of this thread's call in progress, or None."""
+    steps = _STEPS.stack
+    return steps[-1].store if steps else None
 
 
 def current_step() -> Step | None:
-    return _STEPS[-1] if _STEPS else None
+    steps = _STEPS.stack
+    return steps[-1] if steps else None
 
 
 @contextlib.contextmanager
 def step(cache: Any, padding: Tensor | None, store: Any = None) -> Iterator[Step]:
     current = Step(cache, padding, store)
-    _STEPS.append(current)
+    steps = _STEPS.stack
+    steps.append(current)
     try:
         yield current
     finally:
-        _STEPS.pop()
+        steps.pop()
 
 
 def attention_forward(

@@ -22,6 +22,7 @@ only where its shapes are static.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, fx
 
-from ..ops.graphs import copy_out, graph_pool, input_buffer
+from ..ops.graphs import capture, copy_out, graph_pool, input_buffer
 from .attention import current_store
 
 __all__ = ["ATTENTION_OP", "GraphedPiece", "StepGraph", "compile_graph", "stats"]
@@ -42,9 +43,9 @@ _STATS = {"graphs": 0, "pieces": 0, "captures": 0, "replays": 0, "step_captures"
 # Addresses of captured graphs' outputs: they hold the same place at every replay, so a later
 # piece reads them where they are (checked at every replay) instead of copying them in.
 _GRAPH_OUTPUTS: set[int] = set()
-# Depth of ``StepGraph`` calls in progress: their pieces run inside the step's own graph (or its
-# warm-up) and capture nothing of their own.
-_IN_STEP = 0
+# Depth of ``StepGraph`` calls in progress in this thread (``in_step``): their pieces run inside
+# the step's own graph (or its warm-up) and capture nothing of their own.
+_THREAD = threading.local()
 
 
 def stats() -> dict[str, int]:
@@ -220,7 +221,7 @@ class GraphedPiece(_PerShape):
         self.copy_outputs = copy_outputs
 
     def __call__(self, *args: Any) -> Any:
-        if _IN_STEP or torch.is_grad_enabled() or torch.cuda.is_current_stream_capturing():
+        if getattr(_THREAD, "in_step", 0) or torch.is_grad_enabled() or torch.cuda.is_current_stream_capturing():
             return self.fn(*args)
         key = self._shapes(args)
         graph = self._graphs.get(key)
@@ -264,8 +265,7 @@ class StepGraph(_PerShape):
             return graph.replay(args, True)
         if key in self._failed:
             return self.split(*args)
-        global _IN_STEP
-        _IN_STEP += 1
+        _THREAD.in_step = getattr(_THREAD, "in_step", 0) + 1
         try:
             if key not in self._seen:
                 self._seen.add(key)
@@ -280,7 +280,7 @@ class StepGraph(_PerShape):
                 self._capture_failed(key, exc, "decode steps run piece by piece (a whole step)")
                 return self.split(*args)
         finally:
-            _IN_STEP -= 1
+            _THREAD.in_step -= 1
         _STATS["captures"] += 1
         _STATS["step_captures"] += 1
         from .kv_store import live
@@ -318,7 +318,7 @@ class _Graph:
         device = next(a.device for a in args if isinstance(a, Tensor))
         current = torch.cuda.current_stream(device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=graph_pool(device.index, current.cuda_stream)):
+        with capture(graph, graph_pool(device.index, current.cuda_stream)):
             outputs = fn(*inputs)
         flat = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
         _GRAPH_OUTPUTS.update(o.data_ptr() for o in flat if isinstance(o, Tensor))

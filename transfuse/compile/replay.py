@@ -49,7 +49,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ops import dispatch
-from ..ops.graphs import copy_out, graph_pool, input_buffer
+from ..ops.graphs import capture, copy_out, graph_pool, input_buffer
 from . import kv_store
 
 __all__ = ["CallGraphs", "DynamoEntries", "frame_effects"]
@@ -313,7 +313,7 @@ class CallGraphs:
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.current_stream(store.device)
         try:
-            with torch.cuda.graph(graph, pool=graph_pool(store.device.index, stream.cuda_stream)):
+            with capture(graph, graph_pool(store.device.index, stream.cuda_stream)):
                 output = run(static)
         except kv_store.StoreUnusable:
             raise

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import warnings
 from collections.abc import Iterator
 from typing import Any, Callable
@@ -46,7 +47,7 @@ from torch.nn.modules import module as module_globals
 from . import dispatch
 from .platform import current_stream_handle as _raw_stream
 
-__all__ = ["SmallBatchGraphs", "copy_out", "enabled", "graph_pool", "suspended"]
+__all__ = ["SmallBatchGraphs", "capture", "copy_out", "enabled", "graph_pool", "suspended"]
 
 # One memory pool per (device, stream).
 _POOLS: dict[tuple[int, int], Any] = {}
@@ -90,6 +91,20 @@ def graph_pool(device: int, stream: int) -> Any:
     return pool.id if hasattr(pool, "id") else pool
 
 
+# One capture at a time in this process (torch's captures share one side stream per device).
+_CAPTURING = threading.RLock()
+
+
+@contextlib.contextmanager
+def capture(graph: Any, pool: Any) -> Iterator[None]:
+    """``torch.cuda.graph(graph, pool=pool)``, one capture in the process at a time, in CUDA's
+    thread-local capture mode (as Inductor captures): what other threads issue meanwhile (another
+    model's steps, a copy on a side stream) neither fails nor invalidates the capture, and what
+    this thread issues that a capture cannot hold (a host synchronisation) fails it as before."""
+    with _CAPTURING, torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        yield
+
+
 def input_buffer(value: Tensor) -> Tensor:
     """A graph's own copy of an input, with the input's strides: a compiled function's code may
     assume them (a column of a wider tensor, ``ids[:, -1:]``, is not made contiguous). An input
@@ -122,6 +137,7 @@ class SmallBatchGraphs:
         self._failed_keys: set[tuple] = set()
         self._seen: dict[tuple, None] = {}
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Tensor, Any]] = {}
+        self._lock = threading.Lock()
         # The layer's children and its tensors' (dict, name) slots, read once: walking the module
         # tree costs more per call than everything else here.
         self._children = tuple(layer.modules())[1:]
@@ -165,13 +181,17 @@ class SmallBatchGraphs:
             if key not in self._seen:
                 self._remember(key)
                 return self.forward(x)
-            entry = self._capture(x, key)
+            with self._lock:  # (another thread may have captured it meanwhile)
+                entry = self._graphs.get(key)
+                if entry is None and key not in self._failed_keys:
+                    entry = self._capture(x, key)
             if entry is None:
                 return self.forward(x)
         graph, static_x, static_out = entry
-        static_x.copy_(x)
-        graph.replay()
-        return copy_out(static_out)
+        with self._lock:  # another thread's replay of this graph would overwrite its buffers
+            static_x.copy_(x)
+            graph.replay()
+            return copy_out(static_out)
 
     def _remember(self, key: tuple) -> None:
         self._seen[key] = None
@@ -215,6 +235,6 @@ class SmallBatchGraphs:
             torch.cuda.set_sync_debug_mode(sync_mode)
         current.wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=graph_pool(key[2], key[3])):
+        with capture(graph, graph_pool(key[2], key[3])):
             static_out = self.forward(static_x)
         return graph, static_x, static_out
