@@ -337,6 +337,30 @@ def test_two_threads_decoding_at_once_each_read_their_own_cache():
     assert torch.equal(got["first"], want["first"]) and torch.equal(got["second"], want["second"])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_two_threads_generating_at_once_on_a_compiled_model_get_its_answers():
+    model = transfuse.compile(_model("qwen3_moe", device="cuda"))
+    ids, mask = _padded_batch("cuda")
+    want = {rows: _generate(model, ids[:rows], mask[:rows], new=24) for rows in (1, 3)}
+    got, errors = [], []
+
+    def generate(rows):
+        try:
+            for _ in range(4):
+                got.append((rows, _generate(model, ids[:rows], mask[:rows], new=24)))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=generate, args=(rows,)) for rows in (1, 3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert len(got) == 8 and all(torch.equal(tokens, want[rows]) for rows, tokens in got)
+
+
 LEAN_CASES = {
     "greedy": {"max_new_tokens": 10, "min_new_tokens": 10},
     "one token": {"max_new_tokens": 1},

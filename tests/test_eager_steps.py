@@ -260,20 +260,26 @@ def test_on_cuda_steps_replay_as_graphs_with_the_model_s_answers(model_type):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_cuda_two_threads_generating_at_once_get_the_model_s_answers():
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("path", ["on", "off"])
+def test_on_cuda_two_threads_generating_at_once_get_the_model_s_answers(model_type, path, monkeypatch):
     """Two threads call ``generate`` on one model at once, again and again: one loop at a time
     takes the path (capturing while the other thread runs kernels), the other runs as usual; no
-    call fails and every answer is the model's."""
-    model = _model("llama", device="cuda")
+    call fails and every answer is the model's. With the path off, the MoE blocks' own graphs are
+    shared by the two threads."""
+    model = _model(model_type, device="cuda")
     ids, mask = _batch("cuda")
     options = {"new": 24, "min_new_tokens": 24, "do_sample": False}
     want = {rows: _generate(model, ids[:rows], mask[:rows], off=True, **options) for rows in (1, 3)}
+    monkeypatch.setenv(eager_steps.ENV, "1" if path == "on" else "0")
     got, errors = [], []
 
     def generate(rows):
         try:
             for _ in range(4):
-                got.append((rows, _generate(model, ids[:rows], mask[:rows], **options)))
+                with torch.no_grad():
+                    got.append((rows, model.generate(ids[:rows], attention_mask=mask[:rows], max_new_tokens=24,
+                                                     min_new_tokens=24, do_sample=False)))
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
@@ -284,7 +290,8 @@ def test_on_cuda_two_threads_generating_at_once_get_the_model_s_answers():
         thread.join()
     assert not errors, errors
     assert len(got) == 8 and all(torch.equal(tokens, want[rows]) for rows, tokens in got)
-    assert eager_steps.stats(model)["replays"] > 0 and model.__dict__["_compiled_call_impl"] is None
+    assert (eager_steps.stats(model)["replays"] > 0) == (path == "on")
+    assert model.__dict__["_compiled_call_impl"] is None
 
 
 @pytest.mark.gpu
