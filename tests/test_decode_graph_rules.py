@@ -166,3 +166,36 @@ def test_a_graph_s_copy_of_an_input_keeps_its_strides_where_it_can():
     expanded = torch.arange(4).unsqueeze(0).expand(3, -1)
     copied = graphs.input_buffer(expanded)
     assert copied.is_contiguous() and torch.equal(copied, expanded)
+
+
+@torch.library.custom_op("transfuse::_test_reads_inside", mutates_args=())
+def _reads_inside(x: torch.Tensor) -> torch.Tensor:
+    return x * float(x.sum())  # (``float(t)`` reads the value on the host)
+
+
+def test_the_warm_up_makes_reads_of_device_values_on_the_host_errors_in_its_own_thread_only():
+    """What a capture cannot hold fails the warm-up (``_NoHostReads``, the CPU standing in for the
+    GPU here): ``.item()``, ``bool(t)``, ``nonzero``, indexing by a mask, a copy to the host, and
+    such a read inside one of transfuse's library ops; other ops run. Another thread's reads
+    meanwhile are its own business."""
+    import threading
+
+    x = torch.randn(6)
+    reads = {
+        "item": lambda: x.sum().item(),
+        "bool": lambda: bool(x.sum() > 0),
+        "nonzero": lambda: torch.nonzero(x),
+        "a mask": lambda: x[x > 0],
+        "a masked write": lambda: x.clone().index_put_((x > 0,), torch.tensor(0.0)),
+        "inside a library op": lambda: _reads_inside(x),
+    }
+    for name, read in reads.items():
+        with pytest.raises(graphs.HostRead), graphs._NoHostReads("cpu"):
+            read()
+    with graphs._NoHostReads("cpu"):
+        made = (torch.cat([x, x]) * 2 + 1).softmax(-1).argmax()
+        elsewhere = []
+        thread = threading.Thread(target=lambda: elsewhere.append(x.sum().item()))
+        thread.start()
+        thread.join()
+    assert elsewhere == [x.sum().item()] and int(made) == int(x.argmax())

@@ -18,7 +18,7 @@ import torch
 
 import transfuse
 from transfuse.compile import eager_steps
-from transfuse.ops import dispatch
+from transfuse.ops import dispatch, graphs
 from transfuse.tiny import tiny_model
 
 from .test_compile import _model
@@ -352,7 +352,7 @@ class _OpTrace(torch.utils._python_dispatch.TorchDispatchMode):
             for a in flat
         )
         self.ops.append((str(func), described))
-        inside = _library_function(func)
+        inside = graphs._library_function(func)
         if inside is not None:  # one of transfuse's library ops: what it issues is recorded too
             with self:
                 out = inside(*args, **kwargs)
@@ -391,16 +391,6 @@ def kernel_launches_traced(monkeypatch):
             return original(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     monkeypatch.setattr(interpreter.InterpretedFunction, "run", run)
-
-
-def _library_function(func):
-    """The Python function behind a ``transfuse::`` library op (``torch.library.custom_op``), or None."""
-    if getattr(func, "namespace", None) != "transfuse":
-        return None
-    from torch._library.custom_ops import _maybe_get_opdef
-
-    definition = _maybe_get_opdef(func)
-    return None if definition is None else definition._init_fn
 
 
 # Ops whose result the host needs the device's values for (``.item()``, ``bool(t)``, shapes that

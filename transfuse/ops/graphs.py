@@ -20,8 +20,8 @@ replays the providers chosen when it was captured, so changing them means a new 
 
 Graphs are captured per CUDA stream, and the graphs of one stream on one device share one
 memory pool: replays on a stream run one after another, and each output is copied out
-before the next. Code that synchronises with the host (the native MoE experts read their
-group sizes) cannot be captured: the warm-up call runs with synchronisations made errors,
+before the next. Code that reads device values on the host (``.item()``, a copy to the CPU)
+cannot be captured: the warm-up call runs with such reads made errors (in its own thread only),
 and a shape whose warm-up or capture fails runs eagerly from then on (with one warning per
 layer). Replays run no Python, so ``transfuse.ops.trace()`` records the calls of a capture,
 not of its replays.
@@ -43,11 +43,12 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as module_globals
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import dispatch
 from .platform import current_stream_handle as _raw_stream
 
-__all__ = ["SmallBatchGraphs", "capture", "copy_out", "enabled", "graph_pool", "suspended"]
+__all__ = ["HostRead", "SmallBatchGraphs", "capture", "copy_out", "enabled", "graph_pool", "suspended"]
 
 # One memory pool per (device, stream).
 _POOLS: dict[tuple[int, int], Any] = {}
@@ -103,6 +104,66 @@ def capture(graph: Any, pool: Any) -> Iterator[None]:
     this thread issues that a capture cannot hold (a host synchronisation) fails it as before."""
     with _CAPTURING, torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         yield
+
+
+class HostRead(RuntimeError):
+    """An op that reads a CUDA tensor's values on the host, where a capture cannot hold one."""
+
+
+# Ops whose result needs the device's values on the host (``.item()``, ``bool(t)``, shapes that
+# depend on values).
+_HOST_READS = frozenset({
+    "aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::equal", "aten::nonzero", "aten::masked_select",
+    "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive",
+})
+
+
+class _NoHostReads(TorchDispatchMode):
+    """Inside, an op that reads a CUDA tensor's values on the host raises ``HostRead``: in this
+    thread only (``torch.cuda.set_sync_debug_mode`` is the whole process's, and would fail another
+    thread's ``.item()`` meanwhile). The ops inside transfuse's own library ops are looked at too.
+    ``device_type``: where the values read live (the tests' CPU stands in for the GPU)."""
+
+    def __init__(self, device_type: str = "cuda"):
+        super().__init__()
+        self.device_type = device_type
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = func.name().split(".")[0]
+        if name in _HOST_READS or _copies_to_host(name, args, kwargs):
+            if any(isinstance(a, Tensor) and a.device.type == self.device_type for a in args):
+                raise HostRead(f"{func} reads a {self.device_type} tensor's values on the host")
+        inside = _library_function(func)
+        if inside is not None:
+            with self:
+                return inside(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _copies_to_host(name: str, args: tuple, kwargs: dict) -> bool:
+    """A copy to the host, or indexing by a boolean mask (its shape is the mask's count)."""
+    if name in ("aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"):
+        indices = args[1] if len(args) > 1 else ()
+        return any(isinstance(i, Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
+    if name == "aten::_to_copy":
+        device = kwargs.get("device")
+        return device is not None and torch.device(device).type == "cpu"
+    if name == "aten::copy_":
+        return isinstance(args[0], Tensor) and args[0].is_cpu
+    return False
+
+
+def _library_function(func: Any) -> Callable[..., Any] | None:
+    """The Python function behind a ``transfuse::`` library op, or None."""
+    if getattr(func, "namespace", None) != "transfuse":
+        return None
+    try:
+        from torch._library.custom_ops import _maybe_get_opdef
+    except ImportError:  # another torch's internals: the op is looked at as one
+        return None
+    definition = _maybe_get_opdef(func)
+    return None if definition is None else getattr(definition, "_init_fn", None)
 
 
 def input_buffer(value: Tensor) -> Tensor:
@@ -222,17 +283,13 @@ class SmallBatchGraphs:
         """(graph, its input buffer, its outputs) of the forward on a copy of ``x``."""
         static_x = x.clone()
         # Warm up off the capturing stream (first calls compile kernels and create handles),
-        # with host synchronisations made errors: code that has them cannot be captured.
+        # with reads of device values on the host made errors: code that has them cannot be
+        # captured (and the capture, should one slip through, fails on it too).
         current = torch.cuda.current_stream(x.device)
         stream = torch.cuda.Stream(x.device)
         stream.wait_stream(current)
-        sync_mode = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            with torch.cuda.stream(stream):
-                self.forward(static_x)
-        finally:
-            torch.cuda.set_sync_debug_mode(sync_mode)
+        with torch.cuda.stream(stream), _NoHostReads():
+            self.forward(static_x)
         current.wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with capture(graph, graph_pool(key[2], key[3])):
