@@ -204,7 +204,7 @@ def test_loops_the_path_does_not_take_say_why(monkeypatch):
     assert eager_steps.refusal(model) == "autograd is recording"
     stock = tiny_model("llama", num_hidden_layers=1).eval()
     _generate(stock, ids, mask, new=2)
-    assert eager_steps.stats(stock) == {"loops": 0, "steps": 0, "replays": 0, "refused": None, "failed": None}
+    assert eager_steps.stats(stock) == {"loops": 0, "steps": 0, "replays": 0, "capture_s": 0.0, "refused": None, "failed": None}
     flash = _model(num_hidden_layers=1)
     flash.config._attn_implementation_internal = "flash_attention_2"
     with torch.no_grad():
@@ -244,6 +244,7 @@ def test_on_cuda_steps_replay_as_graphs_with_the_model_s_answers(model_type):
             _same(got, want, case)
             assert after["failed"] is None and after["refused"] is None, case
             assert after["replays"] - before["replays"] >= 24 - 3, case  # every step but the prompt's and two
+            assert after["capture_s"] > before["capture_s"], case  # each loop captures its own
     # End tokens: the stop check read a step late, the extra step undone.
     greedy = _generate(model, ids, mask, new=24, **CASES["greedy"])
     ended = sorted({int(greedy[0, ids.shape[1] + 2]), int(greedy[1, ids.shape[1] + 5])})

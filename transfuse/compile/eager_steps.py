@@ -91,15 +91,20 @@ def install() -> None:
 
 def stats(model: nn.Module) -> dict[str, Any]:
     """``loops``: closed loops whose steps went through this path; ``steps``: decode steps through
-    a store; ``replays``: those replayed as graphs; ``refused``: why the latest loop did not (None:
-    it did); ``failed``: why the latest failed capture failed."""
-    return dict(_STATS.get(model) or {"loops": 0, "steps": 0, "replays": 0, "refused": None, "failed": None})
+    a store; ``replays``: those replayed as graphs; ``capture_s``: the host's seconds capturing
+    them (a capture per loop, and another where the store grows); ``refused``: why the latest loop
+    did not (None: it did); ``failed``: why the latest failed capture failed."""
+    return dict(_STATS.get(model) or _fresh())
+
+
+def _fresh() -> dict[str, Any]:
+    return {"loops": 0, "steps": 0, "replays": 0, "capture_s": 0.0, "refused": None, "failed": None}
 
 
 def _record(model: nn.Module) -> dict[str, Any]:
     found = _STATS.get(model)
     if found is None:
-        found = _STATS[model] = {"loops": 0, "steps": 0, "replays": 0, "refused": None, "failed": None}
+        found = _STATS[model] = _fresh()
     return found
 
 
@@ -214,6 +219,7 @@ class EagerSteps(_DecodeCalls):
             model._compiled_call_impl = None
             record["steps"] += self.calls[self._PATH]
             record["replays"] += self.call_graphs.replays
+            record["capture_s"] += self.call_graphs.capture_seconds
             if self.call_graphs.failed is not None:
                 record["failed"] = self.call_graphs.failed
             for store in self.stores.values():

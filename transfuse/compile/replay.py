@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import operator
 import re
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -239,6 +240,8 @@ class CallGraphs:
         # Why the latest signature seen was not captured (a frame with effects, a graph break).
         self.refused: str | None = None
         self.replays = 0
+        # Host time spent capturing (the capture's own synchronisation included), in seconds.
+        self.capture_seconds = 0.0
         self._seen: set[tuple] = set()
         self._failed: set[tuple] = set()
         self._graphs: dict[tuple, _Entry] = {}
@@ -312,12 +315,14 @@ class CallGraphs:
         static = {**kwargs, **inputs}
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.current_stream(store.device)
+        started = time.perf_counter()
         try:
             with capture(graph, graph_pool(store.device.index, stream.cuda_stream)):
                 output = run(static)
         except kv_store.StoreUnusable:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure means: this signature goes through Dynamo
+            self.capture_seconds += time.perf_counter() - started
             self._failed.add(key)
             if self.failed is None:
                 self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -327,6 +332,7 @@ class CallGraphs:
                     stacklevel=3,
                 )
             return run(kwargs)
+        self.capture_seconds += time.perf_counter() - started
         for dead in [k for k in self._graphs if not kv_store.live(k[0])]:
             del self._graphs[dead]
         self._graphs[key] = _Entry(graph, inputs, output, _Snapshot(self.model), dispatch.generation(), code, loop)
