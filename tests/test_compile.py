@@ -343,22 +343,29 @@ def test_on_cuda_two_threads_generating_at_once_on_a_compiled_model_get_its_answ
     model = transfuse.compile(_model("qwen3_moe", device="cuda"))
     ids, mask = _padded_batch("cuda")
     want = {rows: _generate(model, ids[:rows], mask[:rows], new=24) for rows in (1, 3)}
+    got = _generated_in_two_threads(model, ids, mask, new=24)
+    assert len(got) == 8 and all(torch.equal(tokens, want[rows]) for rows, tokens in got)
+
+
+def _generated_in_two_threads(model, ids, mask, new, rounds=4):
+    """``_generate`` of the first row in one thread and of all rows in another, at once, ``rounds``
+    times each: [(rows, tokens)]; a call that raises fails the test."""
     got, errors = [], []
 
     def generate(rows):
         try:
-            for _ in range(4):
-                got.append((rows, _generate(model, ids[:rows], mask[:rows], new=24)))
+            for _ in range(rounds):
+                got.append((rows, _generate(model, ids[:rows], mask[:rows], new=new)))
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=generate, args=(rows,)) for rows in (1, 3)]
+    threads = [threading.Thread(target=generate, args=(rows,)) for rows in (1, ids.shape[0])]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     assert not errors, errors
-    assert len(got) == 8 and all(torch.equal(tokens, want[rows]) for rows, tokens in got)
+    return got
 
 
 LEAN_CASES = {

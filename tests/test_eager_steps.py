@@ -21,7 +21,7 @@ from transfuse.compile import eager_steps
 from transfuse.ops import dispatch, graphs
 from transfuse.tiny import tiny_model
 
-from .test_compile import _model
+from .test_compile import _generated_in_two_threads, _model
 from .test_compile import _streamed as streamed
 from .test_compile import _padded_batch as _batch
 
@@ -273,23 +273,7 @@ def test_on_cuda_two_threads_generating_at_once_get_the_model_s_answers(model_ty
     options = {"new": 24, "min_new_tokens": 24, "do_sample": False}
     want = {rows: _generate(model, ids[:rows], mask[:rows], off=True, **options) for rows in (1, 3)}
     monkeypatch.setenv(eager_steps.ENV, "1" if path == "on" else "0")
-    got, errors = [], []
-
-    def generate(rows):
-        try:
-            for _ in range(4):
-                with torch.no_grad():
-                    got.append((rows, model.generate(ids[:rows], attention_mask=mask[:rows], max_new_tokens=24,
-                                                     min_new_tokens=24, do_sample=False)))
-        except Exception as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=generate, args=(rows,)) for rows in (1, 3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
+    got = _generated_in_two_threads(model, ids, mask, new=24)
     assert len(got) == 8 and all(torch.equal(tokens, want[rows]) for rows, tokens in got)
     assert (eager_steps.stats(model)["replays"] > 0) == (path == "on")
     assert model.__dict__["_compiled_call_impl"] is None
