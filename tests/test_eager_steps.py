@@ -204,7 +204,9 @@ def test_loops_the_path_does_not_take_say_why(monkeypatch):
     assert eager_steps.refusal(model) == "autograd is recording"
     stock = tiny_model("llama", num_hidden_layers=1).eval()
     _generate(stock, ids, mask, new=2)
-    assert eager_steps.stats(stock) == {"loops": 0, "steps": 0, "replays": 0, "capture_s": 0.0, "refused": None, "failed": None}
+    assert eager_steps.stats(stock) == {
+        "loops": 0, "steps": 0, "replays": 0, "capture_s": 0.0, "refused": None, "failed": None
+    }
     flash = _model(num_hidden_layers=1)
     flash.config._attn_implementation_internal = "flash_attention_2"
     with torch.no_grad():

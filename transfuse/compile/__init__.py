@@ -16,10 +16,11 @@ What it does to the model (knowing no model family):
   (``transfuse/compile/kv_store.py``); the buffers stay with the model between calls, as a
   static cache's do, until ``transfuse.compile.release(model)``;
 * inside ``generate``'s own decoding loop (with no streamer but transformers' own text
-  streamers, and no processor or stopping criterion of the caller's), such a step is replayed as one CUDA graph of the whole call without
-  entering Dynamo: Dynamo's own guards for the entry it would run and the model's modules and
-  weights are checked at a captured step's first replay in the loop, and not again, since
-  nothing between two steps of that loop can change what they check
+  streamers, and no processor or stopping criterion of the caller's), such a step is replayed
+  as one CUDA graph of the whole call without entering Dynamo: Dynamo's own guards for the
+  entry it would run and the model's modules and weights are checked at a captured step's
+  first replay in the loop, and not again, since nothing between two steps of that loop can
+  change what they check
   (``transfuse/compile/replay.py``, ``transfuse/compile/generate.py``); with
   ``trust_modules=True`` decode steps are replayed outside ``generate`` too;
 * ``generate`` on CUDA reads its stop flag one step late, so the host queues the next token

@@ -26,10 +26,10 @@ not compiled may run its steps the same way, as graphs of its eager forward
 Inside a closed greedy or sampling loop whose only stopping criteria are the length and end
 tokens, and which returns just the tokens (``lean_loop``), transfuse runs the loop itself
 (``_lean_sample``): the same prefill, processors, token choice, padding of finished rows,
-(deferred) stop check and streaming as transformers' ``_sample``, without what a step of it costs the host
-beyond those: the inputs prepared again from every keyword, the mask and the tokens
-concatenated into new tensors, the length criterion evaluated on the device. At a MoE model's
-decode step that host work is most of the token.
+(deferred) stop check and streaming as transformers' ``_sample``, without what a step of it
+costs the host beyond those: the inputs prepared again from every keyword, the mask and the
+tokens concatenated into new tensors, the length criterion evaluated on the device. At a MoE
+model's decode step that host work is most of the token.
 
 Versions of transformers without ``DeferredStopCheck`` decode as they always do; without a
 loop of these names, every step is checked.

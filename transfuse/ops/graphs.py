@@ -113,8 +113,8 @@ class HostRead(RuntimeError):
 # Ops whose result needs the device's values on the host (``.item()``, ``bool(t)``, shapes that
 # depend on values).
 _HOST_READS = frozenset({
-    "aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::equal", "aten::nonzero", "aten::masked_select",
-    "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive",
+    "aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::equal", "aten::nonzero",
+    "aten::masked_select", "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive",
 })
 
 
