@@ -95,9 +95,10 @@ def _cache_layer_types() -> tuple[type, ...]:
     )
 
 
-def _check(model: nn.Module) -> list[Any]:
+def _check(model: nn.Module, modules: list[nn.Module] | None = None) -> list[Any]:
     """The configs whose attention implementation the compiled calls switch; raises
-    ``CompileError`` where the path cannot hold."""
+    ``CompileError`` where the path cannot hold (``modules``: the model's, where the caller has
+    them)."""
     from transformers import DynamicCache, PretrainedConfig
 
     config = getattr(model, "config", None)
@@ -106,8 +107,8 @@ def _check(model: nn.Module) -> list[Any]:
     if getattr(config, "is_encoder_decoder", False):
         raise CompileError("transfuse.compile does not take encoder-decoder models (cross-attention has no cache layer of its own)")
     configs: list[Any] = []
-    for module in model.modules():
-        sub = getattr(module, "config", None)
+    for module in modules if modules is not None else model.modules():
+        sub = module.__dict__.get("config")  # (a plain attribute: no ``nn.Module.__getattr__`` miss)
         if isinstance(sub, PretrainedConfig) and all(sub is not c for c in configs):
             configs.append(sub)
     implementations = {c._attn_implementation for c in configs}

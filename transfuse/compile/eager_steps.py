@@ -115,14 +115,22 @@ def refusal(model: nn.Module) -> str | None:
 
 def _admission(model: nn.Module) -> tuple[str | None, list[Any]]:
     """(``refusal``, the configs whose attention the path switches: empty when refused)."""
-    why = _refused(model)
+    named = list(model.named_modules())  # (walked once: a walk costs more than all the rest)
+    why = _refused(model, named)
     if why is not None:
         return why, []
+    modules = [module for _, module in named]
     try:
-        configs = _check(model)
+        configs = _check(model, modules)
     except CompileError as exc:
         return str(exc).replace("transfuse.compile", "the decode path", 1), []
-    devices = {t.device for t in (*model.parameters(), *model.buffers())}
+    devices = {
+        t.device
+        for module in modules
+        for tensors in (module._parameters, module._buffers)
+        for t in tensors.values()
+        if t is not None
+    }
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
         return "the model's weights are not all on one CUDA device", []
     if next(iter(devices)).index != torch.cuda.current_device():
@@ -130,8 +138,9 @@ def _admission(model: nn.Module) -> tuple[str | None, list[Any]]:
     return None, configs
 
 
-def _refused(model: nn.Module) -> str | None:
-    """The refusals that need neither the configs nor the weights."""
+def _refused(model: nn.Module, named: list[tuple[str, nn.Module]] | None = None) -> str | None:
+    """The refusals that need neither the configs nor the weights (``named``: the model's
+    ``named_modules()``, where the caller has them)."""
     if os.environ.get(ENV, "1" if ON_BY_DEFAULT else "0") == "0":
         return f"off ({ENV}=1 turns it on)" if ENV not in os.environ else f"turned off ({ENV}=0)"
     if not graphs.enabled():
@@ -149,8 +158,8 @@ def _refused(model: nn.Module) -> str | None:
         return "autograd is recording"
     if module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks:
         return "global forward hooks are registered (a hook would run once, at the capture)"
-    for name, module in model.named_modules():
-        if hasattr(module, "_hf_hook"):
+    for name, module in named if named is not None else model.named_modules():
+        if "_hf_hook" in module.__dict__:
             return f"{name or 'the model'} has accelerate's hooks (they move weights or inputs in Python)"
         hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
         if any(not _records_outputs(hook) for hook in hooks):
