@@ -123,7 +123,7 @@ def test_inductor_pieces_split_at_every_attention_layer():
 
 @pytest.mark.parametrize("kv_store", [False, True], ids=["cache", "store"])
 def test_no_recompile_over_512_decode_steps(kv_store):
-    """With the store, its capacity grows twice on the way (256, 384, 768 positions)."""
+    """With the store, its capacity grows twice on the way (256, 512, 768 positions)."""
     model = _model("llama", num_hidden_layers=1, max_position_embeddings=1024)
     transfuse.compile(model, inductor=False, kv_store=kv_store)
     ids, mask = _padded_batch()

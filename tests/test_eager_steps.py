@@ -107,6 +107,43 @@ def test_steps_through_the_store_give_the_model_s_answers(model_type, store_on_c
     assert torch.equal(_generate(model, ids, mask, **options), _generate(model, ids, mask, off=True, **options))
 
 
+def _a_long_loop(device):
+    """``generate`` of 300 tokens, the store growing on the way (256, then 512 positions): the
+    same tokens as the path turned off; (tokens, the path's stats for the loop)."""
+    model = _model("llama", device=device, num_hidden_layers=1, max_position_embeddings=1024)
+    ids, mask = _batch(device)
+    options = {"new": 300, "min_new_tokens": 300, "do_sample": False}
+    want = _generate(model, ids, mask, off=True, **options)
+    before = eager_steps.stats(model)
+    got = _generate(model, ids, mask, **options)
+    after = eager_steps.stats(model)
+    assert torch.equal(got, want)
+    assert after["loops"] == before["loops"] + 1 and after["steps"] == before["steps"] + 299
+    return {name: after[name] - before[name] for name in ("replays", "capture_s")}
+
+
+def test_a_long_loop_grows_its_store_and_gives_the_model_s_answers(store_on_cpu, monkeypatch):
+    from transfuse.compile import kv_store
+
+    capacities = []
+    grow = kv_store.KVStore._grow
+
+    def growing(self, need):
+        grow(self, need)
+        capacities.append(self.capacity)
+
+    monkeypatch.setattr(kv_store.KVStore, "_grow", growing)
+    assert _a_long_loop("cpu") == {"replays": 0, "capture_s": 0.0}
+    assert capacities == [256, 512]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_a_long_loop_captures_again_where_its_store_grows():
+    # A capture at the second step and at each growth (their second steps): all but a few replayed.
+    assert _a_long_loop("cuda")["replays"] >= 299 - 6
+
+
 def test_a_loop_with_transformers_streamer_goes_through_the_path_and_streams_every_token(store_on_cpu):
     model = _model("qwen3_moe")
     ids, mask = _batch()
