@@ -260,6 +260,21 @@ def test_a_loop_with_a_static_cache_runs_as_usual(store_on_cpu):
     assert torch.equal(got, _generate(model, ids, mask, new=4, off=True, **options))
 
 
+def test_a_loop_of_a_few_tokens_runs_as_usual(store_on_cpu):
+    model = _model(num_hidden_layers=1)
+    ids, mask = _batch()
+    few = eager_steps.MIN_NEW_TOKENS - 1
+    got = _generate(model, ids, mask, new=few, do_sample=False)
+    assert eager_steps.stats(model)["refused"] == (
+        f"the loop makes at most {few} new tokens, fewer than {eager_steps.MIN_NEW_TOKENS} "
+        "(a capture would not pay for itself)"
+    )
+    assert eager_steps.stats(model)["loops"] == 0
+    assert torch.equal(got, _generate(model, ids, mask, new=few, off=True, do_sample=False))
+    _generate(model, ids, mask, new=few + 1, do_sample=False)
+    assert eager_steps.stats(model)["loops"] == 1 and eager_steps.stats(model)["refused"] is None
+
+
 def test_a_compiled_model_takes_its_own_path(store_on_cpu):
     model = transfuse.compile(_model(num_hidden_layers=1), inductor=False)
     ids, mask = _batch()

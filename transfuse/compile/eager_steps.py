@@ -38,8 +38,9 @@ compiled (``torch.compile``, ``model.compile()`` or ``transfuse.compile``, which
 path), in training mode, with weights not all on the current CUDA device (offloaded, sharded,
 another device), forward hooks other than transformers' own output recorders, accelerate's
 hooks, a loop whose cache is not transformers' dynamic one (a static cache is served by
-transformers' own compiled call), or attention the op cannot run (``transfuse.compile``'s own
-refusals: flash attention, cache layers that are not key/value layers).
+transformers' own compiled call), a loop of fewer than ``MIN_NEW_TOKENS`` new tokens (the capture
+would cost more than its replays save), or attention the op cannot run (``transfuse.compile``'s
+own refusals: flash attention, cache layers that are not key/value layers).
 ``TRANSFUSE_STEP_GRAPHS=0`` turns this off alone,
 ``TRANSFUSE_DECODE_GRAPHS=0`` (or ``ops.graphs.suspended()``) with the eager layer graphs. For now
 it is off unless ``TRANSFUSE_STEP_GRAPHS=1`` (``ON_BY_DEFAULT``): its graphs have not yet run on a
@@ -73,6 +74,10 @@ ENV = "TRANSFUSE_STEP_GRAPHS"
 # was lent to the session that wrote it); to be turned on by default once a GPU run has passed
 # ``tests/test_eager_steps.py -m gpu`` and measured it (``benchmarks/bench_decode.py``).
 ON_BY_DEFAULT = False
+# Loops that make fewer new tokens run as usual: a capture (an eager step's time and a device
+# synchronisation) is paid back only over several replays. A guess, to be set from a measurement
+# (``stats(model)["capture_s"]`` against the step's time).
+MIN_NEW_TOKENS = 8
 # Whether decode steps go through a store: None on CUDA (where graphs replay them), True on any
 # device (the tests' way to run the path's steps without graphs on a CPU).
 STORE: bool | None = None
@@ -237,6 +242,15 @@ class EagerSteps(_DecodeCalls):
             self.call_graphs = replay.CallGraphs(model, None)
 
 
+def _most_new_tokens(arguments: dict[str, Any]) -> int | None:
+    """The most tokens the loop can add (its length criterion less the prompt), or None."""
+    length = getattr(arguments.get("stopping_criteria"), "max_length", None)
+    ids = arguments.get("input_ids")
+    if length is None or not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return None
+    return length - ids.shape[1]
+
+
 def for_loop(model: nn.Module, arguments: dict[str, Any]) -> EagerSteps | None:
     """The path for a closed decoding loop of ``model`` starting now (``arguments``: the loop's,
     by name), or None (why: ``stats``)."""
@@ -248,6 +262,9 @@ def for_loop(model: nn.Module, arguments: dict[str, Any]) -> EagerSteps | None:
     if why is None and cache is not None and not EagerSteps._dynamic(cache):
         # (a static cache also makes transformers compile the model's call for the loop)
         why = f"the cache is a {type(cache).__name__}, not transformers' dynamic one"
+    new = _most_new_tokens(arguments)
+    if why is None and new is not None and new < MIN_NEW_TOKENS:
+        why = f"the loop makes at most {new} new tokens, fewer than {MIN_NEW_TOKENS} (a capture would not pay for itself)"
     if why is not None:
         _record(model)["refused"] = why
         return None
