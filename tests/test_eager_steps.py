@@ -191,6 +191,29 @@ def test_a_generate_call_in_another_thread_during_a_loop_runs_as_usual(store_on_
     assert model.__dict__["_compiled_call_impl"] is None
 
 
+@pytest.mark.parametrize("model_type", ["bloom", "falcon"])
+def test_a_model_the_path_cannot_serve_gets_its_own_answers_and_later_loops_refused(model_type, store_on_cpu):
+    """bloom's attention is its own code, not transformers' attention functions, so the first step
+    through the store leaves its layers unserved (their attention would have run without the
+    cache); falcon's raises inside the path. Either way the step is answered by the model's own
+    forward (nothing of the store's had reached the cache), with one warning, and the model's
+    later loops are refused, saying why."""
+    model = _model(model_type)
+    ids, mask = _batch()
+    options = CASES["transformers' loop, logits"]
+    want = _generate(model, ids, mask, off=True, **options)
+    with pytest.warns(UserWarning, match="runs its own forward from now on, not the decode path"):
+        got = _generate(model, ids, mask, **options)
+    _same(got, want, model_type)
+    reason = eager_steps.stats(model)["failed"]
+    expected = "_Unserved: of the cache's 2 layers, 2 did not attend" if model_type == "bloom" else "TypeError"
+    assert reason.startswith(expected), reason
+    _same(_generate(model, ids, mask, **options), want, model_type)
+    assert eager_steps.stats(model)["refused"] == (
+        f"a call of an earlier loop through the path failed where the model's own forward did not ({reason})"
+    )
+
+
 def test_the_model_is_left_as_it_was_when_the_loop_raises(store_on_cpu):
     model = _model(num_hidden_layers=1)
     ids, mask = _batch()

@@ -54,6 +54,7 @@ import sys
 import threading
 import time
 import types
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -68,6 +69,10 @@ __all__ = ["CompileError", "compile", "is_compiled", "release", "warm_up"]
 
 class CompileError(ValueError):
     """The model cannot take the compile path; the message says why."""
+
+
+class _Unserved(RuntimeError):
+    """A call's attention layers were not all served by the path's attention op."""
 
 
 def _register_backend() -> None:
@@ -95,6 +100,20 @@ def _cache_layer_types() -> tuple[type, ...]:
     )
 
 
+def _cut_back(cache: Any, seen: int) -> bool:
+    """Drop what a call added to ``cache``'s layers past ``seen`` positions; False where a layer
+    grew and is not a plain dynamic layer (a sliding window keeps counts of its own)."""
+    plain = _cache_layer_types()[0]
+    for layer in cache.layers:
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not isinstance(keys, torch.Tensor) or keys.dim() < 2 or keys.shape[-2] <= seen:
+            continue
+        if type(layer) is not plain or not isinstance(values, torch.Tensor):
+            return False
+        layer.keys, layer.values = keys[..., :seen, :], values[..., :seen, :]
+    return True
+
+
 def _check(model: nn.Module, modules: list[nn.Module] | None = None) -> list[Any]:
     """The configs whose attention implementation the compiled calls switch; raises
     ``CompileError`` where the path cannot hold (``modules``: the model's, where the caller has
@@ -118,6 +137,9 @@ def _check(model: nn.Module, modules: list[nn.Module] | None = None) -> list[Any
             f"transfuse.compile runs attention itself (SDPA) in place of the model's "
             f"{', '.join(sorted(unsupported))}: load the model with attn_implementation='sdpa'"
         )
+    supports = getattr(model, "_supports_default_dynamic_cache", None)
+    if supports is not None and not supports():
+        raise CompileError(f"transfuse.compile: {type(model).__name__} does not decode with transformers' dynamic cache")
     try:
         layers = DynamicCache(config=config).layers
     except Exception as exc:  # noqa: BLE001 - a config DynamicCache cannot build a cache for
@@ -153,6 +175,8 @@ class _DecodeCalls:
         self.stores: collections.OrderedDict[tuple, kv_store.KVStore] = collections.OrderedDict()
         # Why decode steps do not use a store (a layer's attention needs more than it gives).
         self.store_refused: str | None = None
+        # Why calls run the model's own forward after a call through the path failed (``_abandon``).
+        self.abandoned: str | None = None
         # The closed decoding loop running now in each thread (a token of its own; ``loop``).
         self._loops = threading.local()
         self._calling = threading.RLock()
@@ -198,7 +222,7 @@ class _DecodeCalls:
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         model = self.model
-        if not self._covers(model, args, kwargs):
+        if self.abandoned is not None or not self._covers(model, args, kwargs):
             return self._eager(model, args, kwargs)
         given = kwargs
         kwargs = dict(kwargs)
@@ -230,36 +254,64 @@ class _DecodeCalls:
             return self._eager(model, args, given)
         self.calls[self._PATH] += 1
 
-        def run(arguments: dict[str, Any]) -> Any:
-            with attention.step(cache, padding, store), _implementation(self.configs, IMPLEMENTATION):
-                return self.compiled(use_cache=False, **arguments)
+        def run(arguments: dict[str, Any], store: Any = store) -> Any:
+            with attention.step(cache, padding, store) as current, _implementation(self.configs, IMPLEMENTATION):
+                output = self.compiled(use_cache=False, **arguments)
+            why = current.unserved()
+            if why is not None:
+                raise _Unserved(why)
+            return output
 
         def serving(arguments: dict[str, Any]) -> Any:  # the frame's locals as ``run`` calls it
             with attention.step(cache, padding, store), _implementation(self.configs, IMPLEMENTATION):
                 return self.dynamo.serving({"args": (), "kwargs": {"use_cache": False, **arguments}})
 
         try:
-            if store is not None and self.call_graphs is not None and (self.replay_anywhere or self.loop is not None):
-                output = self.call_graphs(run, store, kwargs, serving if self.dynamo is not None else None, self.loop)
-            else:
-                output = run(kwargs)
-        except kv_store.StoreUnusable as exc:
-            # Nothing was written to the cache's layers: run the call again the usual way.
-            self.store_refused = str(exc)
-            for unused in self.stores.values():
-                unused.retire()
-            self.stores.clear()
-            store = None
-            if not self._STORELESS_CALLS:
-                return self._eager(model, args, given)
-            with attention.step(cache, padding), _implementation(self.configs, IMPLEMENTATION):
-                output = self.compiled(use_cache=False, **kwargs)
+            try:
+                if store is not None and self.call_graphs is not None and (self.replay_anywhere or self.loop is not None):
+                    output = self.call_graphs(run, store, kwargs, serving if self.dynamo is not None else None, self.loop)
+                else:
+                    output = run(kwargs)
+            except kv_store.StoreUnusable as exc:
+                # Nothing was written to the cache's layers: run the call again the usual way.
+                self.store_refused = str(exc)
+                self._drop_stores()
+                store = None
+                if not self._STORELESS_CALLS:
+                    return self._eager(model, args, given)
+                output = run(kwargs, None)
+        except Exception as exc:  # noqa: BLE001 - the path failed where the model's own way may not
+            return self._abandon(model, args, given, cache, seen, exc)
         if store is not None:
             store.end(cache, seen + 1)
         if use_cache and hasattr(output, "keys"):
             output[self.cache_name] = cache
         if cache is not None and self.options["deferred_stop"]:
             generate.mark(cache)
+        return output
+
+    def _drop_stores(self) -> None:
+        for unused in self.stores.values():
+            unused.retire()
+        self.stores.clear()
+
+    def _abandon(self, model: nn.Module, args: tuple, given: dict, cache: Any, seen: int, exc: Exception) -> Any:
+        """A call through the path raised, or left layers unserved (``attention.Step.unserved``):
+        what it wrote to the cache is undone (a store's writes are not the cache's until the
+        step ends) and the call runs the model's own way. If that raises too, its error is the
+        caller's and the path stays; if not, every later call runs the model's own way
+        (``abandoned`` says why, with one warning)."""
+        self._drop_stores()
+        if cache is not None and not _cut_back(cache, seen):  # a cache it cannot undo: the error stands
+            raise exc
+        output = self._eager(model, args, given)
+        self.abandoned = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        warnings.warn(
+            f"transfuse: {type(model).__name__} runs its own forward from now on, not the decode path: a call "
+            f"through the path {'left attention unserved' if isinstance(exc, _Unserved) else 'failed'} "
+            f"({self.abandoned}), and the model's own way answered it",
+            stacklevel=4,
+        )
         return output
 
     def _store(self, cache: Any, inputs: torch.Tensor, padding: Any, seen: int) -> Any:

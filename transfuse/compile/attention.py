@@ -61,6 +61,27 @@ class Step:
     store: Any = None
     # Masks of this call, shared by the layers that ask for the same one.
     masks: dict[tuple, Tensor | None] = field(default_factory=dict)
+    # The cache layers this call's attention op served, in order (``unserved``), and whether the
+    # call's whole step was replayed as a graph instead (no Python ran to record them).
+    attended: list[int] = field(default_factory=list)
+    replayed: bool = False
+
+    def unserved(self) -> str | None:
+        """Why the call was not served as the model's own forward would have served it, or None:
+        each of the cache's layers must have had its attention through the op exactly once (a
+        layer of the model's own that does not call transformers' attention functions would
+        have attended without the cache, which the call does not hand to the model)."""
+        if self.cache is None or self.replayed:
+            return None
+        layers = len(self.cache.layers)
+        if sorted(self.attended) == list(range(layers)):
+            return None
+        missing = sorted(set(range(layers)) - set(self.attended))
+        twice = sorted({layer for layer in self.attended if self.attended.count(layer) > 1})
+        return (
+            f"of the cache's {layers} layers, {len(missing)} did not attend through transformers' attention functions"
+            + (f" and {len(twice)} attended more than once" if twice else "")
+        )
 
 
 class _Steps(threading.local):
@@ -160,6 +181,7 @@ def cached_attention(
     causal: bool,
 ) -> Tensor:
     current = current_step() or Step()
+    current.attended.append(layer)
     cache = current.cache
     new = query.shape[2]
     if current.store is not None:

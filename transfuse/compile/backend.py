@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, fx
 
 from ..ops.graphs import capture, copy_out, graph_pool, input_buffer
-from .attention import current_store
+from .attention import current_step, current_store
 
 __all__ = ["ATTENTION_OP", "GraphedPiece", "StepGraph", "compile_graph", "stats"]
 
@@ -262,6 +262,7 @@ class StepGraph(_PerShape):
         if graph is not None and graph.matches(args):
             _STATS["replays"] += 1
             _STATS["step_replays"] += 1
+            current_step().replayed = True
             return graph.replay(args, True)
         if key in self._failed:
             return self.split(*args)

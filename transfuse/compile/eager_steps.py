@@ -84,6 +84,9 @@ STORE: bool | None = None
 
 # Held while a loop makes a model's calls its own (``EagerSteps.installed``).
 _CLAIMING = threading.Lock()
+# Per model: why a loop's call through the path failed where the model's own forward did not
+# (``_DecodeCalls._abandon``); its later loops run as usual.
+_ABANDONED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 # Per model: what the loops did (``stats``).
 _STATS: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
 
@@ -152,6 +155,9 @@ def _refused(model: nn.Module, named: list[tuple[str, nn.Module]] | None = None)
         return "turned off (TRANSFUSE_DECODE_GRAPHS=0 or ops.graphs.suspended())"
     if getattr(model, REPORT_ATTR, None) is None:
         return "the model is not rewritten by transfuse.rewrite"
+    abandoned = _ABANDONED.get(model)
+    if abandoned is not None:
+        return f"a call of an earlier loop through the path failed where the model's own forward did not ({abandoned})"
     running = model.__dict__.get("_compiled_call_impl")
     if isinstance(running, EagerSteps):
         return "another generate call of this model runs its steps through the path now (in another thread)"
@@ -236,6 +242,8 @@ class EagerSteps(_DecodeCalls):
             record["capture_s"] += self.call_graphs.capture_seconds
             if self.call_graphs.failed is not None:
                 record["failed"] = self.call_graphs.failed
+            if self.abandoned is not None:
+                record["failed"] = _ABANDONED[model] = self.abandoned
             for store in self.stores.values():
                 store.retire()
             self.stores.clear()

@@ -187,7 +187,8 @@ _LEAN_KWARGS = frozenset({"attention_mask", "cache", "past_key_values", "use_cac
 
 def lean_loop(model: Any, arguments: dict[str, Any]) -> bool:
     """Whether ``_lean_sample`` may run this call of ``_sample`` (arguments by name): a
-    decoder-only model, tokens only returned, no peers to wait for, stopping criteria of
+    decoder-only model whose decode steps take the inputs transformers' own generation code
+    gives them, tokens only returned, no peers to wait for, stopping criteria of
     transformers' length and end-token classes with a length, inputs of ids, a padding mask and
     the cache, and a cache that is not handed back to the caller where the stop check defers."""
     from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
@@ -197,6 +198,8 @@ def lean_loop(model: Any, arguments: dict[str, Any]) -> bool:
     input_ids = arguments.get("input_ids")
     model_kwargs = arguments.get("model_kwargs") or {}
     if config is None or criteria is None or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        return False
+    if not _prepares_inputs_as_transformers_does(model):
         return False
     if config.return_dict_in_generate or getattr(config, "is_assistant", False) or arguments.get("synced_gpus"):
         return False
@@ -213,6 +216,22 @@ def lean_loop(model: Any, arguments: dict[str, Any]) -> bool:
     ends = any(isinstance(c, EosTokenCriteria) for c in criteria)
     # A cache the caller gave is theirs afterwards: a step past the end would have to be undone in it.
     return not (ends and getattr(cache, "_is_user_defined", False))
+
+
+def _prepares_inputs_as_transformers_does(model: Any) -> bool:
+    """Whether a decode step's inputs are what the lean loop hands the model: the model's class
+    keeps transformers' own ``prepare_inputs_for_generation`` and
+    ``_update_model_kwargs_for_generation`` (a class of its own may pass a state, the whole text
+    to a model without a cache, or images) and decodes with transformers' dynamic cache."""
+    from transformers import GenerationMixin
+
+    cls = type(model)
+    if cls.prepare_inputs_for_generation is not GenerationMixin.prepare_inputs_for_generation:
+        return False
+    if cls._update_model_kwargs_for_generation is not GenerationMixin._update_model_kwargs_for_generation:
+        return False
+    supports = getattr(model, "_supports_default_dynamic_cache", None)
+    return supports is None or bool(supports())
 
 
 def _lean_sample(model: Any, compiled: Any, arguments: dict[str, Any]) -> torch.Tensor:
