@@ -299,6 +299,35 @@ def test_the_compiled_model_knows_when_a_call_is_a_step_of_a_closed_decoding_loo
     assert generate.closed({"logits_processor": LogitsProcessorList(), "streamer": None})
 
 
+def test_a_model_whose_attention_is_its_own_code_is_answered_by_its_own_forward():
+    """bloom's attention does not call transformers' attention functions: the compiled prompt
+    leaves its layers unserved, so the call is answered by the model's own forward (one warning)
+    and so is every call after it; the answers are the model's."""
+    model = _model("bloom")
+    ids, mask = _padded_batch()
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+    want_tokens = _generate(model, ids, mask, new=6)
+    transfuse.compile(model, inductor=False)
+    with pytest.warns(UserWarning, match="runs its own forward from now on, not the decode path"), torch.no_grad():
+        got = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    compiled = model._transfuse_compiled
+    assert compiled.abandoned.startswith("_Unserved: of the cache's 2 layers, 2 did not attend")
+    assert torch.equal(_generate(model, ids, mask, new=6), want_tokens)
+    assert compiled.calls["eager"] >= 7
+
+
+def test_models_that_decode_otherwise_are_refused_or_run_transformers_loop():
+    """A model without transformers' dynamic cache (RWKV's state) is refused; a model class that
+    prepares its decode steps' inputs itself (GPT's whole text, without a cache) decodes in
+    transformers' own loop, not the lean one."""
+    with pytest.raises(CompileError, match="does not decode with transformers' dynamic cache"):
+        transfuse.compile(tiny_model("rwkv"))
+    assert not generate._prepares_inputs_as_transformers_does(tiny_model("openai-gpt"))
+    assert generate._prepares_inputs_as_transformers_does(tiny_model("llama"))
+
+
 def test_two_threads_decoding_at_once_each_read_their_own_cache():
     """Two compiled models decoding in two threads at once: while one thread's call is inside its
     forward (its cache and padding the call in progress), the other's call runs whole; each reads

@@ -1,0 +1,133 @@
+"""Every causal-LM type through the eager decode path's steps on the CPU: what a GPU would capture.
+
+    python benchmarks/eager_steps_sweep.py [--out FILE] [model_type ...]
+
+For each model type (``transfuse.tiny``; default: all of ``causal_lm_types()``), rewritten, a
+padded batch of three decodes 10 tokens greedily through ``generate`` with the path turned off
+and on (``transfuse/compile/eager_steps.py``, its steps through the store without graphs, as
+``tests/test_eager_steps.py`` runs it on the CPU). Each model gets one line: OK (tokens equal to
+the path off, and from the second step on every step issued the same ops, launches aside, with
+no host reads: ``tests/test_eager_steps.py``'s trace), abandoned (the path gave the step back to
+the model's own forward: a layer's attention of its own, or an error; tokens equal), refused
+(with the reason), no store steps (a sliding window or no cache: the model's own forward), or a
+failure, saying whether the model fails with the path off too. Takes a few minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+import transfuse  # noqa: E402
+from transfuse.compile import eager_steps  # noqa: E402
+from transfuse.tiny import causal_lm_types, tiny_model  # noqa: E402
+from tests.test_compile import _padded_batch  # noqa: E402
+from tests.test_eager_steps import _READ_ON_THE_HOST, _OpTrace  # noqa: E402
+
+
+def _on_cpu() -> None:
+    """The path's steps through the store on the CPU, as the tests' ``store_on_cpu`` fixture does."""
+    eager_steps.STORE = True
+    admission = eager_steps._admission
+
+    def cpu_admission(model):
+        why, configs = admission(model)
+        if why == "the model's weights are not all on one CUDA device":
+            return None, eager_steps._check(model)
+        return why, configs
+
+    eager_steps._admission = cpu_admission
+
+
+def _generate(model, ids, mask, on: bool):
+    os.environ[eager_steps.ENV] = "1" if on else "0"
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+
+
+def one(model_type: str) -> str:
+    try:
+        torch.manual_seed(0)
+        model = transfuse.rewrite(tiny_model(model_type).eval())
+    except Exception as exc:  # noqa: BLE001 - reported
+        return f"not built or rewritten here ({type(exc).__name__})"
+    ids, mask = _padded_batch()
+    try:
+        off = _generate(model, ids, mask, on=False)
+    except Exception as exc:  # noqa: BLE001 - reported
+        off = f"{type(exc).__name__}"
+    traces = []
+    made = eager_steps.EagerSteps.__init__
+
+    def recording(self, model, configs):
+        made(self, model, configs)
+        forward = self.compiled
+
+        def traced(*args, **kwargs):
+            with _OpTrace([v for v in kwargs.values() if isinstance(v, torch.Tensor)]) as trace:
+                output = forward(*args, **kwargs)
+            traces.append(trace.ops)
+            return output
+
+        self.compiled = traced
+
+    eager_steps.EagerSteps.__init__ = recording
+    try:
+        on = _generate(model, ids, mask, on=True)
+    except Exception as exc:  # noqa: BLE001 - reported
+        first = str(exc).splitlines()[0][:90] if str(exc) else ""
+        return f"FAILS with the path on ({type(exc).__name__}: {first}); " + (
+            f"fails with it off too ({off})" if isinstance(off, str) else "WORKS WITH IT OFF"
+        )
+    finally:
+        eager_steps.EagerSteps.__init__ = made
+    stats = eager_steps.stats(model)
+    if isinstance(off, str):
+        return f"works with the path on, fails with it off ({off})"
+    if not torch.equal(on, off):
+        return "TOKENS DIFFER from the path turned off"
+    if stats["failed"]:
+        return f"abandoned, tokens equal ({stats['failed'][:90]})"
+    if stats["refused"]:
+        return f"refused ({stats['refused'][:90]})"
+    if len(traces) < 3:
+        return "no store steps (the model's own forward)"
+    reads = set().union(*({op for op, _ in trace} & _READ_ON_THE_HOST for trace in traces))
+    if reads:
+        return f"HOST READS in a step: {sorted(reads)}"
+    if any(trace != traces[1] for trace in traces[2:]):
+        return "STEPS DIFFER from the second"
+    return "OK"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model_types", nargs="*")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    warnings.simplefilter("ignore")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    _on_cpu()
+    lines = []
+    for model_type in args.model_types or causal_lm_types():
+        line = f"{model_type:28s} {one(model_type)}"
+        print(line, flush=True)
+        lines.append(line)
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
