@@ -31,21 +31,13 @@ import transfuse  # noqa: E402
 from transfuse.compile import eager_steps  # noqa: E402
 from transfuse.tiny import causal_lm_types, tiny_model  # noqa: E402
 from tests.test_compile import _padded_batch  # noqa: E402
-from tests.test_eager_steps import _READ_ON_THE_HOST, _OpTrace  # noqa: E402
+from tests.test_eager_steps import _READ_ON_THE_HOST, admitted_on_cpu, tracing_steps  # noqa: E402
 
 
 def _on_cpu() -> None:
     """The path's steps through the store on the CPU, as the tests' ``store_on_cpu`` fixture does."""
     eager_steps.STORE = True
-    admission = eager_steps._admission
-
-    def cpu_admission(model):
-        why, configs = admission(model)
-        if why == "the model's weights are not all on one CUDA device":
-            return None, eager_steps._check(model)
-        return why, configs
-
-    eager_steps._admission = cpu_admission
+    eager_steps._admission = admitted_on_cpu(eager_steps._admission)
 
 
 def _generate(model, ids, mask, on: bool):
@@ -67,20 +59,7 @@ def one(model_type: str) -> str:
         off = f"{type(exc).__name__}"
     traces = []
     made = eager_steps.EagerSteps.__init__
-
-    def recording(self, model, configs):
-        made(self, model, configs)
-        forward = self.compiled
-
-        def traced(*args, **kwargs):
-            with _OpTrace([v for v in kwargs.values() if isinstance(v, torch.Tensor)]) as trace:
-                output = forward(*args, **kwargs)
-            traces.append(trace.ops)
-            return output
-
-        self.compiled = traced
-
-    eager_steps.EagerSteps.__init__ = recording
+    eager_steps.EagerSteps.__init__ = tracing_steps(traces)
     try:
         on = _generate(model, ids, mask, on=True)
     except Exception as exc:  # noqa: BLE001 - reported

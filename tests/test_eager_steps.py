@@ -73,19 +73,23 @@ def _streamed(model, ids, mask, off=False, **options):
         os.environ[eager_steps.ENV] = saved
 
 
-@pytest.fixture
-def store_on_cpu(monkeypatch):
-    """The path's steps through the store on the CPU (no graphs there)."""
-    monkeypatch.setattr(eager_steps, "STORE", True)
-    cpu_admission = eager_steps._admission
+def admitted_on_cpu(admission):
+    """``eager_steps._admission`` with the refusal of weights off CUDA lifted."""
 
-    def admission(model):
-        why, configs = cpu_admission(model)
+    def on_cpu(model):
+        why, configs = admission(model)
         if why == "the model's weights are not all on one CUDA device":
             return None, eager_steps._check(model)
         return why, configs
 
-    monkeypatch.setattr(eager_steps, "_admission", admission)
+    return on_cpu
+
+
+@pytest.fixture
+def store_on_cpu(monkeypatch):
+    """The path's steps through the store on the CPU (no graphs there)."""
+    monkeypatch.setattr(eager_steps, "STORE", True)
+    monkeypatch.setattr(eager_steps, "_admission", admitted_on_cpu(eager_steps._admission))
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
@@ -437,6 +441,25 @@ class _OpTrace(torch.utils._python_dispatch.TorchDispatchMode):
         self.ops.append((f"triton.{kernel}", (grid, *described)))
 
 
+def tracing_steps(traces):
+    """An ``EagerSteps.__init__`` whose loops record each step's ops (``_OpTrace``) in ``traces``."""
+    made = eager_steps.EagerSteps.__init__
+
+    def recording(self, model, configs):
+        made(self, model, configs)
+        forward = self.compiled
+
+        def traced(*args, **kwargs):
+            with _OpTrace([v for v in kwargs.values() if isinstance(v, torch.Tensor)]) as trace:
+                output = forward(*args, **kwargs)
+            traces.append(trace.ops)
+            return output
+
+        self.compiled = traced
+
+    return recording
+
+
 @pytest.fixture
 def kernel_launches_traced(monkeypatch):
     """Interpreted Triton launches recorded in the active ``_OpTrace``; the interpreter's own
@@ -491,21 +514,7 @@ def test_a_step_issues_the_same_ops_at_every_position(model_type, providers, sto
     model = _model(model_type)
     ids, mask = _batch()
     traces = []
-    original = eager_steps.EagerSteps.__init__
-
-    def recording(self, model, configs):
-        original(self, model, configs)
-        forward = self.compiled
-
-        def traced(*args, **kwargs):
-            with _OpTrace([v for v in kwargs.values() if isinstance(v, torch.Tensor)]) as trace:
-                output = forward(*args, **kwargs)
-            traces.append(trace.ops)
-            return output
-
-        self.compiled = traced
-
-    monkeypatch.setattr(eager_steps.EagerSteps, "__init__", recording)
+    monkeypatch.setattr(eager_steps.EagerSteps, "__init__", tracing_steps(traces))
     with dispatch.trace() as calls:
         _generate(model, ids, mask, new=12, min_new_tokens=12, do_sample=False)
     ran = {(call.op, call.provider) for call in calls}
