@@ -10,7 +10,9 @@ the path off, and from the second step on every step issued the same ops, launch
 no host reads: ``tests/test_eager_steps.py``'s trace), abandoned (the path gave the step back to
 the model's own forward: a layer's attention of its own, or an error; tokens equal), refused
 (with the reason), no store steps (a sliding window or no cache: the model's own forward), or a
-failure, saying whether the model fails with the path off too. Takes a few minutes.
+failure, saying whether the model fails with the path off too. With ``--compiled``: each model
+through ``transfuse.compile`` (no Inductor) instead, every step's logits compared with the
+uncompiled model's. Takes a few minutes either way.
 """
 
 from __future__ import annotations
@@ -88,19 +90,61 @@ def one(model_type: str) -> str:
     return "OK"
 
 
+def one_compiled(model_type: str) -> str:
+    """The same model through ``transfuse.compile`` (no Inductor): each step's logits against the
+    uncompiled model's, within 1e-4."""
+    from transfuse.compile import CompileError
+
+    try:
+        torch.manual_seed(0)
+        model = transfuse.rewrite(tiny_model(model_type).eval())
+    except Exception as exc:  # noqa: BLE001 - reported
+        return f"not built or rewritten here ({type(exc).__name__})"
+    ids, mask = _padded_batch()
+    os.environ[eager_steps.ENV] = "0"
+
+    def generate():
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                                  output_logits=True, return_dict_in_generate=True)
+
+    try:
+        want = generate()
+    except Exception as exc:  # noqa: BLE001 - reported
+        return f"fails uncompiled ({type(exc).__name__})"
+    try:
+        transfuse.compile(model, inductor=False)
+    except CompileError as exc:
+        return f"refused ({str(exc)[:90]})"
+    try:
+        got = generate()
+    except Exception as exc:  # noqa: BLE001 - reported
+        first = str(exc).splitlines()[0][:90] if str(exc) else ""
+        return f"FAILS compiled, not uncompiled ({type(exc).__name__}: {first})"
+    finally:
+        torch._dynamo.reset()
+    difference = max((a - b).abs().max().item() for a, b in zip(got.logits, want.logits))
+    if not torch.equal(got.sequences, want.sequences) or difference > 1e-4:
+        return f"LOGITS DIFFER by {difference:.2e}"
+    abandoned = model._transfuse_compiled.abandoned
+    return f"given up, logits equal ({abandoned[:90]})" if abandoned else "OK"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model_types", nargs="*")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--compiled", action="store_true", help="transfuse.compile's calls instead, logits compared")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     _on_cpu()
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     lines = []
     for model_type in args.model_types or causal_lm_types():
-        line = f"{model_type:28s} {one(model_type)}"
+        line = f"{model_type:28s} {(one_compiled if args.compiled else one)(model_type)}"
         print(line, flush=True)
         lines.append(line)
     if args.out:

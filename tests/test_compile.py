@@ -319,11 +319,15 @@ def test_a_model_whose_attention_is_its_own_code_is_answered_by_its_own_forward(
 
 
 def test_models_that_decode_otherwise_are_refused_or_run_transformers_loop():
-    """A model without transformers' dynamic cache (RWKV's state) is refused; a model class that
+    """A model without transformers' dynamic cache (RWKV's state), or whose forward takes no
+    positions, is refused; a model class that
     prepares its decode steps' inputs itself (GPT's whole text, without a cache) decodes in
     transformers' own loop, not the lean one."""
     with pytest.raises(CompileError, match="does not decode with transformers' dynamic cache"):
         transfuse.compile(tiny_model("rwkv"))
+    # PLBart's decoder works out its positions from the cache's length (no position_ids to take).
+    with pytest.raises(CompileError, match="forward takes no position_ids"):
+        transfuse.compile(tiny_model("plbart"))
     assert not generate._prepares_inputs_as_transformers_does(tiny_model("openai-gpt"))
     assert generate._prepares_inputs_as_transformers_does(tiny_model("llama"))
 

@@ -140,6 +140,11 @@ def _check(model: nn.Module, modules: list[nn.Module] | None = None) -> list[Any
     supports = getattr(model, "_supports_default_dynamic_cache", None)
     if supports is not None and not supports():
         raise CompileError(f"transfuse.compile: {type(model).__name__} does not decode with transformers' dynamic cache")
+    if "position_ids" not in _forward_parameters(model):
+        raise CompileError(
+            f"transfuse.compile: {type(model).__name__}'s forward takes no position_ids, so it works out its "
+            "positions from the cache, which the compiled calls do not hand it"
+        )
     try:
         layers = DynamicCache(config=config).layers
     except Exception as exc:  # noqa: BLE001 - a config DynamicCache cannot build a cache for
