@@ -48,12 +48,19 @@ def _generate(model, ids, mask, on: bool):
         return model.generate(ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False)
 
 
-def one(model_type: str) -> str:
+def _rewritten(model_type: str):
+    """The tiny model of this type, rewritten, or why not (a string)."""
     try:
         torch.manual_seed(0)
-        model = transfuse.rewrite(tiny_model(model_type).eval())
+        return transfuse.rewrite(tiny_model(model_type).eval())
     except Exception as exc:  # noqa: BLE001 - reported
         return f"not built or rewritten here ({type(exc).__name__})"
+
+
+def one(model_type: str) -> str:
+    model = _rewritten(model_type)
+    if isinstance(model, str):
+        return model
     ids, mask = _padded_batch()
     try:
         off = _generate(model, ids, mask, on=False)
@@ -95,11 +102,9 @@ def one_compiled(model_type: str) -> str:
     uncompiled model's, within 1e-4."""
     from transfuse.compile import CompileError
 
-    try:
-        torch.manual_seed(0)
-        model = transfuse.rewrite(tiny_model(model_type).eval())
-    except Exception as exc:  # noqa: BLE001 - reported
-        return f"not built or rewritten here ({type(exc).__name__})"
+    model = _rewritten(model_type)
+    if isinstance(model, str):
+        return model
     ids, mask = _padded_batch()
     os.environ[eager_steps.ENV] = "0"
 

@@ -300,10 +300,10 @@ def test_the_compiled_model_knows_when_a_call_is_a_step_of_a_closed_decoding_loo
 
 
 def test_a_model_whose_attention_is_its_own_code_is_answered_by_its_own_forward():
-    """bloom's attention does not call transformers' attention functions: the compiled prompt
+    """XGLM's attention does not call transformers' attention functions: the compiled prompt
     leaves its layers unserved, so the call is answered by the model's own forward (one warning)
     and so is every call after it; the answers are the model's."""
-    model = _model("bloom")
+    model = _model("xglm")
     ids, mask = _padded_batch()
     with torch.no_grad():
         want = model(ids, attention_mask=mask).logits
