@@ -10,6 +10,7 @@ store's attention and the loops; the graphs themselves run on a GPU only.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -32,17 +33,22 @@ def path_on(monkeypatch):
     monkeypatch.setenv(eager_steps.ENV, "1")
 
 
-def _generate(model, ids, mask, new=12, off=False, **options):
+@contextlib.contextmanager
+def _path_turned_off(off):
+    """Inside, the path is turned off (``TRANSFUSE_STEP_GRAPHS=0``) if ``off``."""
     saved = os.environ[eager_steps.ENV]
     if off:
         os.environ[eager_steps.ENV] = "0"
     try:
-        with torch.no_grad():
-            torch.manual_seed(5)
-            return model.generate(ids, attention_mask=mask, max_new_tokens=new, **options)
+        yield
     finally:
         os.environ[eager_steps.ENV] = saved
 
+
+def _generate(model, ids, mask, new=12, off=False, **options):
+    with _path_turned_off(off), torch.no_grad():
+        torch.manual_seed(5)
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, **options)
 
 CASES = {
     "greedy": {"min_new_tokens": 12, "do_sample": False},
@@ -65,13 +71,8 @@ def _same(got, want, case):
 
 def _streamed(model, ids, mask, off=False, **options):
     """``generate`` of the first row with transformers' ``TextIteratorStreamer``: (tokens, text)."""
-    saved = os.environ[eager_steps.ENV]
-    if off:
-        os.environ[eager_steps.ENV] = "0"
-    try:
+    with _path_turned_off(off):
         return streamed(model, ids[:1], mask[:1], **options)
-    finally:
-        os.environ[eager_steps.ENV] = saved
 
 
 def admitted_on_cpu(admission):
