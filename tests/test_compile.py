@@ -318,6 +318,58 @@ def test_a_model_whose_attention_is_its_own_code_is_answered_by_its_own_forward(
     assert compiled.calls["eager"] >= 7
 
 
+def test_a_failed_call_leaves_a_sliding_window_cache_as_it_found_it():
+    """Dory runs its middle layers in loops, each loop attending again with the same layer's
+    cache: through the path the prompt's second loop raises after sliding-window cache layers
+    grew. What the call wrote is undone and the model's own forward answers, as for XGLM."""
+    import transformers
+
+    if "dory" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES:
+        pytest.skip("this transformers has no Dory")
+    model = _model("dory")
+    ids, mask = _padded_batch()
+    want = _generate(model, ids, mask, new=6, output_logits=True, return_dict_in_generate=True)
+    transfuse.compile(model, inductor=False)
+    with pytest.warns(UserWarning, match="runs its own forward from now on"):
+        got = _generate(model, ids, mask, new=6, output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert model._transfuse_compiled.abandoned.startswith("RuntimeError")
+
+
+def test_the_kept_cache_state_undoes_every_write_of_a_call():
+    """``_CacheState`` puts back a dynamic cache's layers, plain and sliding window (which drops
+    its oldest tokens and counts what it saw), however many writes a call made."""
+    from transformers import DynamicCache
+
+    from transfuse.compile import _CacheState
+
+    config = tiny_model("gemma2", sliding_window=4).config
+    cache = DynamicCache(config=config)
+    assert {type(layer).__name__ for layer in cache.layers} == {"DynamicLayer", "DynamicSlidingWindowLayer"}
+    torch.manual_seed(0)
+
+    def write(tokens):
+        for index in range(len(cache.layers)):
+            cache.update(torch.randn(2, 1, tokens, 8), torch.randn(2, 1, tokens, 8), index)
+
+    write(3)
+    before = [(layer.keys.clone(), layer.values.clone(), dict(vars(layer))) for layer in cache.layers]
+    kept = _CacheState(cache)
+    write(5)
+    write(1)
+    assert cache.get_seq_length() == 9
+    kept.restore()
+    assert cache.get_seq_length() == 3
+    for layer, (keys, values, attributes) in zip(cache.layers, before):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+        assert vars(layer).keys() == attributes.keys()
+        assert getattr(layer, "cumulative_length", 0) == attributes.get("cumulative_length", 0)
+    write(2)  # and it grows again from there
+    assert cache.get_seq_length() == 5
+
+
 def test_models_that_decode_otherwise_are_refused_or_run_transformers_loop():
     """A model without transformers' dynamic cache (RWKV's state), or whose forward takes no
     positions, is refused; a model class that

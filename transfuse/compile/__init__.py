@@ -100,18 +100,23 @@ def _cache_layer_types() -> tuple[type, ...]:
     )
 
 
-def _cut_back(cache: Any, seen: int) -> bool:
-    """Drop what a call added to ``cache``'s layers past ``seen`` positions; False where a layer
-    grew and is not a plain dynamic layer (a sliding window keeps counts of its own)."""
-    plain = _cache_layer_types()[0]
-    for layer in cache.layers:
-        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-        if not isinstance(keys, torch.Tensor) or keys.dim() < 2 or keys.shape[-2] <= seen:
-            continue
-        if type(layer) is not plain or not isinstance(values, torch.Tensor):
-            return False
-        layer.keys, layer.values = keys[..., :seen, :], values[..., :seen, :]
-    return True
+class _CacheState:
+    """What a call may change in a dynamic cache, kept to put back if the call fails: the list
+    of layers and each layer's attributes. Transformers' dynamic layers (plain and sliding
+    window, the only ones the path takes: ``_DecodeCalls._dynamic``) replace their tensors and
+    counts on update and never write into them, so a shallow copy of each layer's attributes
+    is the whole state, and the copy costs no tensor memory."""
+
+    def __init__(self, cache: Any):
+        self.cache = cache
+        self.layers = list(cache.layers)
+        self.attributes = [dict(vars(layer)) for layer in self.layers]
+
+    def restore(self) -> None:
+        self.cache.layers[:] = self.layers
+        for layer, attributes in zip(self.layers, self.attributes):
+            vars(layer).clear()
+            vars(layer).update(attributes)
 
 
 def _check(model: nn.Module, modules: list[nn.Module] | None = None) -> list[Any]:
@@ -258,6 +263,9 @@ class _DecodeCalls:
         if store is None and not self._STORELESS_CALLS:
             return self._eager(model, args, given)
         self.calls[self._PATH] += 1
+        # A step through the store writes nothing to the cache's layers until it ends; any
+        # other call writes them as it goes, so their state is kept to undo a failure.
+        before = _CacheState(cache) if cache is not None and store is None else None
 
         def run(arguments: dict[str, Any], store: Any = store) -> Any:
             with attention.step(cache, padding, store) as current, _implementation(self.configs, IMPLEMENTATION):
@@ -284,9 +292,10 @@ class _DecodeCalls:
                 store = None
                 if not self._STORELESS_CALLS:
                     return self._eager(model, args, given)
+                before = _CacheState(cache)
                 output = run(kwargs, None)
         except Exception as exc:  # noqa: BLE001 - the path failed where the model's own way may not
-            return self._abandon(model, args, given, cache, seen, exc)
+            return self._abandon(model, args, given, before, exc)
         if store is not None:
             store.end(cache, seen + 1)
         if use_cache and hasattr(output, "keys"):
@@ -300,15 +309,15 @@ class _DecodeCalls:
             unused.retire()
         self.stores.clear()
 
-    def _abandon(self, model: nn.Module, args: tuple, given: dict, cache: Any, seen: int, exc: Exception) -> Any:
+    def _abandon(self, model: nn.Module, args: tuple, given: dict, before: _CacheState | None, exc: Exception) -> Any:
         """A call through the path raised, or left layers unserved (``attention.Step.unserved``):
         what it wrote to the cache is undone (a store's writes are not the cache's until the
         step ends) and the call runs the model's own way. If that raises too, its error is the
         caller's and the path stays; if not, every later call runs the model's own way
         (``abandoned`` says why, with one warning)."""
         self._drop_stores()
-        if cache is not None and not _cut_back(cache, seen):  # a cache it cannot undo: the error stands
-            raise exc
+        if before is not None:
+            before.restore()
         output = self._eager(model, args, given)
         self.abandoned = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         warnings.warn(
