@@ -64,3 +64,52 @@ def test_the_gguf_journey_explain_emit_and_load(smollm2_gguf, tmp_path):
     generate = dict(max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     with torch.no_grad():
         assert torch.equal(loaded.generate(**prompt, **generate), runtime.generate(**prompt, **generate))
+
+
+def test_the_decode_paths_give_the_checkpoint_s_own_answers(smollm2_dir, monkeypatch):
+    """Real weights, where a wrong cache or position changes the tokens at once (tiny random models
+    repeat theirs): a padded batch of two prompts decodes 24 tokens greedily through the eager
+    decode path's store (its steps as a GPU would capture them, without the graphs) and through
+    ``transfuse.compile``'s calls, each against the rewritten model's own ``generate``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from transfuse.compile import eager_steps
+
+    from .test_eager_steps import admitted_on_cpu
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    tokenizer.padding_side = "left"
+    model = transfuse.rewrite(AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval())
+    prompts = tokenizer(["The three primary colours are", "Write a haiku about the sea, please:"],
+                        return_tensors="pt", padding=True)
+    assert not prompts.attention_mask.all()  # (padded: the mask is part of what is checked)
+    options = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=tokenizer.eos_token_id,
+                   output_logits=True, return_dict_in_generate=True)
+
+    def generate():
+        with torch.no_grad():
+            return model.generate(**prompts, **options)
+
+    monkeypatch.setenv(eager_steps.ENV, "0")
+    want = generate()
+    assert len({tuple(row) for row in want.sequences[:, -24:].tolist()}) == 2
+
+    def same(got):
+        assert torch.equal(got.sequences, want.sequences), tokenizer.batch_decode(got.sequences)
+        for mine, theirs in zip(got.logits, want.logits):
+            torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+
+    monkeypatch.setenv(eager_steps.ENV, "1")
+    monkeypatch.setattr(eager_steps, "STORE", True)
+    monkeypatch.setattr(eager_steps, "_admission", admitted_on_cpu(eager_steps._admission))
+    same(generate())
+    stats = eager_steps.stats(model)
+    assert stats["loops"] == 1 and stats["steps"] == 23 and stats["failed"] is None, stats
+    monkeypatch.setenv(eager_steps.ENV, "0")
+    transfuse.compile(model, inductor=False)
+    try:
+        same(generate())
+    finally:
+        torch._dynamo.reset()
+    compiled = model._transfuse_compiled
+    assert compiled.abandoned is None and compiled.calls["compiled"] == 24, compiled.calls
