@@ -14,7 +14,8 @@ different). Writes ``DIR/COVERAGE.md`` (a summary line, the totals per kind, one
 
 Opportunities, counted per module instance while the stock model runs once:
 
-- ``rms_norm``: a module whose class name contains ``rmsnorm`` (any case), a leaf module with a
+- ``rms_norm``: a module whose class name contains ``rmsnorm`` (any case; not one that holds such a
+  module, a gated wrapper of its norm: the child is counted), a leaf module with a
   single 1-D ``weight`` whose forward source reads ``rsqrt``, or a leaf module with no parameters
   whose class source reads ``rsqrt`` and a ``mean`` (llama4's "L2" norm is a root mean square;
   dory's, a plain sum of squares, is not counted);
@@ -70,7 +71,8 @@ CI_TYPES = [
 def _rms_norm_like(module) -> bool:
     name = type(module).__name__.lower()
     if "rmsnorm" in name:
-        return True
+        # (unless a wrapper of one: a gated norm whose child is the norm, counted there)
+        return not any(_rms_norm_like(child) for child in module.children())
     params = dict(module.named_parameters(recurse=False))
     weighted = set(params) == {"weight"} and params["weight"].dim() == 1
     if not (weighted or not params) or list(module.children()):

@@ -67,6 +67,33 @@ def test_head_counts_divide_the_hidden_size():
     assert config.decoder_layers == 2 and config.encoder_layers == 2
 
 
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa", "deepseek_v3"])
+def test_latent_attention_keeps_a_key_value_head_per_head(model_type):
+    """Latent attention makes every head's key from the latent: fewer key/value heads than heads
+    would make transformers' attention repeat them (DeepSeek-V3.2's indexer mask then fails)."""
+    _needs(model_type)
+    config = tiny_config(model_type)
+    assert config.num_key_value_heads == config.num_attention_heads == 4
+    assert config.hidden_size == 64 and config.kv_lora_rank == 16
+    model = tiny_model(model_type)
+    ids = torch.randint(0, 256, (2, 8))
+    padded = torch.ones_like(ids)
+    padded[1, :3] = 0
+    with torch.no_grad():
+        assert torch.isfinite(model(ids, attention_mask=padded).logits[0]).all()
+
+
+@pytest.mark.parametrize("model_type", ["gptj", "codegen"])
+def test_a_partial_rotary_width_keeps_its_fraction_of_the_head(model_type):
+    """GPT-J rotates the first 64 of its 256-wide heads: a quarter of the tiny 16-wide heads."""
+    _needs(model_type)
+    config = tiny_config(model_type)
+    assert config.n_embd // config.n_head == 16 and config.rotary_dim == 4
+    with torch.no_grad():
+        tiny_model(model_type)(torch.randint(0, 256, (2, 8)))
+    assert tiny_config("llama").to_diff_dict().get("rotary_dim") is None
+
+
 def test_an_expanded_width_keeps_its_heads_ratio():
     """An SSM's heads x head size equals its expanded width (hidden x expand), as the default has it."""
     _needs("mamba2")

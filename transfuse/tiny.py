@@ -18,7 +18,10 @@ the rest, so that the families the table suits keep exactly its values:
   up to the layer count still do;
 * a head count that splits the hidden size (``decoder_attention_heads``) divides the tiny one;
   more heads than hidden units (an SSM's ``num_heads``) keep the default's ratio of heads x
-  head size to hidden size; one key/value head per head stays so;
+  head size to hidden size; one key/value head per head stays so, and latent attention (a
+  ``kv_lora_rank``: every head's key is made from the latent) always has it;
+* a rotary width below the head size (``rotary_dim``) above the tiny head size keeps its
+  fraction of the head size;
 * a width the default keeps equal to a hidden size (its own or another part's, an adapter's)
   becomes the tiny hidden size;
 * a count the default keeps below the table's value (one expert per token) stays there;
@@ -220,12 +223,49 @@ def _counts(config, values: dict):
             yield key, value, "heads"
 
 
+def _head_size(config, values: dict | None = None) -> int | None:
+    """The attention head size of ``config`` (``values``: the table's, where given): its ``head_dim``,
+    else the hidden size over the head count."""
+    values = values or {}
+    size = values.get("head_dim", _get(config, "head_dim") if not values else None)
+    if _int(size) and size > 0:
+        return size
+    hidden = values.get("hidden_size", _get(config, "hidden_size"))
+    heads = values.get("num_attention_heads", _get(config, "num_attention_heads"))
+    return hidden // heads if _int(hidden) and _int(heads) and heads > 0 and hidden % heads == 0 else None
+
+
+def _partial_rotary(config, values: dict) -> tuple[str, int] | None:
+    """(key, tiny value) of a rotary width the default keeps below its head size (``rotary_dim``:
+    the first dimensions of each head rotate), kept at the same fraction of the tiny head size."""
+    value, head, tiny_head = _get(config, "rotary_dim"), _head_size(config), _head_size(config, values)
+    if "rotary_dim" in values or not (_int(value) and head and tiny_head) or not 0 < value < head:
+        return None
+    if value <= tiny_head:
+        return None
+    return "rotary_dim", max(2, 2 * round(value * tiny_head / head / 2))
+
+
+def _latent_attention(config, values: dict) -> bool:
+    """Whether ``config`` is latent attention (a ``kv_lora_rank``) whose default has a key/value head per
+    head and the table fewer: its keys are made for every head from the latent, so a smaller key/value
+    head count would make transformers repeat them."""
+    heads, kv_heads = _get(config, "num_attention_heads"), _get(config, "num_key_value_heads")
+    return (
+        _int(_get(config, "kv_lora_rank")) and _int(heads) and heads == kv_heads
+        and values.get("num_key_value_heads", heads) != values.get("num_attention_heads", heads)
+    )
+
+
 def _needs_repair(config, values: dict) -> bool:
     """Whether the table alone leaves ``config`` inconsistent: a head count that does not divide the tiny
     hidden size, a count of some of the layers above the tiny layer count, a layer count the table
-    cannot set (it goes by other names)."""
+    cannot set (it goes by other names), a rotary width above the tiny head size, latent attention with
+    fewer key/value heads than heads."""
     layers, tiny_hidden = _get(config, "num_hidden_layers"), values.get("hidden_size")
     if _has(config, "num_hidden_layers") and "num_hidden_layers" not in values:
+        return True
+    if _partial_rotary(config, values) is not None or _latent_attention(config, values):
         return True
     for key, value, kind in _counts(config, values):
         splits = kind == "heads" and _SPLITS_HIDDEN.search(key) and "head_dim" not in values
@@ -245,6 +285,8 @@ def _repairs(config, values: dict, widths: set) -> dict:
     for key in _AT_MOST_DEFAULT:
         if key in values and _int(default := _get(config, key)) and 0 < default < values[key]:
             repaired[key] = default
+    if (rotary := _partial_rotary(config, values)) is not None:
+        repaired[rotary[0]] = rotary[1]
     layers, tiny_layers = _get(config, "num_hidden_layers"), _TINY_VALUES["num_hidden_layers"]
     hidden, head_dim = _get(config, "hidden_size"), _get(config, "head_dim")
     tiny_hidden = values.get("hidden_size", _TINY_VALUES["hidden_size"])
