@@ -303,6 +303,44 @@ class SharedReadsRecognisedRouterMoE(nn.Module):
         return (self.experts(tokens, weights, chosen) + self.shared(tokens, gammas)).view_as(hidden_states)
 
 
+class ZeroFilledGroupRouter(BiasArgumentRouter):
+    """Group-limited routing whose group mask the router allocates and fills in place (``scatter_``),
+    the other groups' scores set to 0 rather than -inf (axk2): a routing the fused layer does not
+    compute itself, so it calls the router as is."""
+
+    def forward(self, hidden_states, e_score_correction_bias):
+        logits = F.linear(hidden_states.float(), self.weight.float())
+        scores = logits.sigmoid()
+        choice = scores + e_score_correction_bias
+        groups = choice.view(-1, 2, choice.shape[-1] // 2).topk(2, dim=-1)[0].sum(dim=-1)
+        group_mask = torch.zeros_like(groups)
+        group_mask.scatter_(1, torch.topk(groups, k=1, dim=-1, sorted=False)[1], 1)
+        keep = group_mask.unsqueeze(-1).expand(-1, 2, choice.shape[-1] // 2).reshape(-1, choice.shape[-1])
+        ids = torch.topk(choice.masked_fill(~keep.bool(), 0.0), k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        return logits, weights / (weights.sum(dim=-1, keepdim=True) + 1e-20), ids
+
+
+class ZeroFilledGroupMoE(BlockBiasScaledMoE):
+    def __init__(self):
+        super().__init__()
+        self.gate = ZeroFilledGroupRouter(32, 8, 2)
+
+
+class InputClampingRouter(ZeroFilledGroupRouter):
+    """The same router, but it clamps the tokens it is given in place: the block's own input."""
+
+    def forward(self, hidden_states, e_score_correction_bias):
+        hidden_states.clamp_(-1e4, 1e4)
+        return super().forward(hidden_states, e_score_correction_bias)
+
+
+class InputClampingRouterMoE(BlockBiasScaledMoE):
+    def __init__(self):
+        super().__init__()
+        self.gate = InputClampingRouter(32, 8, 2)
+
+
 def _rewrite_toy(block: nn.Module, seed: int = 0):
     torch.manual_seed(seed)
     model = toys.TinyMoEModel(block)
@@ -315,7 +353,7 @@ def _rewrite_toy(block: nn.Module, seed: int = 0):
 
 FUSED = [
     BlockBiasScaledMoE, Float32CombineMoE, PostNormMoE, ReshapedInputSharedMoE, SharedReadsRouterMoE, ClampedSiluMoE,
-    Float32SumMoE,
+    Float32SumMoE, ZeroFilledGroupMoE,
 ]  # fmt: skip
 
 
@@ -413,6 +451,7 @@ REFUSED = [
     (PartlyFloat32CombineMoE, "moe.output"),
     (SharedReadsRecognisedRouterMoE, "moe.shared"),
     (Float32SumUnprovedWeightsMoE, "moe.combine"),
+    (InputClampingRouterMoE, "moe.in-place"),
 ]
 
 
@@ -434,6 +473,7 @@ FAMILIES = [
     "axk1", "laguna", "minimax_m3_vl_text",  # a norm after the sum; a scaled routed output
     "aria_text", "inkling_text",  # shared experts on the reshaped input; reading the router's outputs
     "hy_v4",  # clamped SiLU experts
+    "axk2",  # a router that fills a group mask of its own in place (called as is)
     "inkling2_text", "inkling2_loop_text",  # softcapped SwiGLU experts summed in float32
 ]  # fmt: skip
 

@@ -7,7 +7,8 @@ A mixture-of-experts block is found by dataflow across three graphs:
   (``moe_experts``); the ids, weights and tokens it reads are followed back into the block;
 * the router: the children that compute those ids and weights are inlined into the block's
   graph and the routing is read off it (``moe_routing``). A router that is not understood
-  (phimoe's sparsemixer) is kept and called as is: the experts are still fused;
+  (phimoe's sparsemixer) is kept and called as is: the experts are still fused (its writes in
+  place into tensors it allocated itself, axk2's group mask, are its own business);
 * the block's output: the routed sum plus shared experts (a child called on the tokens,
   optionally times ``sigmoid`` of a gate child), reshaped back; a tuple output keeps its
   other members (the router's weights or logits).
@@ -468,7 +469,8 @@ def _match_block(analysis: ClassAnalysis, loop: LoopMatch, call: fx.Node | None)
         )  # fmt: skip
     _account(trace, experts_calls | set(routers), output.shared, output.post)
     loop_nodes = {inlined[n] for n in loop.nodes if n in inlined.env} if call is None else set()
-    _check_in_place(inlined.graph, (routing.nodes if routing else set()) | output.nodes | loop_nodes, "block")
+    router_own = _router_own_writes(inlined, routers[0]) if routing is None else set()
+    _check_in_place(inlined.graph, (routing.nodes if routing else set()) | output.nodes | loop_nodes | router_own, "block")
     experts, owner, member, alpha, limit, skip = _experts_plan(analysis, loop, call)
     assumes = _assumptions(analysis, sorted(router_names) + ([call.target] if call is not None else []))
     plan = MoEPlan(
@@ -888,11 +890,39 @@ def _account(trace: Trace, known: set, shared: tuple[SharedPlan, ...], post: str
             )
 
 
+# Ops that return a tensor of their own, which nothing else holds.
+_ALLOCATES = frozenset({
+    "zeros", "ones", "full", "empty", "zeros_like", "ones_like", "full_like", "empty_like",
+    "new_zeros", "new_ones", "new_full", "new_empty", "clone",
+})  # fmt: skip
+
+
+def _router_own_writes(inlined, call: fx.Node) -> set:
+    """The in-place writes of a router called as is (its routing not recognised: the fused layer
+    calls the module itself, so its code runs as written) into a tensor it allocated itself (a group
+    mask filled by ``scatter_``): nothing outside the router holds that tensor."""
+    region = inlined.spans.get(call, set())
+
+    def allocated(node: Any) -> bool:
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        return node in region and name in _ALLOCATES
+
+    return {
+        node for node in region
+        if _in_place_name(node) and node.args and isinstance(node.args[0], fx.Node) and allocated(node.args[0])
+    }  # fmt: skip
+
+
+def _in_place_name(node: fx.Node) -> str | None:
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return name if isinstance(name, str) and name.endswith("_") and not name.startswith("_") else None
+
+
 def _check_in_place(graph: fx.Graph, covered: set, where: str) -> None:
     """In-place ops write through to values others may read: each must be one the match understands."""
     for node in graph.nodes:
-        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-        if isinstance(name, str) and name.endswith("_") and not name.startswith("_") and node not in covered:
+        name = _in_place_name(node)
+        if name is not None and node not in covered:
             raise NoMatch("moe.in-place", f"the {where} modifies a value in place ({name} at {node.name}).", node)
 
 

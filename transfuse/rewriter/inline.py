@@ -25,11 +25,13 @@ __all__ = ["Inlined", "call_inputs", "inline_calls"]
 
 
 class Inlined:
-    """The inlined graph and where each of the parent's nodes went (a node, or a tuple of them)."""
+    """The inlined graph, where each of the parent's nodes went (a node, or a tuple of them), and
+    for each child call spliced in, the nodes its graph became (``spans``)."""
 
-    def __init__(self, graph: fx.Graph, env: dict[fx.Node, Any]):
+    def __init__(self, graph: fx.Graph, env: dict[fx.Node, Any], spans: dict[fx.Node, set[fx.Node]] | None = None):
         self.graph = graph
         self.env = env
+        self.spans = spans or {}
 
     def __getitem__(self, node: fx.Node) -> Any:
         return self.env[node]
@@ -101,6 +103,7 @@ def inline_calls(trace: Trace, children: Callable[[str], Trace | None]) -> Inlin
     for replaced by that trace (recursively, with dotted paths); other calls stay calls."""
     graph = fx.Graph()
     env: dict[fx.Node, Any] = {}
+    spans: dict[fx.Node, set[fx.Node]] = {}
     for node in trace.graph.nodes:
         if node.op == "output":
             graph.output(fx.node.map_arg(node.args[0], lambda n: env[n]))
@@ -108,5 +111,17 @@ def inline_calls(trace: Trace, children: Callable[[str], Trace | None]) -> Inlin
         if node.op in ("placeholder", "get_attr"):
             env[node] = graph.node_copy(node, lambda n: env[n])
             continue
+        last = next(iter(reversed(graph.nodes)), None)
         env[node] = _copy_or_inline(graph, node, env, "", children)
-    return Inlined(graph, env)
+        if node.op == "call_module":
+            spans[node] = _nodes_after(graph, last)
+    return Inlined(graph, env, spans)
+
+
+def _nodes_after(graph: fx.Graph, last: fx.Node | None) -> set[fx.Node]:
+    """The nodes of ``graph`` after ``last`` (all of them if None)."""
+    made, cursor = set(), (last.next if last is not None else next(iter(graph.nodes), None))
+    while cursor is not None and cursor.op != "root":
+        made.add(cursor)
+        cursor = cursor.next
+    return made
