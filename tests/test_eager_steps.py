@@ -220,6 +220,26 @@ def test_a_model_the_path_cannot_serve_gets_its_own_answers_and_later_loops_refu
     )
 
 
+def test_a_model_that_caches_latents_runs_its_own_steps_without_a_warning(store_on_cpu, recwarn):
+    """DeepSeek-V3's latent attention caches its compressed latents, not the keys and values it
+    attends with: the store laid out from the cache cannot take them, so the first step is run by
+    the model's own forward (nothing written), the loop's other steps too, and later loops are
+    refused up front; no warning (nothing failed), the reason in ``stats``."""
+    model = _model("deepseek_v3")
+    ids, mask = _batch()
+    options = CASES["transformers' loop, logits"]
+    want = _generate(model, ids, mask, off=True, **options)
+    _same(_generate(model, ids, mask, **options), want, "first loop")
+    stats = eager_steps.stats(model)
+    assert stats["loops"] == 1 and stats["steps"] == 0 and stats["failed"] is None, stats
+    assert stats["refused"].startswith("its decode steps could not go through a key/value store (layer 0 attends")
+    assert "latent attention caches its latents" in stats["refused"]
+    _same(_generate(model, ids, mask, **options), want, "second loop")
+    assert eager_steps.stats(model)["loops"] == 1
+    assert eager_steps.stats(model)["refused"].startswith("an earlier loop's decode steps could not go through")
+    assert not [w for w in recwarn if "transfuse" in str(w.message)]
+
+
 def test_the_model_is_left_as_it_was_when_the_loop_raises(store_on_cpu):
     model = _model(num_hidden_layers=1)
     ids, mask = _batch()

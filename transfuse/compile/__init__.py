@@ -291,6 +291,7 @@ class _DecodeCalls:
                 self._drop_stores()
                 store = None
                 if not self._STORELESS_CALLS:
+                    self.calls[self._PATH] -= 1  # (the model's own forward runs it)
                     return self._eager(model, args, given)
                 before = _CacheState(cache)
                 output = run(kwargs, None)

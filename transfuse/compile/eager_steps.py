@@ -39,8 +39,11 @@ path), in training mode, with weights not all on the current CUDA device (offloa
 another device), forward hooks other than transformers' own output recorders, accelerate's
 hooks, a loop whose cache is not transformers' dynamic one (a static cache is served by
 transformers' own compiled call), a loop of fewer than ``MIN_NEW_TOKENS`` new tokens (the capture
-would cost more than its replays save), or attention the op cannot run (``transfuse.compile``'s
-own refusals: flash attention, cache layers that are not key/value layers).
+would cost more than its replays save), attention the op cannot run (``transfuse.compile``'s
+own refusals: flash attention, cache layers that are not key/value layers), or a model whose
+earlier loop found a layer the store cannot serve (a window, soft-capping, sinks, or a cache
+that holds something else than the keys and values attended to: latent attention's latents; that
+loop's steps ran the model's own forward).
 ``TRANSFUSE_STEP_GRAPHS=0`` turns this off alone,
 ``TRANSFUSE_DECODE_GRAPHS=0`` (or ``ops.graphs.suspended()``) with the eager layer graphs. For now
 it is off unless ``TRANSFUSE_STEP_GRAPHS=1`` (``ON_BY_DEFAULT``): its graphs have not yet run on a
@@ -87,6 +90,9 @@ _CLAIMING = threading.Lock()
 # Per model: why a loop's call through the path failed where the model's own forward did not
 # (``_DecodeCalls._abandon``); its later loops run as usual.
 _ABANDONED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+# Per model: why an earlier loop's decode steps could not go through a store (a layer's attention
+# needs more than it gives: ``kv_store.StoreUnusable``); its later loops run as usual.
+_STORE_REFUSED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 # Per model: what the loops did (``stats``).
 _STATS: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
 
@@ -158,6 +164,9 @@ def _refused(model: nn.Module, named: list[tuple[str, nn.Module]] | None = None)
     abandoned = _ABANDONED.get(model)
     if abandoned is not None:
         return f"a call of an earlier loop through the path failed where the model's own forward did not ({abandoned})"
+    store_refused = _STORE_REFUSED.get(model)
+    if store_refused is not None:
+        return f"an earlier loop's decode steps could not go through a key/value store ({store_refused})"
     running = model.__dict__.get("_compiled_call_impl")
     if isinstance(running, EagerSteps):
         return "another generate call of this model runs its steps through the path now (in another thread)"
@@ -244,6 +253,9 @@ class EagerSteps(_DecodeCalls):
                 record["failed"] = self.call_graphs.failed
             if self.abandoned is not None:
                 record["failed"] = _ABANDONED[model] = self.abandoned
+            if self.store_refused is not None:  # (its steps ran the model's own forward)
+                _STORE_REFUSED[model] = self.store_refused
+                record["refused"] = f"its decode steps could not go through a key/value store ({self.store_refused})"
             for store in self.stores.values():
                 store.retire()
             self.stores.clear()

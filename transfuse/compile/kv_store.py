@@ -53,7 +53,8 @@ def live(key: tuple) -> bool:
 
 class StoreUnusable(Exception):
     """A layer's attention needs more than the store gives (a window, soft-capping, sinks, a
-    mask that is not causal): the call is run again without the store."""
+    mask that is not causal), or its keys and values are not what its cache holds (latent
+    attention caches its compressed latents): the call is run again without the store."""
 
 
 def signature(cache: Any, length: int) -> tuple | None:
@@ -192,6 +193,12 @@ class KVStore:
         to the layer's whole buffers with ``bias``, in one ``decode_attention`` call:
         ``[batch, 1, heads, dim]``."""
         keys, values = self.keys[layer], self.values[layer]
+        if key.shape[:2] != keys.shape[:2] or key.shape[-1] != keys.shape[-1] or value.shape[-1] != values.shape[-1]:
+            raise StoreUnusable(
+                f"layer {layer} attends with keys and values of {tuple(key.shape[1::2])} and "
+                f"{tuple(value.shape[1::2])} (heads, size) but its cache holds {tuple(keys.shape[1::2])} and "
+                f"{tuple(values.shape[1::2])}: the model caches something else (latent attention caches its latents)"
+            )
         bias = self.bias(query.dtype, keys.shape[1], masks)
         key, value = key.to(keys.dtype), value.to(values.dtype)
         return decode_attention(query, keys, values, bias, scaling, key, value, self.position)
