@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import copy
 import io
+import re
 import threading
+import warnings
 
 import pytest
 import torch
@@ -336,6 +338,29 @@ def test_a_failed_call_leaves_a_sliding_window_cache_as_it_found_it():
     for a, b in zip(got.logits, want.logits):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert model._transfuse_compiled.abandoned.startswith("RuntimeError")
+
+
+def test_compiling_latent_attention_warns_of_the_cache_s_growth_and_it_is_what_it_says():
+    """DeepSeek-V3 caches its compressed latents; the compiled calls cache what the attention op is
+    handed, every head's keys and values: the warning's numbers are the two caches' per token."""
+    model = _model("deepseek_v3")
+    ids, mask = _padded_batch()
+
+    def per_token(cache):
+        layer = cache.layers[0]
+        return layer.keys.shape[1] * layer.keys.shape[-1] + layer.values.shape[1] * layer.values.shape[-1]
+
+    own = _generate(model, ids, mask, new=3, return_dict_in_generate=True, output_logits=True)
+    with pytest.warns(UserWarning, match=r"caches its latents \((\d+) numbers.*\((\d+), ([\d.]+)x") as caught:
+        transfuse.compile(model, inductor=False)
+    (message,) = [str(w.message) for w in caught if "latents" in str(w.message)]
+    numbers = [int(n) for n in re.findall(r"\((\d+)", message)]
+    got = _generate(model, ids, mask, new=3, return_dict_in_generate=True, output_logits=True)
+    assert torch.equal(got.sequences, own.sequences)
+    assert numbers == [per_token(own.past_key_values), per_token(got.past_key_values)] == [24, 128]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        transfuse.compile(_model("llama"), inductor=False)  # (no latents, no warning)
 
 
 def test_the_kept_cache_state_undoes_every_write_of_a_call():

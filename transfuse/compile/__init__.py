@@ -27,6 +27,11 @@ What it does to the model (knowing no model family):
   while the GPU runs this one, and a greedy or sampling loop that returns only tokens runs in a
   lean loop of transfuse's with the same tokens (``transfuse/compile/generate.py``).
 
+The path's cache holds what the attention op is handed: the keys and values attended with. A
+model with latent attention (a ``kv_lora_rank``: DeepSeek-V2/V3, MiniCPM3 ...) caches its
+compressed latents instead, so compiled its cache grows by every head's keys and values, 9 to
+71 times the memory a token; ``compile`` warns with the factor.
+
 Calls the compiled path does not cover run the model's ordinary forward, unchanged: anything
 that records autograd or is in training mode, a cache other than transformers' dynamic one,
 a 4D mask, ``output_attentions``, positional arguments past ``input_ids``. The model does not
@@ -117,6 +122,26 @@ class _CacheState:
         for layer, attributes in zip(self.layers, self.attributes):
             vars(layer).clear()
             vars(layer).update(attributes)
+
+
+def _latent_cache_growth(config: Any) -> tuple[int, int] | None:
+    """(numbers a token and layer in the model's own cache, in the compile path's) for latent
+    attention (a ``kv_lora_rank``: the model caches the compressed latent and the shared rotary
+    key, and makes every head's key and value from them), or None. The attention op is handed
+    the keys and values the model attends with, so that is what the path's cache holds."""
+    def number(key: str) -> int | None:
+        try:
+            found = getattr(config, key, None)
+        except Exception:  # noqa: BLE001 - a per-layer attribute of a heterogeneous config
+            return None
+        return found if isinstance(found, int) and not isinstance(found, bool) and found > 0 else None
+
+    rank, rope, nope, heads = (number(k) for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "num_attention_heads"))
+    value = number("v_head_dim")
+    if None in (rank, rope, nope, heads, value):
+        return None
+    own, path = rank + rope, heads * (nope + rope + value)
+    return (own, path) if path > own else None
 
 
 def _check(model: nn.Module, modules: list[nn.Module] | None = None) -> list[Any]:
@@ -517,6 +542,14 @@ def compile(  # noqa: A001 - the name users call, as torch.compile
     everywhere, with every guard checked outside ``generate`` (which, with the module guards on,
     measured no faster than Dynamo)."""
     configs = _check(model)
+    growth = _latent_cache_growth(model.config)
+    if growth is not None:
+        warnings.warn(
+            f"transfuse.compile: {type(model).__name__}'s attention caches its latents ({growth[0]} numbers a token "
+            f"and layer); the compiled calls cache every head's keys and values instead ({growth[1]}, "
+            f"{growth[1] / growth[0]:.1f}x the cache's memory)",
+            stacklevel=2,
+        )
     attention.register()
     compiled = _Compiled(
         model,
