@@ -85,6 +85,16 @@ def _uniform(model: nn.Module, cls: type, key) -> bool:
     return len(values) == 1 and None not in values
 
 
+def _emitted_form(rewrite: MethodRewrite | None) -> tuple | None:
+    """What an emitted file writes for ``rewrite``: instances traced apart (each with its own
+    specialisation: a sliding layer and a full one) whose rewrites are other objects with the same
+    method, declarations and imports are fused alike."""
+    if rewrite is None:
+        return None
+    code = cst.Module(body=[rewrite.edited]).code
+    return (rewrite.defining_class, code, repr(rewrite.declarations), repr(sorted(rewrite.imports.items())), repr(rewrite.preceding))
+
+
 def _collect(model: nn.Module, notes: list[str]) -> dict[str, _FileEdits]:
     files: dict[str, _FileEdits] = {}
 
@@ -94,7 +104,7 @@ def _collect(model: nn.Module, notes: list[str]) -> dict[str, _FileEdits]:
 
     rewrites = {type(mod): mod.__dict__[REWRITTEN_ATTR] for mod in model.modules() if REWRITTEN_ATTR in mod.__dict__}
     for cls, rewrite in rewrites.items():
-        if not _uniform(model, cls, lambda mod: id(mod.__dict__.get(REWRITTEN_ATTR))):
+        if not _uniform(model, cls, lambda mod: _emitted_form(mod.__dict__.get(REWRITTEN_ATTR))):
             notes.append(f"{cls.__name__} is emitted unchanged: not all its instances were fused alike.")
             continue
         target = edits_for(rewrite.defining_class)
