@@ -33,6 +33,14 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    # A test of a model type the installed transformers does not have (pyproject allows 5.17,
+    # older than CI's pin, and the GPU machine runs it) is skipped saying so.
+    for item in items:
+        model_type = getattr(getattr(item, "callspec", None), "params", {}).get("model_type")
+        if isinstance(model_type, str) and model_type not in CONFIG_MAPPING_NAMES:
+            item.add_marker(pytest.mark.skip(reason=f"this transformers has no {model_type}"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -12,6 +12,7 @@ block is refused with its reason and the logits are stock EP's.
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import torch
@@ -112,8 +113,11 @@ def _check_expert_parallel(root: str, family: str) -> None:
 
     path = f"{root}/{family}"
     single = AutoModelForCausalLM.from_pretrained(path).eval()
-    stock = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(ep_size=2, tp_plan="auto"))
-    fused = transfuse.from_pretrained(path, distributed_config=DistributedConfig(ep_size=2, tp_plan="auto"))
+    # Expert parallelism over the two ranks: ``ep_size`` in transformers 5.24, a flag over the TP ranks in 5.17.
+    taken = inspect.signature(DistributedConfig).parameters
+    ep = {"ep_size": 2} if "ep_size" in taken else {"enable_expert_parallel": True}
+    stock = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(**ep, tp_plan="auto"))
+    fused = transfuse.from_pretrained(path, distributed_config=DistributedConfig(**ep, tp_plan="auto"))
     report = transfuse.report(fused)
     blocks = transfuse.report(transfuse.rewrite(AutoModelForCausalLM.from_pretrained(path).eval())).counts()["moe"]
     refused = [s for s in report.skipped if s.kind == "moe"]
