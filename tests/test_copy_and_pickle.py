@@ -14,11 +14,23 @@ import torch
 
 import transfuse
 from transfuse.ops import LinearPart, MergedProjection
-from transfuse.rewriter.apply import is_fused
+from transfuse.rewriter.apply import REWRITTEN_ATTR, is_fused
+from transfuse.rewriter.source import rewrite_of
 from transfuse.tiny import tiny_model
 
 FAMILIES = ["llama", "qwen3", "gemma2", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"]
 ALL_KINDS = transfuse.fusers.kinds()  # the opt-in loss with every default kind
+
+
+def runs_its_rewrite(model) -> int:
+    """How many rewritten modules run their rewrite bound to themselves (the same logits would come
+    from the original forward too, so a copy that lost its rewrites would pass on logits alone);
+    raises where one does not."""
+    rewritten = [m for m in model.modules() if REWRITTEN_ATTR in m.__dict__]
+    for module in rewritten:
+        forward = module.__dict__.get("forward")
+        assert rewrite_of(forward) is module.__dict__[REWRITTEN_ATTR] and forward.__self__ is module, module
+    return len(rewritten)
 
 
 def _ids():
@@ -39,6 +51,7 @@ def test_deepcopy_is_rewritten_independent_and_equal(model_type):
         want = model(ids).logits
     clone = copy.deepcopy(model)
     assert type(clone) is type(model) and transfuse.report(clone).counts() == transfuse.report(model).counts()
+    assert runs_its_rewrite(clone) == runs_its_rewrite(model) > 0
     assert sum(map(is_fused, clone.modules())) == sum(map(is_fused, model.modules()))
     with torch.no_grad():
         assert torch.equal(clone(ids).logits, want)
@@ -69,6 +82,7 @@ def test_torch_save_and_load_in_this_process(model_type, tmp_path):
     torch.save(model, tmp_path / "model.pt")
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
     assert type(loaded) is type(model)
+    assert runs_its_rewrite(loaded) == runs_its_rewrite(model) > 0
     assert transfuse.report(loaded).counts() == transfuse.report(model).counts()
     assert sum(map(is_fused, loaded.modules())) == sum(map(is_fused, model.modules())) > 0
     originals = {id(p) for p in model.parameters()}
@@ -83,12 +97,13 @@ _LOAD = textwrap.dedent(
     """
     import json, sys, torch, transfuse
     from transfuse.rewriter.apply import is_fused
+    from tests.test_copy_and_pickle import runs_its_rewrite
     torch.set_num_threads(int(sys.argv[4]))  # the parent's: bit-equal sums need the same split
     model = torch.load(sys.argv[1], weights_only=False)
     ids = torch.load(sys.argv[2])
     with torch.no_grad():
         torch.save(model(ids).logits, sys.argv[3])
-    print(json.dumps([sum(map(is_fused, model.modules())), transfuse.report(model).counts()]))
+    print(json.dumps([sum(map(is_fused, model.modules())), transfuse.report(model).counts(), runs_its_rewrite(model)]))
     """
 )
 
@@ -109,8 +124,9 @@ def test_torch_load_in_a_fresh_process_makes_the_rewrite_again(model_type, tmp_p
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    fused, counts = json.loads(done.stdout.strip().splitlines()[-1])
+    fused, counts, running = json.loads(done.stdout.strip().splitlines()[-1])
     assert fused == sum(map(is_fused, model.modules())) > 0
+    assert running == runs_its_rewrite(model) > 0
     assert counts == transfuse.report(model).counts()
     got = torch.load(tmp_path / "out.pt")
     assert torch.equal(got, want)

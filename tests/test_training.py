@@ -113,6 +113,31 @@ def test_library_ops_with_their_backward_train_like_stock_under_torch_compile():
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_layers_compiled_one_by_one_compile_once_for_all_as_stock_s_do(model_type):
+    """Regional compilation (``layer.compile()`` for each decoder layer, which cuts compile time):
+    Dynamo guards a module's forward by its function, which every rewritten layer shares, so the
+    layers share one graph as stock's do; with 10 layers, a guard per layer would recompile until
+    Dynamo's limit (8) and leave the last layers eager. Loss and gradients stay stock's."""
+    from torch._dynamo.utils import counters
+
+    graphs = {}
+    stock, fused = tiny_model(model_type, num_hidden_layers=10).train(), tiny_model(model_type, num_hidden_layers=10).train()
+    transfuse.rewrite(fused)
+    for name, model in (("stock", stock), ("fused", fused)):
+        torch._dynamo.reset()
+        counters.clear()
+        for layer in model.model.layers:
+            layer.compile(backend="eager")
+        _step(model, *_batch())
+        graphs[name] = (counters["stats"]["unique_graphs"], counters["frames"]["total"])
+    torch._dynamo.reset()
+    assert graphs["fused"] == graphs["stock"], graphs
+    for model in (stock, fused):
+        model.zero_grad()
+    _compare(stock, fused, *_batch())
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
 def test_gradient_checkpointing(model_type):
     stock, fused = tiny_model(model_type).train(), tiny_model(model_type).train()
     transfuse.rewrite(fused)

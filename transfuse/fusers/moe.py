@@ -53,7 +53,7 @@ from ..rewriter.analysis import ClassAnalysis
 from ..rewriter.fusion import Fused, Fuser, Refusal
 from ..rewriter.graph import NoMatch, calls_fused_op, is_op, operand, operands, peel_casts, value
 from ..rewriter.inline import call_inputs, inline_calls
-from ..rewriter.source import BoundRewrite, EditContext, method_source
+from ..rewriter.source import EditContext, method_source, rewrite_of
 from ..rewriter.syntax import comment_line, dataclass_literal
 from ..rewriter.tracer import Trace, unwrapped_forward
 from .moe_dense import match_dense_experts, match_expert_sum, match_scaled_rows
@@ -974,7 +974,7 @@ def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 def _forward_replaced(module: nn.Module) -> bool:
     """Whether something other than transfuse replaced the instance's forward."""
     forward = module.__dict__.get("forward")
-    return forward is not None and not isinstance(forward, BoundRewrite)
+    return forward is not None and rewrite_of(forward) is None
 
 
 def _tensor(module: nn.Module, path: str) -> torch.Tensor:

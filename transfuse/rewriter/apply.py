@@ -38,7 +38,7 @@ from .capture import Probe, ProbeUnavailable, eval_mode, is_meta_model, make_pro
 from .checking import check_instances, check_model, judge_losses, loss_in_training, prepare
 from .fusion import Fused, Fuser, Refusal, SourceFuser
 from .report import FusionRecord, RewriteReport, SkipRecord
-from .source import BoundRewrite, MethodRewrite, rewrite_method
+from .source import MethodRewrite, bind, rewrite_method, unbind
 from .tracer import unwrapped_forward
 
 __all__ = ["REPLACED_ATTR", "REPORT_ATTR", "REWRITTEN_ATTR", "is_fused", "rewrite_model", "rewrites_of"]
@@ -231,9 +231,8 @@ def _apply(model: nn.Module, instance: _Instance) -> None:
     if instance.rewrite is not None:
         module = instance.module
         slot = _forward_slot(module)
-        forward = BoundRewrite(instance.rewrite, module)
         instance.previous_forward = module.__dict__.get(slot)
-        module.__dict__[slot] = forward
+        module.__dict__[slot] = bind(instance.rewrite, module)
         module.__dict__[REWRITTEN_ATTR] = instance.rewrite
         instance.bound = True
 
@@ -257,6 +256,7 @@ def _undo(model: nn.Module, instance: _Instance) -> None:
         else:
             module.__dict__[slot] = instance.previous_forward
         module.__dict__.pop(REWRITTEN_ATTR, None)
+        unbind(module)
         instance.bound = False
     for plan in reversed(instance.plans):
         fused, plan.fused = plan.fused, None

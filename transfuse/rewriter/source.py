@@ -34,17 +34,20 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 from .graph import NoMatch
 
 __all__ = [
-    "BoundRewrite",
     "EditContext",
     "MethodRewrite",
     "MethodSource",
+    "PicklesRewritten",
+    "bind",
     "control_flow",
     "helper_functions",
     "method_source",
     "rebuilt_rewrite",
     "rewrite_method",
+    "rewrite_of",
     "self_calls",
     "self_method_calls",
+    "unbind",
 ]
 
 
@@ -325,6 +328,7 @@ class MethodRewrite:
         """The edited method as a function in the original module's globals (decorators applied)."""
         if self._compiled is None:
             self._compiled = _compile(self)
+            setattr(self._compiled, _REWRITE_OF, self)
         return self._compiled
 
 
@@ -356,38 +360,80 @@ def _fuser_edit(fuser, found, tree, context):
     return fuser.edit(tree, found, context)
 
 
-class BoundRewrite:
-    """A rewritten method bound to one instance, like ``types.MethodType``, that copies and pickles:
-    it pickles as its instance and its rewrite (the class and the recipe), so ``copy.deepcopy`` and
-    ``torch.save(model)`` work, and ``torch.load`` in another process makes the rewrite again."""
+# The attribute of a rewrite's compiled function that names the rewrite (``rewrite_of``).
+_REWRITE_OF = "_transfuse_rewrite"
+# Where a rewritten instance keeps ``PicklesRewritten`` (pickle and copy look it up there first).
+_REDUCE_EX = "__reduce_ex__"
 
-    __slots__ = ("__self__", "__func__", "rewrite")
 
-    def __init__(self, rewrite: MethodRewrite, instance):
-        self.rewrite = rewrite
-        self.__self__ = instance
-        self.__func__ = rewrite.compile()
+def bind(rewrite: MethodRewrite, instance) -> types.MethodType:
+    """``rewrite``'s method bound to ``instance``, installed as the instance's ``forward``.
 
-    def __call__(self, *args, **kwargs):
-        return self.__func__(self.__self__, *args, **kwargs)
+    A plain bound method, because Dynamo guards one by its function, which every instance with
+    this rewrite shares: a decoder layer compiled on its own (``layer.compile()``), or a layer
+    Dynamo reaches after a graph break, compiles once for all the layers, as the stock model's
+    do. An object of transfuse's own there would be guarded by its identity, one recompile per
+    layer until Dynamo's recompile limit, and the layers past it eager. A plain bound method
+    pickles as a name looked up on the class (the original forward), so the instance also gets
+    ``PicklesRewritten`` as its own ``__reduce_ex__``."""
+    function = rewrite.compile()
+    instance.__dict__[_REDUCE_EX] = PicklesRewritten(instance)
+    return types.MethodType(function, instance)
 
-    @property
-    def __signature__(self):
-        return inspect.signature(types.MethodType(self.__func__, self.__self__))
 
-    @property
-    def __name__(self):
-        return self.__func__.__name__
+def unbind(instance) -> None:
+    """What ``bind`` set on ``instance`` besides the method (the caller puts its forward back)."""
+    if isinstance(instance.__dict__.get(_REDUCE_EX), PicklesRewritten):
+        del instance.__dict__[_REDUCE_EX]
 
-    @property
-    def __wrapped__(self):
-        return types.MethodType(self.__func__, self.__self__)
+
+def rewrite_of(method) -> MethodRewrite | None:
+    """The rewrite a bound method runs (``bind``), or None."""
+    if not isinstance(method, types.MethodType):
+        return None
+    return getattr(method.__func__, _REWRITE_OF, None)
+
+
+class PicklesRewritten:
+    """A rewritten instance's ``__reduce_ex__``: the instance reduces as usual, except that each
+    method ``bind`` bound to it reduces as its rewrite and the instance, so ``copy.deepcopy``
+    binds the copy's method and ``torch.load`` binds the loaded one's (in another process too:
+    the rewrite is made again from its recipe). It pickles as the instance it serves."""
+
+    __slots__ = ("instance",)
+
+    def __init__(self, instance):
+        self.instance = instance
+
+    def __call__(self, protocol: int):
+        reduced = object.__reduce_ex__(self.instance, protocol)
+        state = reduced[2] if len(reduced) > 2 else None
+        if not isinstance(state, dict):
+            return reduced
+        state = {
+            name: _Rebinding(rewrite, self.instance) if (rewrite := rewrite_of(value)) is not None else value
+            for name, value in state.items()
+        }
+        return (*reduced[:2], state, *reduced[3:])
 
     def __reduce__(self):
-        return (BoundRewrite, (self.rewrite, self.__self__))
+        return (PicklesRewritten, (self.instance,))
 
-    def __repr__(self) -> str:
-        return f"<rewritten method {self.__func__.__qualname__} of {type(self.__self__).__name__}>"
+
+class _Rebinding:
+    """A rewritten method in a reduced state: made again, bound to the copy, when the state is."""
+
+    __slots__ = ("rewrite", "instance")
+
+    def __init__(self, rewrite: MethodRewrite, instance):
+        self.rewrite, self.instance = rewrite, instance
+
+    def __reduce__(self):
+        return (_bind_again, (self.rewrite, self.instance))
+
+
+def _bind_again(rewrite: MethodRewrite, instance) -> types.MethodType:
+    return types.MethodType(rewrite.compile(), instance)
 
 
 def _method_code(node: cst.FunctionDef) -> str:
