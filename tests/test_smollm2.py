@@ -79,6 +79,8 @@ def test_the_decode_paths_give_the_checkpoint_s_own_answers(smollm2_dir, monkeyp
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:  # (transformers 5.17's GGUF conversion sets none)
+        tokenizer.pad_token = tokenizer.eos_token
     model = transfuse.rewrite(AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval())
     prompts = tokenizer(["The three primary colours are", "Write a haiku about the sea, please:"],
                         return_tensors="pt", padding=True)
