@@ -121,7 +121,7 @@ def test_layers_compiled_one_by_one_compile_once_for_all_as_stock_s_do(model_typ
     from torch._dynamo.utils import counters
 
     graphs = {}
-    stock, fused = tiny_model(model_type, num_hidden_layers=10).train(), tiny_model(model_type, num_hidden_layers=10).train()
+    stock, fused = (tiny_model(model_type, num_hidden_layers=10).train() for _ in range(2))
     transfuse.rewrite(fused)
     for name, model in (("stock", stock), ("fused", fused)):
         torch._dynamo.reset()

@@ -224,14 +224,15 @@ def _counts(config, values: dict):
 
 
 def _head_size(config, values: dict | None = None) -> int | None:
-    """The attention head size of ``config`` (``values``: the table's, where given): its ``head_dim``,
-    else the hidden size over the head count."""
-    values = values or {}
-    size = values.get("head_dim", _get(config, "head_dim") if not values else None)
+    """The attention head size, ``head_dim`` or else the hidden size over the head count: of the
+    default ``config``, or with the table's ``values`` where given (the default's ``head_dim`` does
+    not carry over to them)."""
+    def get(key: str):
+        return _get(config, key) if values is None else values.get(key, None if key == "head_dim" else _get(config, key))
+
+    size, hidden, heads = get("head_dim"), get("hidden_size"), get("num_attention_heads")
     if _int(size) and size > 0:
         return size
-    hidden = values.get("hidden_size", _get(config, "hidden_size"))
-    heads = values.get("num_attention_heads", _get(config, "num_attention_heads"))
     return hidden // heads if _int(hidden) and _int(heads) and heads > 0 and hidden % heads == 0 else None
 
 

@@ -136,9 +136,9 @@ def _latent_cache_growth(config: Any) -> tuple[int, int] | None:
             return None
         return found if isinstance(found, int) and not isinstance(found, bool) and found > 0 else None
 
-    rank, rope, nope, heads = (number(k) for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "num_attention_heads"))
-    value = number("v_head_dim")
-    if None in (rank, rope, nope, heads, value):
+    keys = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "num_attention_heads")
+    rank, rope, nope, value, heads = (number(key) for key in keys)
+    if None in (rank, rope, nope, value, heads):
         return None
     own, path = rank + rope, heads * (nope + rope + value)
     return (own, path) if path > own else None

@@ -469,8 +469,8 @@ def _match_block(analysis: ClassAnalysis, loop: LoopMatch, call: fx.Node | None)
         )  # fmt: skip
     _account(trace, experts_calls | set(routers), output.shared, output.post)
     loop_nodes = {inlined[n] for n in loop.nodes if n in inlined.env} if call is None else set()
-    router_own = _router_own_writes(inlined, routers[0]) if routing is None else set()
-    _check_in_place(inlined.graph, (routing.nodes if routing else set()) | output.nodes | loop_nodes | router_own, "block")
+    understood = (routing.nodes if routing else _router_own_writes(inlined, routers[0])) | output.nodes | loop_nodes
+    _check_in_place(inlined.graph, understood, "block")
     experts, owner, member, alpha, limit, skip = _experts_plan(analysis, loop, call)
     assumes = _assumptions(analysis, sorted(router_names) + ([call.target] if call is not None else []))
     plan = MoEPlan(

@@ -92,7 +92,8 @@ def _emitted_form(rewrite: MethodRewrite | None) -> tuple | None:
     if rewrite is None:
         return None
     code = cst.Module(body=[rewrite.edited]).code
-    return (rewrite.defining_class, code, repr(rewrite.declarations), repr(sorted(rewrite.imports.items())), repr(rewrite.preceding))
+    written = (repr(rewrite.declarations), repr(sorted(rewrite.imports.items())), repr(rewrite.preceding))
+    return (rewrite.defining_class, code, *written)
 
 
 def _collect(model: nn.Module, notes: list[str]) -> dict[str, _FileEdits]:
