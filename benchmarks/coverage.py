@@ -58,13 +58,13 @@ KINDS = ("rms_norm", "qkv", "gate_up", "moe")
 TOLERANCE = 1e-5
 NEW_TOKENS = 8
 
-# A fixed subset for CI (tests/test_coverage.py): dense, MoE, MLA, gated, linear-attention and
-# shared self/cross-attention families.
+# A fixed subset for CI (tests/test_coverage.py): dense, MoE, MLA (with DeepSeek-V3.2's indexer), gated,
+# linear-attention, partial-rotary and shared self/cross-attention families.
 CI_TYPES = [
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "cohere",
     "granite", "starcoder2", "stablelm", "glm", "helium", "smollm3", "mixtral", "qwen2_moe", "qwen3_moe",
     "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "granitemoe", "jetmoe", "dbrx", "phimoe", "gpt2",
-    "opt", "falcon", "bart", "qwen3_next",
+    "opt", "falcon", "bart", "qwen3_next", "deepseek_v32", "axk2", "gptj",
 ]  # fmt: skip
 
 
