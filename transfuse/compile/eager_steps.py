@@ -214,8 +214,11 @@ class EagerSteps(_DecodeCalls):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if threading.get_ident() != self.thread:
-            # Another thread's call of the model while this loop runs: the model's own forward.
-            return self.model._call_impl(*args, **kwargs)
+            # Another thread's call of the model while this loop runs: the model's own forward,
+            # never while a step of the loop runs (the step switches the configs' attention
+            # implementation to the path's, which that forward would read: one call at a time).
+            with self._calling:
+                return self.model._call_impl(*args, **kwargs)
         return super().__call__(*args, **kwargs)
 
     def _eager(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
