@@ -548,7 +548,8 @@ def test_the_lean_loop_on_cuda_replays_its_steps_and_stops_where_transformers_lo
         # With transformers' own streamer: streamed a step late, each token once.
         replays = compiled.call_graphs.replays
         tokens, text = _streamed(model, ids[:1], mask[:1], **options)
-        assert compiled.call_graphs.replays - replays >= tokens.shape[1] - ids.shape[1] - 2
+        # (one row: a batch size of its own, whose first two decode steps compile and capture)
+        assert compiled.call_graphs.replays - replays >= tokens.shape[1] - ids.shape[1] - 3
         with torch.no_grad():
             alone = model.generate(ids[:1], attention_mask=mask[:1], do_sample=False, **options)
         assert torch.equal(tokens, alone) and text.split() == _words(tokens[0])
