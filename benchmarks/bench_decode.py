@@ -9,11 +9,10 @@ random bf16 weights, greedy decoding with no end-of-sequence token. Variants:
   transformers dynamic   stock model, the default DynamicCache
   transformers static    stock model, cache_implementation="static" (transformers compiles it,
                          CUDA graphs through torch.compile's "reduce-overhead")
-  transfuse eager        transfuse.rewrite, DynamicCache (the MoE blocks of decode steps
-                         replayed as CUDA graphs: ops/graphs.py)
+  transfuse eager        transfuse.rewrite, DynamicCache, TRANSFUSE_STEP_GRAPHS=0 (the MoE
+                         blocks of decode steps replayed as CUDA graphs: ops/graphs.py)
   transfuse eager, step graphs    TRANSFUSE_STEP_GRAPHS=1: generate's decode steps replayed as
-                         CUDA graphs of the eager forward (compile/eager_steps.py; off by default
-                         until measured on a GPU)
+                         CUDA graphs of the eager forward (compile/eager_steps.py; opt-in)
   transfuse eager, no graphs      TRANSFUSE_DECODE_GRAPHS=0
   ..., streamed          a variant above (transformers dynamic, transfuse eager, transfuse eager
                          with step graphs, transfuse compiled) with transformers'
@@ -252,9 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     models = {
         "transformers dynamic": (stock, {}),
         "transformers static": (stock, {"cache_implementation": "static"}),
-        "transfuse eager": (fused, {}),
+        "transfuse eager": (fused, {"_env": {"TRANSFUSE_STEP_GRAPHS": "0"}}),
         "transfuse eager, step graphs": (fused, {"_env": {"TRANSFUSE_STEP_GRAPHS": "1"}}),
-        "transfuse eager, no graphs": (fused, {"_env": {"TRANSFUSE_DECODE_GRAPHS": "0"}}),
+        "transfuse eager, no graphs": (fused, {"_env": {"TRANSFUSE_STEP_GRAPHS": "0", "TRANSFUSE_DECODE_GRAPHS": "0"}}),
     }
     for name, options in compiled_options.items():
         if name in args.variants or (name == "transfuse compiled" and f"{name}, streamed" in args.variants):

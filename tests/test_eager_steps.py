@@ -3,7 +3,7 @@ and, on CUDA, replayed as CUDA graphs of the eager forward (``transfuse/compile/
 
 Every answer is compared with the same model's ``generate`` with the path turned off
 (``TRANSFUSE_STEP_GRAPHS=0``); the other tests turn it on (``TRANSFUSE_STEP_GRAPHS=1``: off by
-default until its graphs have run on a GPU). On the CPU the path's steps run through the store
+default until the whole GPU suite has run with it on). On the CPU the path's steps run through the store
 without graphs (``eager_steps.STORE = True``, the refusal of a CPU model lifted): the wiring, the
 store's attention and the loops; the graphs themselves run on a GPU only.
 """
@@ -306,7 +306,13 @@ def test_loops_the_path_does_not_take_say_why(monkeypatch):
     ids, mask = _batch()
     monkeypatch.delenv(eager_steps.ENV)
     with torch.no_grad():
-        assert eager_steps.refusal(model) == f"off ({eager_steps.ENV}=1 turns it on)"
+        assert eager_steps.refusal(model) == (
+            "the model's weights are not all on one CUDA device" if eager_steps.ON_BY_DEFAULT
+            else f"off ({eager_steps.ENV}=1 turns it on)"
+        )
+    monkeypatch.setenv(eager_steps.ENV, "0")
+    with torch.no_grad():
+        assert eager_steps.refusal(model) == f"turned off ({eager_steps.ENV}=0)"
     monkeypatch.setenv(eager_steps.ENV, "1")
     _generate(model, ids, mask, new=2)
     assert eager_steps.stats(model)["refused"] == "the model's weights are not all on one CUDA device"
