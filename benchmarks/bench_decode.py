@@ -11,8 +11,8 @@ random bf16 weights, greedy decoding with no end-of-sequence token. Variants:
                          CUDA graphs through torch.compile's "reduce-overhead")
   transfuse eager        transfuse.rewrite, DynamicCache, TRANSFUSE_STEP_GRAPHS=0 (the MoE
                          blocks of decode steps replayed as CUDA graphs: ops/graphs.py)
-  transfuse eager, step graphs    TRANSFUSE_STEP_GRAPHS=1: generate's decode steps replayed as
-                         CUDA graphs of the eager forward (compile/eager_steps.py; opt-in)
+  transfuse eager, step graphs    TRANSFUSE_STEP_GRAPHS=1 (the default): generate's decode steps
+                         replayed as CUDA graphs of the eager forward (compile/eager_steps.py)
   transfuse eager, no graphs      TRANSFUSE_DECODE_GRAPHS=0
   ..., streamed          a variant above (transformers dynamic, transfuse eager, transfuse eager
                          with step graphs, transfuse compiled) with transformers'

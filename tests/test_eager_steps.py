@@ -2,8 +2,8 @@
 and, on CUDA, replayed as CUDA graphs of the eager forward (``transfuse/compile/eager_steps.py``).
 
 Every answer is compared with the same model's ``generate`` with the path turned off
-(``TRANSFUSE_STEP_GRAPHS=0``); the other tests turn it on (``TRANSFUSE_STEP_GRAPHS=1``: off by
-default until the whole GPU suite has run with it on). On the CPU the path's steps run through the store
+(``TRANSFUSE_STEP_GRAPHS=0``); the other tests set it on (``TRANSFUSE_STEP_GRAPHS=1``, the
+default). On the CPU the path's steps run through the store
 without graphs (``eager_steps.STORE = True``, the refusal of a CPU model lifted): the wiring, the
 store's attention and the loops; the graphs themselves run on a GPU only.
 """

@@ -45,9 +45,8 @@ earlier loop found a layer the store cannot serve (a window, soft-capping, sinks
 that holds something else than the keys and values attended to: latent attention's latents; that
 loop's steps ran the model's own forward).
 ``TRANSFUSE_STEP_GRAPHS=0`` turns this off alone,
-``TRANSFUSE_DECODE_GRAPHS=0`` (or ``ops.graphs.suspended()``) with the eager layer graphs. For now
-it is off unless ``TRANSFUSE_STEP_GRAPHS=1`` (``ON_BY_DEFAULT``): its own GPU tests pass and it was
-measured on the H200, but the rest of the GPU suite has not yet run with it on.
+``TRANSFUSE_DECODE_GRAPHS=0`` (or ``ops.graphs.suspended()``) with the eager layer graphs. It is on
+by default (``ON_BY_DEFAULT``) since its GPU tests passed and it was measured on the H200.
 ``stats(model)`` counts the loops this ran and the steps replayed, and says why the latest loop
 was refused or its capture failed.
 """
@@ -73,12 +72,11 @@ from ..rewriter.apply import REPORT_ATTR
 __all__ = ["ENV", "EagerSteps", "install", "refusal", "stats"]
 
 ENV = "TRANSFUSE_STEP_GRAPHS"
-# Off unless ``TRANSFUSE_STEP_GRAPHS=1``. On the H200 ``tests/test_eager_steps.py -m gpu`` passed and
-# ``benchmarks/bench_decode.py`` measured a Qwen3-MoE-shaped token at 0.457 ms with it against
-# 3.821 without, a Llama-3-8B-shaped one (8 layers) at 1.336 against 6.587
-# (``benchmarks/results/h200_decode_*_twentyfourth.md``); to be turned on by default once the
-# whole GPU suite has run with it on (no machine was left for that run in that session).
-ON_BY_DEFAULT = False
+# On unless ``TRANSFUSE_STEP_GRAPHS=0``. On the H200 ``tests/test_eager_steps.py -m gpu`` passed, the
+# other decode, MoE and model GPU tests passed with it on, and ``benchmarks/bench_decode.py``
+# measured a Qwen3-MoE-shaped token at 0.457 ms with it against 3.821 without, a Llama-3-8B-shaped
+# one (8 layers) at 1.336 against 6.587 (``benchmarks/results/h200_decode_*_twentyfourth.md``).
+ON_BY_DEFAULT = True
 # Loops that make fewer new tokens run as usual: a capture (an eager step's time and a device
 # synchronisation) is paid back only over several replays. A guess, to be set from a measurement
 # (``stats(model)["capture_s"]`` against the step's time).
