@@ -426,7 +426,8 @@ def test_the_float32_combine_and_post_norm_are_in_the_plan():
 
 
 @pytest.mark.parametrize(
-    "cls", [BlockBiasScaledMoE, PostNormMoE, SharedReadsRouterMoE, Float32SumMoE], ids=lambda c: c.__name__
+    "cls", [BlockBiasScaledMoE, PostNormMoE, SharedReadsRouterMoE, Float32SumMoE, ZeroFilledGroupMoE],
+    ids=lambda c: c.__name__,
 )
 def test_gradients_of_the_newer_forms_match_the_original(cls):
     torch.manual_seed(0)
