@@ -24,7 +24,7 @@ import shutil
 import tempfile
 from typing import Callable
 
-__all__ = ["TAG", "EmitError", "check_destination", "recover", "write_directory"]
+__all__ = ["TAG", "EmitError", "check_destination", "link_target", "recover", "write_directory"]
 
 TAG = "transfuse-emit"
 _KEPT = ".old"
@@ -40,9 +40,12 @@ class EmitError(Exception):
 
 
 def _libc_renameat2():
+    """The C library's ``renameat2`` (Linux, glibc 2.28 and later), or None."""
+    if os.name != "posix":
+        return None
     try:
         return getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
-    except OSError:  # no C library to load (not a POSIX system)
+    except OSError:  # the process's own symbols cannot be opened
         return None
 
 
