@@ -6,6 +6,7 @@ from typing import Any, TypeVar
 
 from torch import nn
 
+from . import settings
 from .fusers import FUSERS, fusers_for
 from .rewriter.apply import REPORT_ATTR, ExampleInputsError, RewriteError, rewrite_model, rewrites_of
 from .rewriter.report import RewriteReport
@@ -30,9 +31,13 @@ def rewrite(
         random probe input, and undo any fusion whose output differs (see ``report``).
     example_inputs: the probe input, as a tuple of positional arguments or a dict of
         keyword arguments; by default random token ids, for models with a vocabulary.
+
+    A TRANSFUSE_* environment variable with a bad value is an error here, before any work
+    (``transfuse.settings``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"rewrite() takes a torch.nn.Module, not {type(model).__name__}.")
+    settings.validate()
     chosen = fusers_for(fusions)
     suggest = [f for f in FUSERS if f.opt_in and f not in chosen]
     rewrite_model(model, chosen, verify=verify, example_inputs=example_inputs, suggest=suggest)

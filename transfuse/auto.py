@@ -12,6 +12,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from . import settings
 from .api import rewrite
 
 __all__ = ["AutoModelForCausalLM", "from_pretrained"]
@@ -35,9 +36,11 @@ class AutoModelForCausalLM:
         ``transfuse.rewrite`` the model in place with ``fusions`` (the default kinds when None) and
         ``verify``. Where the rewrite cannot be made (no probe runs, an error part-way), a warning
         says why and the stock model is returned: loading never fails because of transfuse. Progress
-        follows transformers' logging (``transformers.logging.disable_progress_bar()`` hides the bars)."""
+        follows transformers' logging (``transformers.logging.disable_progress_bar()`` hides the bars).
+        Bad arguments (an unknown fusion kind, a bad TRANSFUSE_* variable) are errors before loading."""
         from transformers import AutoModelForCausalLM as TransformersAuto
 
+        _check_arguments(fusions)
         loaded = TransformersAuto.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         if kwargs.get("output_loading_info"):  # (model, loading info), as transformers returns it
             model, info = loaded
@@ -50,17 +53,23 @@ class AutoModelForCausalLM:
         weights), then rewrite it as ``from_pretrained`` does."""
         from transformers import AutoModelForCausalLM as TransformersAuto
 
+        _check_arguments(fusions)
         model = TransformersAuto.from_config(config, **kwargs)
         return _rewritten_or_stock(model, fusions, verify)
+
+
+def _check_arguments(fusions) -> None:
+    """Raise for unknown fusion kinds and bad TRANSFUSE_* variables."""
+    from .fusers import fusers_for
+
+    fusers_for(fusions)
+    settings.validate()
 
 
 def _rewritten_or_stock(model, fusions, verify):
     """The rewritten model; where the rewrite cannot be made (no probe runs, an error part-way,
     after which the model is as it was), a warning and the stock model: loading never fails
-    because of transfuse. Bad arguments (an unknown fusion kind) are still errors."""
-    from .fusers import fusers_for
-
-    fusers_for(fusions)  # raises for unknown kinds before any work
+    because of transfuse."""
     try:
         return rewrite(model, fusions=fusions, verify=verify)
     except Exception as exc:

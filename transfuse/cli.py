@@ -17,12 +17,16 @@ log = logging.getLogger("transfuse")
 MODEL_HELP = "a checkpoint directory, a .gguf file, a hub id in the local cache, or a model_type (tiny random model)"
 
 
+def _load_options(args: argparse.Namespace) -> dict:
+    return {"trust_remote_code": args.trust_remote_code, "allow_missing_weights": args.allow_missing_weights}
+
+
 def _load_and_rewrite(args: argparse.Namespace):
     from .api import rewrite
     from .models import load_model
 
     log.info("transfuse: loading %s", args.model)
-    model = load_model(args.model)
+    model = load_model(args.model, **_load_options(args))
     return rewrite(model, fusions=args.fusions)
 
 
@@ -55,30 +59,46 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _emit(args: argparse.Namespace) -> int:
-    import os
-
     from .models import is_gguf, load_gguf_tokenizer, resolve_checkpoint
-    from .rewriter.emit import EmitError, emit
+    from .rewriter.emit import emit
+    from .rewriter.emit_dir import check_destination
 
-    if os.path.exists(args.out) and not args.force:  # before the load and the rewrite, not after them
-        raise EmitError(f"{args.out} already exists; pass --force to replace it.")
+    gguf = is_gguf(args.model)
     checkpoint = resolve_checkpoint(args.model)
+    # Before the load and the rewrite, not after them.
+    for note in check_destination(args.out, force=args.force, source=args.model if gguf else checkpoint, force_is="--force"):
+        print(f"note: {note}")
     model = _load_and_rewrite(args)
-    result = emit(model, args.out, checkpoint_dir=checkpoint, force=args.force, link=args.link)
-    if is_gguf(args.model):  # the weights were written dequantised; the tokenizer comes from the file too
-        load_gguf_tokenizer(args.model).save_pretrained(result.out_dir)
-        result.files.append("tokenizer")
+
+    def tokenizer(directory: str) -> list[str]:  # a GGUF file's tokenizer comes from the file too
+        load_gguf_tokenizer(args.model).save_pretrained(directory)
+        return ["tokenizer"]
+
+    result = emit(model, args.out, checkpoint_dir=checkpoint, force=args.force, link=args.link, also=tokenizer if gguf else None)
     for note in result.notes:
         print(f"note: {note}")
+    print(f"dtype: {str(model.dtype).removeprefix('torch.')}, {_dtype_origin(args.model, checkpoint)}")
     print(f"wrote {result.out_dir}: {', '.join(result.files)}")
     print(f"load it with: AutoModelForCausalLM.from_pretrained({result.out_dir!r}, trust_remote_code=True)")
     return 0
 
 
+def _dtype_origin(spec: str, checkpoint: str | None) -> str:
+    from .models import is_gguf
+
+    if is_gguf(spec):
+        return "dequantised from the GGUF file"
+    if checkpoint is not None:
+        return "the checkpoint's (as from_pretrained loads it)"
+    return "a tiny random model's"
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(args.model, tokens=args.tokens, new_tokens=args.new_tokens, checkpoint=args.checkpoint)
+    return run_demo(
+        args.model, tokens=args.tokens, new_tokens=args.new_tokens, checkpoint=args.checkpoint, **_load_options(args)
+    )
 
 
 def _kind_list(text: str) -> list[str]:
@@ -134,6 +154,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"transfuse {__version__}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-q", "--quiet", action="store_true", help="print results only, no progress")
+    common.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the code a checkpoint brings (its auto_map classes); without it such a checkpoint is refused",
+    )
+    common.add_argument(
+        "--allow-missing-weights",
+        action="store_true",
+        help="load a checkpoint that lacks some of the model's weights (they start random); without it that is an error",
+    )
     with_model = argparse.ArgumentParser(add_help=False, parents=[common])
     with_model.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     with_model.add_argument("--fusions", type=_kind_list, metavar="KIND[,KIND...]", help=_fusions_help())
@@ -184,11 +214,13 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    from . import settings
     from .models import ModelError
     from .rewriter.emit import EmitError
 
     start = time.perf_counter()
     try:
+        settings.validate()
         status = args.run(args)
     except (ModelError, EmitError, ValueError, OSError) as exc:
         print(f"transfuse: error: {exc}", file=sys.stderr)

@@ -38,19 +38,20 @@ ROUNDS = 9
 PROMPT = "The quick brown fox"
 
 
-def _load(model_type: str | None, checkpoint: str | None, dtype: torch.dtype):
-    """(model, tokenizer or None, how to call it in the output)."""
+def _load(model_type: str | None, checkpoint: str | None, dtype: torch.dtype, **load_options):
+    """(model, tokenizer or None, how to call it in the output); ``load_options``: ``load_model``'s
+    ``trust_remote_code`` and ``allow_missing_weights``, for a checkpoint."""
     from .models import is_gguf, load_gguf, load_model, tiny_causal_lm
 
     if checkpoint is None:
         model_type = model_type or "llama"
         return tiny_causal_lm(model_type, dtype=dtype, **DEMO_SIZE), None, model_type
     if is_gguf(checkpoint):
-        model, tokenizer = load_gguf(checkpoint, dtype=dtype)
+        model, tokenizer = load_gguf(checkpoint, dtype=dtype, allow_missing_weights=load_options["allow_missing_weights"])
         return model, tokenizer, checkpoint
     from transformers import AutoTokenizer
 
-    model = load_model(checkpoint, dtype=dtype)
+    model = load_model(checkpoint, dtype=dtype, **load_options)
     try:
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     except (OSError, ValueError):
@@ -71,11 +72,18 @@ def _interleaved_ms(first, second, rounds: int = ROUNDS) -> tuple[list[float], l
 
 
 def run_demo(
-    model_type: str | None = None, tokens: int = 128, new_tokens: int = 20, checkpoint: str | None = None
+    model_type: str | None = None,
+    tokens: int = 128,
+    new_tokens: int = 20,
+    checkpoint: str | None = None,
+    *,
+    trust_remote_code: bool = False,
+    allow_missing_weights: bool = False,
 ) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model, tokenizer, name = _load(model_type, checkpoint, dtype)
+    options = {"trust_remote_code": trust_remote_code, "allow_missing_weights": allow_missing_weights}
+    model, tokenizer, name = _load(model_type, checkpoint, dtype, **options)
     model = model.to(device).eval()
     size = sum(p.numel() for p in model.parameters()) / 1e6
     weights = "random weights" if checkpoint is None else "pretrained weights"

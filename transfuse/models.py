@@ -1,11 +1,31 @@
-"""Resolving the MODEL argument of the CLI: a local checkpoint, a GGUF file, a cached hub id, or a model_type."""
+"""Resolving the MODEL argument of the CLI: a local checkpoint, a GGUF file, a cached hub id, or a model_type.
+
+A checkpoint loads as ``from_pretrained`` loads it, in its own dtype, with transformers' load
+report (missing, unexpected and mismatched weights) shown even where its other warnings are
+silenced. What cannot be loaded is a ``ModelError``, one line that names the file and the problem
+(``checkpoint_errors``): a bad file, a refused configuration, a weight of another shape, and,
+unless allowed, weights the checkpoint lacks. A checkpoint's own code runs only when trusted:
+otherwise transformers is never asked (it would prompt on a terminal and run it).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import os
+import struct
+from typing import Iterator
 
 import torch
 from torch import nn
+
+from .checkpoint_errors import config_problem, first_line, gguf_problem, loading_problem, remote_code_classes, safetensors_problem
+
+try:  # what configuration classes raise when their validators refuse them, where huggingface_hub has it
+    from huggingface_hub.errors import StrictDataclassError as _ConfigValidationError
+except ImportError:
+    _ConfigValidationError = ValueError
 
 __all__ = ["ModelError", "is_gguf", "load_gguf", "load_gguf_tokenizer", "load_model", "resolve_checkpoint", "tiny_causal_lm"]
 
@@ -24,7 +44,7 @@ def is_gguf(spec: str) -> bool:
     return spec.endswith(".gguf")
 
 
-def load_gguf(path: str, *, dtype: torch.dtype = torch.float32):
+def load_gguf(path: str, *, dtype: torch.dtype = torch.float32, allow_missing_weights: bool = False):
     """(model, tokenizer) of a GGUF file, dequantised into an ordinary transformers model: one that
     ``save_pretrained`` writes as safetensors (transformers refuses that for a model loaded from
     GGUF, which stays marked as quantised). Needs the ``gguf`` package."""
@@ -34,13 +54,16 @@ def load_gguf(path: str, *, dtype: torch.dtype = torch.float32):
         raise ModelError(f"{path}: no such file.")
     directory, name = os.path.split(os.path.abspath(path))
     try:
-        quantised = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype)
+        with _load_report_shown():
+            quantised, info = AutoModelForCausalLM.from_pretrained(
+                directory, gguf_file=name, dtype=dtype, ignore_mismatched_sizes=True, output_loading_info=True
+            )
         tokenizer = load_gguf_tokenizer(path)
     except ImportError as exc:
         raise ModelError(f"reading GGUF files needs the gguf package (pip install gguf): {exc}") from None
-    except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelError(f"cannot load {path} as a GGUF causal LM: {first}") from None
+    except (OSError, ValueError, struct.error) as exc:  # struct.error: a header cut short
+        raise ModelError(gguf_problem(path, exc)) from None
+    _check_loaded(path, None, info, allow_missing_weights)
     config = quantised.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -73,22 +96,25 @@ def resolve_checkpoint(spec: str) -> str | None:
     return None
 
 
-def load_model(spec: str, *, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """A causal LM from a checkpoint directory, a hub id in the local cache, or a model_type (tiny, random)."""
-    from transformers import AutoModelForCausalLM
-
+def load_model(
+    spec: str, *, dtype: torch.dtype | str = "auto", trust_remote_code: bool = False, allow_missing_weights: bool = False
+) -> nn.Module:
+    """A causal LM from a checkpoint directory, a hub id in the local cache (in the checkpoint's
+    dtype by default, as ``from_pretrained`` loads it), a GGUF file (dequantised: float32 by
+    default), or a model_type (tiny, random: float32 by default)."""
     if is_gguf(spec):
-        return load_gguf(spec, dtype=dtype)[0]
+        chosen = torch.float32 if dtype == "auto" else dtype
+        return load_gguf(spec, dtype=chosen, allow_missing_weights=allow_missing_weights)[0]
     if os.path.isdir(spec):
         if not os.path.isfile(os.path.join(spec, "config.json")):
             raise ModelError(f"{spec} is a directory but has no config.json; it is not a transformers checkpoint.")
-        return _from_pretrained(AutoModelForCausalLM, spec, dtype, local_files_only=True)
+        return _from_pretrained(spec, spec, dtype, trust_remote_code, allow_missing_weights)
     if _is_model_type(spec):
-        return tiny_causal_lm(spec, dtype=dtype)
+        return tiny_causal_lm(spec, dtype=torch.float32 if dtype == "auto" else dtype)
     if spec.startswith(("/", ".", "~")) or spec.count("/") > 1:
         raise ModelError(f"{spec}: no such directory.")
     if spec.count("/") == 1:
-        return _from_pretrained(AutoModelForCausalLM, spec, dtype, local_files_only=True)
+        return _from_pretrained(spec, resolve_checkpoint(spec), dtype, trust_remote_code, allow_missing_weights)
     raise ModelError(
         f"{spec!r} is not a directory, a hub id (owner/name) or a known model type; "
         "try a model type such as 'llama' for a tiny random model."
@@ -113,12 +139,78 @@ def tiny_causal_lm(model_type: str, **kwargs) -> nn.Module:
         raise ModelError(f"a tiny {model_type!r} model cannot be built: {first}") from None
 
 
-def _from_pretrained(auto, spec: str, dtype: torch.dtype, **kwargs) -> nn.Module:
+def _from_pretrained(spec: str, directory: str, dtype, trust_remote_code: bool, allow_missing: bool) -> nn.Module:
+    """``spec`` (whose files are in ``directory``) as ``AutoModelForCausalLM.from_pretrained`` loads it."""
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+
+    config = _config(spec, directory, trust_remote_code)
     try:
-        return auto.from_pretrained(spec, dtype=dtype, **kwargs).eval()
+        with _load_report_shown():
+            model, info = AutoModelForCausalLM.from_pretrained(
+                spec,
+                config=config,
+                dtype=dtype,
+                trust_remote_code=trust_remote_code,
+                local_files_only=True,
+                ignore_mismatched_sizes=True,  # reported below, with the file and the shapes
+                output_loading_info=True,
+            )
+    except SafetensorError as exc:
+        raise ModelError(safetensors_problem(directory, exc)) from None
     except OSError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelError(f"cannot load {spec!r} from local files: {first}") from None
+        raise ModelError(f"cannot load {spec!r} from local files: {first_line(exc)}") from None
     except ValueError as exc:
-        first = str(exc).strip().splitlines()[0]
-        raise ModelError(f"{spec!r} is not a causal language model: {first}") from None
+        raise ModelError(f"cannot load {spec!r}: {first_line(exc)}") from None
+    _check_loaded(spec, directory, info, allow_missing)
+    return model.eval()
+
+
+def _config(spec: str, directory: str, trust_remote_code: bool):
+    """The checkpoint's configuration, refused where it needs untrusted code, is invalid, or is
+    not a causal LM's."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    path = os.path.join(directory, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"{path}: cannot be read as JSON ({first_line(exc)}).") from None
+    remote = remote_code_classes(raw) if isinstance(raw, dict) else []
+    if remote and not trust_remote_code:
+        raise ModelError(
+            f"{spec} needs its own code to load ({', '.join(remote)}, in config.json's auto_map); "
+            "pass --trust-remote-code to run it."
+        )
+    try:
+        config = AutoConfig.from_pretrained(spec, trust_remote_code=trust_remote_code, local_files_only=True)
+    except _ConfigValidationError as exc:
+        raise ModelError(config_problem(path, exc)) from None
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"{path}: {first_line(exc)}") from None
+    causal = type(config) in MODEL_FOR_CAUSAL_LM_MAPPING.keys() or "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    if not causal:
+        raise ModelError(f"{spec!r} is not a causal language model: transformers has no causal-LM class for {type(config).__name__}.")
+    return config
+
+
+def _check_loaded(spec: str, directory: str | None, info: dict, allow_missing: bool) -> None:
+    problem = loading_problem(spec, directory, info, allow_missing)
+    if problem is not None:
+        raise ModelError(problem)
+
+
+@contextlib.contextmanager
+def _load_report_shown() -> Iterator[None]:
+    """transformers' load report is a warning of its ``modeling_utils`` logger: let it through
+    while loading, even where transformers' verbosity silences warnings (as the CLI's does)."""
+    logger = logging.getLogger("transformers.modeling_utils")
+    level = logger.level
+    if logger.getEffectiveLevel() > logging.WARNING:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

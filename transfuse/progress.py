@@ -12,8 +12,9 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import Iterable, TypeVar
+
+from . import settings
 
 __all__ = ["BAR_DELAY_S", "bar", "note"]
 
@@ -26,8 +27,8 @@ _LEVELS = {"error": logging.ERROR, "warning": logging.WARNING, "info": logging.I
 
 
 def _verbosity() -> int:
-    chosen = os.environ.get("TRANSFUSE_VERBOSITY", "").strip().lower()
-    if chosen in _LEVELS:
+    chosen = settings.value("TRANSFUSE_VERBOSITY")
+    if chosen is not None:
         return _LEVELS[chosen]
     try:
         from transformers.utils import logging as hf_logging
@@ -44,7 +45,7 @@ def note(message: str, level: int = logging.WARNING) -> None:
 
 def bar(iterable: Iterable[T], *, total: int | None = None, desc: str = "") -> Iterable[T]:
     """``iterable`` with a progress bar that shows only after ``BAR_DELAY_S``, if bars are enabled."""
-    if os.environ.get("TRANSFUSE_PROGRESS", "1").strip() == "0":
+    if not settings.value("TRANSFUSE_PROGRESS"):
         return iterable
     try:
         from transformers.utils import logging as hf_logging

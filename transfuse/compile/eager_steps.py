@@ -65,6 +65,7 @@ from torch import nn
 from torch.nn.modules import module as module_globals
 
 # The package imports this module after it defines what is imported here.
+from .. import settings
 from . import CompileError, _check, _DecodeCalls, attention, generate, replay
 from ..ops import graphs
 from ..rewriter.apply import REPORT_ATTR
@@ -76,7 +77,7 @@ ENV = "TRANSFUSE_STEP_GRAPHS"
 # other decode, MoE and model GPU tests passed with it on, and ``benchmarks/bench_decode.py``
 # measured a Qwen3-MoE-shaped token at 0.457 ms with it against 3.821 without, a Llama-3-8B-shaped
 # one (8 layers) at 1.336 against 6.587 (``benchmarks/results/h200_decode_*_twentyfourth.md``).
-ON_BY_DEFAULT = True
+ON_BY_DEFAULT = settings.SWITCHES[ENV].default
 # Loops that make fewer new tokens run as usual: a capture (an eager step's time and a device
 # synchronisation) is paid back only over several replays. A guess, to be set from a measurement
 # (``stats(model)["capture_s"]`` against the step's time).
@@ -155,8 +156,9 @@ def _admission(model: nn.Module) -> tuple[str | None, list[Any]]:
 def _refused(model: nn.Module, named: list[tuple[str, nn.Module]] | None = None) -> str | None:
     """The refusals that need neither the configs nor the weights (``named``: the model's
     ``named_modules()``, where the caller has them)."""
-    if os.environ.get(ENV, "1" if ON_BY_DEFAULT else "0") == "0":
-        return f"off ({ENV}=1 turns it on)" if ENV not in os.environ else f"turned off ({ENV}=0)"
+    if not settings.value(ENV):
+        chosen = os.environ.get(ENV, "").strip()
+        return f"turned off ({ENV}={chosen})" if chosen else f"off ({ENV}=1 turns it on)"
     if not graphs.enabled():
         return "turned off (TRANSFUSE_DECODE_GRAPHS=0 or ops.graphs.suspended())"
     if getattr(model, REPORT_ATTR, None) is None:

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._pytree import tree_flatten
 
+from .. import settings
 from .platform import current_platform
 
 __all__ = [
@@ -249,29 +250,15 @@ def _warn_unknown_provider(op: str, name: str, known: tuple[str, ...]) -> None:
     warnings.warn(f"transfuse: op {op!r} has no provider {name!r} (it has: {', '.join(known)}); skipping it.")
 
 
-def _parse_env_priority(text: str) -> dict[str, tuple[str, ...]]:
-    result = {}
-    for part in filter(None, (p.strip() for p in text.split(";"))):
-        op, sep, names = part.partition("=")
-        providers = tuple(n.strip() for n in names.split(",") if n.strip())
-        if not sep or not op.strip() or not providers:
-            raise ValueError(
-                f"TRANSFUSE_OP_PRIORITY entry {part!r} is not of the form 'op=provider,provider'; "
-                "for example TRANSFUSE_OP_PRIORITY='rms_norm=triton,native;silu_and_mul=cuda'."
-            )
-        result[op.strip()] = providers
-    return result
-
-
 def _priority_and_origin(op: str) -> tuple[tuple[str, ...], bool]:
     """The provider names for ``op`` and whether a user chose them (rather than the platform)."""
     if op in _USER_PRIORITY:
         return _USER_PRIORITY[op], True
     if "*" in _USER_PRIORITY:
         return _USER_PRIORITY["*"], True
-    if os.environ.get("TRANSFUSE_FORCE_NATIVE", "").strip() not in ("", "0"):
+    if settings.value("TRANSFUSE_FORCE_NATIVE"):
         return ("native",), True
-    env = _parse_env_priority(os.environ.get("TRANSFUSE_OP_PRIORITY", ""))
+    env = settings.value("TRANSFUSE_OP_PRIORITY")
     if op in env:
         return env[op], True
     return current_platform().priority, False
@@ -371,7 +358,7 @@ def under_compile_use_library_op(op: str, args: tuple, default: str = "native", 
     the gradient of a merged projection's split (one kernel that also concatenates the parts)
     measured several times slower on the GPU than those kernels
     (``benchmarks/results/h200_profile_train_llama_*compiled_fourteenth.txt``)."""
-    chosen = _COMPILE_MODE.get(op) or _COMPILE_MODE.get("*") or os.environ.get("TRANSFUSE_COMPILE_MODE")
+    chosen = _COMPILE_MODE.get(op) or _COMPILE_MODE.get("*") or settings.value("TRANSFUSE_COMPILE_MODE")
     mode = chosen or default
     if mode not in _COMPILE_MODES:
         raise ValueError(f"TRANSFUSE_COMPILE_MODE must be one of {_COMPILE_MODES}, not {mode!r}.")

@@ -34,7 +34,6 @@ also turn off the graphs of whole decode steps that ``generate`` replays for a r
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import warnings
 from collections.abc import Iterator
@@ -45,6 +44,7 @@ from torch import Tensor, nn
 from torch.nn.modules import module as module_globals
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .. import settings
 from . import dispatch
 from .platform import current_stream_handle as _raw_stream
 
@@ -59,7 +59,7 @@ _SUSPENDED = 0
 
 
 def enabled() -> bool:
-    return _SUSPENDED == 0 and os.environ.get("TRANSFUSE_DECODE_GRAPHS", "1") != "0"
+    return _SUSPENDED == 0 and settings.value("TRANSFUSE_DECODE_GRAPHS")
 
 
 @contextlib.contextmanager

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -27,6 +26,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..ops.graphs import suspended as graphs_suspended
+from .. import settings
 from ..progress import bar
 from .analysis import class_key
 from .capture import Call, Probe, eval_mode, record_calls
@@ -48,7 +48,7 @@ logger = logging.getLogger("transfuse")
 
 # The largest copy of one module's tensors that a reference run may make (float64 or float32);
 # a larger module is judged against its own output (``verify``: floors only).
-REFERENCE_BYTES = int(os.environ.get("TRANSFUSE_REFERENCE_BYTES", str(2 << 30)))
+REFERENCE_BYTES = settings.at_import("TRANSFUSE_REFERENCE_BYTES")
 
 
 @contextlib.contextmanager

@@ -15,10 +15,10 @@ For each modeling file that holds a fused class, the emitted copy is the origina
   imports it needs, and a header that says what generated it.
 
 ``emit`` writes those files, ``config.json`` with ``auto_map`` pointing at them, and the
-weights, into a temporary directory that replaces the output directory only at the end.
-The weights are in the model's own layout wherever transformers would convert a checkpoint
-on load (MoE experts packed from per-expert tensors): it converts for its own classes only,
-and the emitted ones are custom code.
+weights, in the model's dtype, all or nothing (``emit_dir``: staged beside the output, moved in
+at the end, never over the checkpoint it copies or links). The weights are in the model's own
+layout wherever transformers would convert a checkpoint on load (MoE experts packed from
+per-expert tensors): it converts for its own classes only, and the emitted ones are custom code.
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 import libcst as cst
 import libcst.matchers as m
@@ -36,6 +35,7 @@ from torch import nn
 
 from .. import __version__
 from .apply import REPLACED_ATTR, REWRITTEN_ATTR
+from .emit_dir import EmitError, check_destination, link_target, write_directory
 from .source import EditContext, MethodRewrite, _identifiers, _parse_file, method_source
 from .syntax import comment_line
 from .tracer import unwrapped_forward
@@ -44,10 +44,6 @@ __all__ = ["EmitError", "EmitResult", "emit", "emitted_replacement", "emitted_so
 
 # Files of a checkpoint directory that emit copies or links besides the weights.
 _SKIPPED_FILES = {"config.json"}
-
-
-class EmitError(Exception):
-    """Emission cannot proceed; the message is one line meant for the user."""
 
 
 @dataclass
@@ -293,15 +289,17 @@ def _save_weights(model: nn.Module, staging: str) -> None:
     model.save_pretrained(staging, **{k: v for k, v in own_layout.items() if k in parameters})
 
 
-def _copy_checkpoint_files(source_dir: str, out: str, link: bool, skip: Iterable[str], weights: bool = True) -> list[str]:
+def _copy_checkpoint_files(
+    source_dir: str, out: str, staging: str, link: bool, skip: Iterable[str], weights: bool = True
+) -> list[str]:
     written = []
     for name in sorted(os.listdir(source_dir)):
         path = os.path.join(source_dir, name)
         if name in skip or (not weights and name.endswith(_WEIGHT_SUFFIXES)) or name.endswith(".py") or not os.path.isfile(path):
             continue
-        target = os.path.join(out, name)
+        target = os.path.join(staging, name)
         if link:
-            os.symlink(os.path.abspath(path), target)
+            os.symlink(link_target(path, out), target)
         else:
             shutil.copy2(path, target)
         written.append(name)
@@ -315,62 +313,60 @@ def emit(
     checkpoint_dir: str | None = None,
     force: bool = False,
     link: bool = False,
+    also: Callable[[str], list[str]] | None = None,
 ) -> EmitResult:
     """Write the rewritten ``model`` as a loadable directory (see the module docstring).
 
     checkpoint_dir: the directory the model was loaded from; its weights and tokenizer files
         are copied (or symbolically linked with ``link``). Without it the model's own weights
-        are saved (with their original keys).
+        are saved (with their original keys). The output may not be, hold or lie inside it.
+    also: writes more files into the directory being made (given as its argument) and returns
+        their names.
     """
     out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir) and not force:
-        raise EmitError(f"{out_dir} already exists; pass --force (force=True) to replace it.")
-    texts, auto_map, notes = emitted_sources(model)
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", dir=parent)
-    result = EmitResult(out_dir, notes=notes)
-    try:
-        for name, text in texts.items():
-            with open(os.path.join(staging, name), "w", encoding="utf-8") as f:
-                f.write(text)
-            result.files.append(name)
-        converted = _converted_on_load(model)
-        if checkpoint_dir is not None:
-            skipped = _SKIPPED_FILES | set(texts)
-            result.files += _copy_checkpoint_files(checkpoint_dir, staging, link, skipped, weights=not converted)
-            if converted:
-                notes.append(
-                    f"the weights are saved in the model's own layout, not copied: transformers converts "
-                    f"{type(model).__name__} checkpoints on load, and does not for custom code."
-                )
-        if checkpoint_dir is None or converted:
-            _save_weights(model, staging)
-            result.files += [n for n in sorted(os.listdir(staging)) if n not in result.files and n != "config.json"]
-        config = model.config
-        previous = getattr(config, "auto_map", None)
-        config.auto_map = {"AutoModelForCausalLM": auto_map}
-        try:
-            config.save_pretrained(staging)
-        finally:
-            if previous is None:
-                del config.auto_map
-            else:
-                config.auto_map = previous
-        result.files.append("config.json")
-        _replace_directory(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    notes = check_destination(out_dir, force=force, source=checkpoint_dir)
+    texts, auto_map, source_notes = emitted_sources(model)
+    result = EmitResult(out_dir, notes=notes + source_notes)
+
+    def fill(staging: str) -> None:
+        _write_files(model, staging, texts, auto_map, checkpoint_dir, link, result)
+        if also is not None:
+            result.files += also(staging)
+
+    write_directory(out_dir, fill, force=force)
     return result
 
 
-def _replace_directory(staging: str, out_dir: str) -> None:
-    """Move the staged directory into place; an existing one is removed only once the new one is there."""
-    if not os.path.exists(out_dir):
-        os.rename(staging, out_dir)
-        return
-    old = f"{staging}.old"
-    os.rename(out_dir, old)
-    os.rename(staging, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+def _write_files(model, staging, texts, auto_map, checkpoint_dir, link, result: EmitResult) -> None:
+    for name, text in texts.items():
+        with open(os.path.join(staging, name), "w", encoding="utf-8") as f:
+            f.write(text)
+        result.files.append(name)
+    converted = _converted_on_load(model)
+    if checkpoint_dir is not None:
+        skipped = _SKIPPED_FILES | set(texts)
+        result.files += _copy_checkpoint_files(checkpoint_dir, result.out_dir, staging, link, skipped, weights=not converted)
+        if converted:
+            result.notes.append(
+                f"the weights are saved in the model's own layout, not copied: transformers converts "
+                f"{type(model).__name__} checkpoints on load, and does not for custom code."
+            )
+    if checkpoint_dir is None or converted:
+        _save_weights(model, staging)
+        result.files += [n for n in sorted(os.listdir(staging)) if n not in result.files and n != "config.json"]
+    _save_config(model, staging, auto_map)
+    result.files.append("config.json")
+
+
+def _save_config(model: nn.Module, staging: str, auto_map: str) -> None:
+    """The model's config (its dtype the model's) with ``auto_map`` pointing at the emitted class."""
+    config = model.config
+    previous = getattr(config, "auto_map", None)
+    config.auto_map = {"AutoModelForCausalLM": auto_map}
+    try:
+        config.save_pretrained(staging)
+    finally:
+        if previous is None:
+            del config.auto_map
+        else:
+            config.auto_map = previous

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import subprocess
 import time
 import warnings
@@ -25,6 +24,7 @@ from types import ModuleType
 
 import torch
 
+from ... import settings
 from ...progress import note
 from ..platform import current_platform
 
@@ -38,8 +38,9 @@ _PACKAGE_DIR = Path(__file__).resolve().parents[2]
 def csrc_dir() -> Path | None:
     """The directory holding the CUDA sources, or None when none is installed."""
     candidates = [_PACKAGE_DIR / "csrc"]
-    if os.environ.get("TRANSFUSE_CSRC"):
-        candidates.insert(0, Path(os.environ["TRANSFUSE_CSRC"]))
+    chosen = settings.value("TRANSFUSE_CSRC")
+    if chosen is not None:
+        candidates.insert(0, Path(chosen))
     for candidate in candidates:
         if all((candidate / name).is_file() for name in SOURCES):
             return candidate

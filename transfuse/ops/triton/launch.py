@@ -25,17 +25,17 @@ sends every call through Triton's path.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
+from ... import settings
 from ..platform import current_stream_handle as _raw_stream
 from . import interpreting
 
 __all__ = ["Kernel"]
 
-FAST = os.environ.get("TRANSFUSE_TRITON_FAST_LAUNCH", "1") != "0"
+FAST = settings.at_import("TRANSFUSE_TRITON_FAST_LAUNCH")
 # Launch options a call may pass besides constexprs; each is part of the key by value.
 # (``enable_fp_fusion=False``: no multiply-add contracted into an FMA, for kernels that must round
 # each product as separate PyTorch ops do.)
