@@ -64,12 +64,10 @@ class Recorder:
 def _margins(verdict: verify.Judgement, dtype: torch.dtype) -> tuple[float, float, float]:
     """How much of each limit the fused module used (1 = at the limit), and the scale difference
     from the original in standard deviations of chance (``z``)."""
-    got, own, apart = verdict.fused, verdict.original or verify._EXACT, verdict.apart
+    got, own, apart = verdict.fused, verdict.original or verify.EXACT, verdict.apart
     if got is None or apart is None:
         return 0.0, 0.0, 0.0
-    floor = verify._floor(dtype)
-    rms_limit = verify.RMS_FACTOR * own.rms + floor
-    bias_limit = max(verify._floor(dtype, verify.BIAS_FLOOR_ULPS), verify.BIAS_SIGMAS * apart.noise)
+    rms_limit, bias_limit = verify.limits(dtype, own, apart)
     z = abs(apart.bias) / apart.noise if apart.noise > 0 else 0.0
     return got.rms / rms_limit, abs(apart.bias) / bias_limit, z
 

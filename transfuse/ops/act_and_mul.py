@@ -15,7 +15,8 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 from torch.nn.modules import module as module_globals
 
-from .dispatch import Op, Provider, under_compile_use_library_op
+from .conformance import Rows
+from .dispatch import Op, Provider
 
 __all__ = [
     "ACTIVATIONS",
@@ -54,28 +55,22 @@ def gelu_and_mul_native(x: Tensor, approximate: str = "none") -> Tensor:
     return F.gelu(gate, approximate=approximate) * up
 
 
-SILU_AND_MUL = Op("silu_and_mul", silu_and_mul_native)
-GELU_AND_MUL = Op("gelu_and_mul", gelu_and_mul_native)
+class _ActAndMulRows(Rows):
+    """Rows of ``[gate | up]``; a provider's one-kernel backward (``backward_and_output``) is
+    judged on its gradient and on the output it gives again."""
 
+    def __init__(self):
+        super().__init__("x", grads=("x",), scale=2.0)
 
-@torch.library.custom_op("transfuse::silu_and_mul", mutates_args=())
-def _silu_and_mul_library_op(x: Tensor) -> Tensor:
-    return SILU_AND_MUL(x)
+    def backward_forms(self, provider: Provider) -> list:
+        if provider.backward_and_output is None:
+            return []
 
+        def run(grads: list, args: tuple, kwargs: dict) -> list:
+            grad_x, _ = provider.backward_and_output(grads[0], *args, in_place=False, output=True, **kwargs)
+            return [grad_x]
 
-@_silu_and_mul_library_op.register_fake
-def _(x):
-    return silu_and_mul_native(x)
-
-
-@torch.library.custom_op("transfuse::gelu_and_mul", mutates_args=())
-def _gelu_and_mul_library_op(x: Tensor, approximate: str) -> Tensor:
-    return GELU_AND_MUL(x, approximate)
-
-
-@_gelu_and_mul_library_op.register_fake
-def _(x, approximate):
-    return gelu_and_mul_native(x, approximate)
+        return [("its backward kernel", run)]
 
 
 def act_and_mul_backward_native(grad: Tensor, x: Tensor, approximate: str | None) -> Tensor:
@@ -137,28 +132,22 @@ def _gelu_and_mul_grad(ctx, grad):
     return torch.ops.transfuse.gelu_and_mul_backward(grad, x, ctx.approximate), None
 
 
-_silu_and_mul_library_op.register_autograd(_silu_and_mul_grad, setup_context=_keep_input)
-_gelu_and_mul_library_op.register_autograd(_gelu_and_mul_grad, setup_context=_keep_input)
+SILU_AND_MUL = Op(
+    "silu_and_mul", silu_and_mul_native, sampler=_ActAndMulRows(), library=True,
+    autograd=(_silu_and_mul_grad, _keep_input),
+)  # fmt: skip
+GELU_AND_MUL = Op(
+    "gelu_and_mul", gelu_and_mul_native, sampler=_ActAndMulRows(), library=True,
+    autograd=(_gelu_and_mul_grad, _keep_input),
+)  # fmt: skip
 
 
 def act_and_mul(x: Tensor, activation: str) -> Tensor:
     """``act(gate) * up`` for ``x = [gate | up]``; ``activation`` is one of ``ACTIVATIONS``."""
     if x.shape[-1] % 2:
         raise ValueError(f"act_and_mul needs an even last dimension ([gate | up]), got {x.shape[-1]}.")
-    if activation == "silu":
-        if torch.compiler.is_compiling():
-            if under_compile_use_library_op("silu_and_mul", (x,), backward=True):
-                return torch.ops.transfuse.silu_and_mul(x)
-            return silu_and_mul_native(x)
-        return SILU_AND_MUL(x)
-    if activation in ("gelu", "gelu_tanh"):
-        approximate = "tanh" if activation == "gelu_tanh" else "none"
-        if torch.compiler.is_compiling():
-            if under_compile_use_library_op("gelu_and_mul", (x,), backward=True):
-                return torch.ops.transfuse.gelu_and_mul(x, approximate)
-            return gelu_and_mul_native(x, approximate)
-        return GELU_AND_MUL(x, approximate)
-    raise ValueError(f"act_and_mul has no activation {activation!r}; it has: {', '.join(ACTIVATIONS)}.")
+    op, args = _op_and_args(activation)
+    return op(x, *args)
 
 
 def act_and_mul_linear(linear: nn.Module, x: Tensor, activation: str) -> Tensor:

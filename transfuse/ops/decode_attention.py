@@ -23,6 +23,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from typing import Hashable
+
+from .conformance import Sampler, ShapeClass, _random_like
 from .dispatch import Op
 
 __all__ = ["DECODE_ATTENTION", "decode_attention", "decode_attention_native"]
@@ -53,7 +56,69 @@ def decode_attention_native(
     return output.reshape(batch, heads, 1, values.shape[-1]).transpose(1, 2).contiguous()
 
 
-DECODE_ATTENTION = Op("decode_attention", decode_attention_native)
+class _DecodeSampler(Sampler):
+    """One query per sequence over buffers of keys and values: classes of batch and length (one
+    key, a few, a long buffer), a batch in which some sequences' first keys are masked (left
+    padding), and both sides of the providers' declared ``"batch"`` and ``"length"`` thresholds.
+    With ``key``, ``value`` and ``position`` the token is written into the buffers, which are
+    compared too."""
+
+    grads = ("query", "keys", "values")
+
+    def key(self, args: tuple, kwargs: dict) -> Hashable:
+        query, keys, values = args[:3]
+        writes = (len(args) > 5 and args[5] is not None) or kwargs.get("key") is not None
+        return (query.dtype, query.device.type, query.shape[1:], keys.shape[1], keys.shape[-1], values.shape[-1],
+                keys.dtype, writes)  # fmt: skip
+
+    def describe(self, args: tuple, kwargs: dict) -> str:
+        query, keys = args[:2]
+        return (f"{str(query.dtype).replace('torch.', '')} on {query.device.type}, {query.shape[1]} heads over "
+                f"{keys.shape[1]} of {keys.shape[-1]}")  # fmt: skip
+
+    def classes(self, args: tuple, kwargs: dict, thresholds: dict) -> list[ShapeClass]:
+        batch, length = args[1].shape[0], args[1].shape[2]
+        found = [
+            ShapeClass(f"as called ({batch} x {length} keys)", (("batch", batch), ("length", length))),
+            ShapeClass("1 key", (("batch", 1), ("length", 1))),
+            ShapeClass("1 sequence of 9 keys", (("batch", 1), ("length", 9))),
+            ShapeClass("3 sequences of 40 keys, some padded", (("batch", 3), ("length", 40)), data="padded"),
+        ]
+        for size in sorted(thresholds.get("length", ())):
+            for n in (size - 1, size):
+                if n >= 1:
+                    found.append(ShapeClass(f"{n} keys", (("batch", 1), ("length", n))))
+        for size in sorted(thresholds.get("batch", ())):
+            for n in (size - 1, size):
+                if n >= 1:
+                    found.append(ShapeClass(f"{n} sequences of 150 keys", (("batch", n), ("length", 150))))
+        return found
+
+    def make(self, shape_class: ShapeClass, args: tuple, kwargs: dict, generator) -> tuple[tuple, dict]:
+        query, keys, values, bias, scaling = args[:5]
+        key, value, position = (list(args[5:]) + [kwargs.get(n) for n in ("key", "value", "position")][len(args[5:]):])[:3]
+        batch, length = shape_class.size("batch", 1), shape_class.size("length", 1)
+        heads, dim, kv_heads, value_dim = query.shape[1], query.shape[-1], keys.shape[1], values.shape[-1]
+
+        def rand(shape, like):
+            return _random_like(shape, like.dtype, like.device, generator)
+
+        mask = torch.zeros(batch * kv_heads, 1, length, dtype=bias.dtype, device=bias.device)
+        if shape_class.data == "padded" and length > 2:
+            for b in range(1, batch):
+                mask[b * kv_heads : (b + 1) * kv_heads, :, : min(b * 3, length - 1)] = float("-inf")
+        new = [rand((batch, heads, 1, dim), query), rand((batch, kv_heads, length, dim), keys),
+               rand((batch, kv_heads, length, value_dim), values), mask, scaling]  # fmt: skip
+        if key is not None:
+            where = torch.tensor([length - 1], dtype=position.dtype, device=position.device)
+            new += [rand((batch, kv_heads, 1, dim), key), rand((batch, kv_heads, 1, value_dim), value), where]
+        return tuple(new), {}
+
+    def mutated(self, args: tuple, kwargs: dict) -> tuple[int, ...]:
+        return (1, 2) if len(args) > 5 and args[5] is not None else ()
+
+
+DECODE_ATTENTION = Op("decode_attention", decode_attention_native, sampler=_DecodeSampler())
 
 
 def decode_attention(

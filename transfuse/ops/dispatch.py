@@ -11,23 +11,36 @@ backward (``Provider.autograd``), which is called only then.
 
 Priority, from strongest to weakest: ``set_priority`` from Python, the environment
 (``TRANSFUSE_FORCE_NATIVE=1``; ``TRANSFUSE_OP_PRIORITY="rms_norm=triton,native;silu_and_mul=cuda"``),
-then the platform's own list.
+then the platform's own list, ahead of which go the providers it does not name (registered from
+outside, in the order they were registered).
+
+An op is declared once, from its native function (``Op``): with ``library=True`` the
+``torch.library`` op (``transfuse::<name>``, its schema from the native signature) and its fake
+(the native function, or ``fake``) are derived from it, and so is the switch that ``torch.compile``
+takes (``Op.__call__`` inlines the native code, or calls the library op, see
+``under_compile_use_library_op``). Every provider's signature is checked against the native one
+when it registers. Before a provider runs for a configuration of arguments it has not run before,
+``conformance`` judges it against the native definition at every shape class the op's sampler and
+the providers' declared ``thresholds`` tell apart; a provider that fails is passed over.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import warnings
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 from .. import settings
+from . import conformance
+from .conformance import Rows, Sampler
 from .platform import current_platform
 
 __all__ = [
@@ -85,6 +98,15 @@ class Provider:
     # (its signature is the op's own: ``rotary`` gives ``(grad_q, grad_k, cos, sin, unsqueeze_dim)``),
     # for a library op's registered backward under ``torch.compile``; None: the op has none.
     backward: Callable[..., Any] | None = None
+    # Where this provider's code changes path: ``{dimension: (size, ...)}``, each size the first of
+    # a new path along a dimension the op's sampler varies ("rows", "tokens", "length", "batch"),
+    # or a function of the call's arguments giving that (for sizes that depend on the device or the
+    # shapes). Conformance checks both sides of each; a branch not declared here is not sought.
+    thresholds: Mapping[str, Sequence[int]] | Callable[..., Mapping[str, Sequence[int]]] | None = None
+    # The error rule's constants for this provider's results, per dtype (``accuracy.Tolerance``),
+    # where the rule's own would refuse honest work: stated beside the registration, never a
+    # silent widening. None: the rule's own.
+    tolerance: Callable[[torch.dtype], Any] | None = None
 
     @property
     def has_backward(self) -> bool:
@@ -129,25 +151,54 @@ def _needs_grad(args: tuple, kwargs: dict) -> bool:
 
 
 class Op:
-    """A dispatched op: a native definition plus named providers, picked per call."""
+    """A dispatched op: a native definition plus named providers, picked per call.
 
-    def __init__(self, name: str, native: Callable[..., Any]):
+    Declared once, from ``native``: ``sampler`` says how conformance makes inputs for it (default:
+    the rows of its first argument); ``library=True`` registers the ``torch.library`` op
+    ``transfuse::<name>`` with ``native``'s signature as its schema and ``fake`` (default ``native``
+    itself) as its fake, and makes ``torch.compile`` call it where ``under_compile_use_library_op``
+    says (``compile_default``; ``autograd``, a ``(backward, setup_context)`` pair, registers its
+    backward); without it, compiled code inlines ``native``. ``mutates``: the arguments the op
+    writes in place.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        native: Callable[..., Any],
+        *,
+        sampler: Sampler | None = None,
+        library: bool = False,
+        fake: Callable[..., Any] | None = None,
+        mutates: tuple[str, ...] = (),
+        compile_default: str = "native",
+        autograd: tuple[Callable, Callable] | None = None,
+    ):
         if name in _OPS:
             raise ValueError(f"An op named {name!r} is already defined.")
         self.name = name
         self.native = Provider("native", native, differentiable=True)
+        self.sampler = sampler if sampler is not None else Rows(next(iter(inspect.signature(native).parameters)))
+        self.sampler.bind(native)
+        self.compile_default = compile_default
+        self.library = _library_op(name, native, fake, mutates, autograd) if library else None
+        self.library_backward = autograd is not None
         self._providers: dict[str, Provider] = {}
         self._supported: dict[str, bool] = {}
         self._order: tuple[Provider, ...] | None = None
+        # conformance verdicts: {(grad, configuration key): {provider name: Verdict}}
+        self._verdicts: dict[Hashable, dict[str, conformance.Verdict]] = {}
         _OPS[name] = self
 
     def register(self, provider: Provider) -> Provider:
-        """Add (or replace) a provider of this op."""
+        """Add (or replace) a provider of this op; its signature must be the native definition's."""
         if provider.name == "native":
             raise ValueError("The native provider is the op's own definition; register under another name.")
+        _check_signature(self, provider)
         self._providers[provider.name] = provider
         self._supported.pop(provider.name, None)
         self._order = None
+        self._verdicts.clear()
         _changed()
         return provider
 
@@ -172,6 +223,8 @@ class Op:
         if self._order is None:
             providers = self.providers
             names, chosen_by_user = _priority_and_origin(self.name)
+            if not chosen_by_user:  # the platform's list: providers from outside it go first
+                names = (*(n for n in _FROM_OUTSIDE if n in providers and n not in names), *names)
             chosen = []
             for name in names:
                 provider = providers.get(name)
@@ -195,20 +248,42 @@ class Op:
         return provider
 
     def _select(self, grad: bool, args: tuple, kwargs: dict) -> Provider:
-        deferred = None
+        deferred, key = None, None
         for provider in self.order():
             if grad and not provider.has_backward:
                 continue
             if provider is self.native:
                 break
             if provider.supports_args(*args, **kwargs):
+                if key is None:
+                    key = (grad, self.sampler.key(args, kwargs))
+                    if conformance._WATCHERS:
+                        conformance.note_consulted(self, grad, key, args, kwargs)
+                if not (conformance._ASSUMED or self._conforms(provider, key, args, kwargs)):
+                    continue
                 if deferred is None and provider.defers(*args, **kwargs):
                     deferred = provider
                     continue
                 return provider
         return deferred or self.native
 
+    def _conforms(self, provider: Provider, key: Hashable, args: tuple, kwargs: dict) -> bool:
+        """Whether ``provider`` passed its conformance check for this configuration (checked now,
+        once, where it can be; where it cannot, the provider is passed over for this call)."""
+        verdict = self._verdicts.get(key, {}).get(provider.name)
+        if verdict is None:
+            if not conformance.can_check_now(args, kwargs):
+                return False
+            verdict = conformance.check(self, key[0], key, args, kwargs).get(provider.name)
+        return verdict is not None and verdict.passed
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            if self.library is not None and under_compile_use_library_op(
+                self.name, args, self.compile_default, backward=self.library_backward
+            ):
+                return self.library(*args, **kwargs)
+            return self.native.impl(*args, **kwargs)  # plain torch ops: Inductor fuses them with their neighbours
         grad = _needs_grad(args, kwargs)
         provider = self._select(grad, args, kwargs)
         if _TRACES:
@@ -288,6 +363,7 @@ def refresh() -> None:
     for op in _OPS.values():
         op._order = None
         op._supported.clear()
+        op._verdicts.clear()
     _changed()
 
 
@@ -321,12 +397,67 @@ def register_provider(
     supports_args: Callable[..., bool] = _always,
     differentiable: bool = False,
     autograd: Callable[..., Any] | None = None,
+    thresholds: Mapping[str, Sequence[int]] | Callable[..., Mapping[str, Sequence[int]]] | None = None,
 ) -> Provider:
     """Add a provider to an existing op: the entry point for out-of-tree kernels. ``autograd``:
-    the same kernels with a backward, called when autograd needs one (see ``Provider``)."""
-    return get_op(op).register(
-        Provider(name, impl, supported, supports_args, differentiable, autograd=autograd)
+    the same kernels with a backward, called when autograd needs one; ``thresholds``: the sizes at
+    which its code changes path (see ``Provider``).
+
+    Where the priority is the platform's own, a provider registered here runs before the
+    platform's built-in ones (those registered here earlier first); a priority set by the user
+    (``set_priority``, ``TRANSFUSE_OP_PRIORITY``) runs what it names. Either way it runs only for
+    configurations where it passed its conformance check."""
+    provider = get_op(op).register(
+        Provider(name, impl, supported, supports_args, differentiable, autograd=autograd, thresholds=thresholds)
     )
+    if name not in _FROM_OUTSIDE:
+        _FROM_OUTSIDE.append(name)
+        for each in _OPS.values():
+            each._order = None
+    return provider
+
+
+# Names of providers registered through ``register_provider``, in order.
+_FROM_OUTSIDE: list[str] = []
+
+
+def _check_signature(op: Op, provider: Provider) -> None:
+    """A provider takes the native definition's parameters, in order (a ``*args`` catch-all, as a
+    lazily imported kernel's wrapper has, is taken on trust)."""
+    for what, fn in (("impl", provider.impl), ("autograd", provider.autograd)):
+        if fn is None:
+            continue
+        try:
+            params = list(inspect.signature(fn).parameters.values())
+        except (TypeError, ValueError):
+            continue
+        if any(p.kind is p.VAR_POSITIONAL for p in params):
+            continue
+        native = list(inspect.signature(op.native.impl).parameters.values())
+        if len(params) != len(native) or any(
+            a.name != b.name for a, b in zip(params, native) if a.kind is not a.VAR_KEYWORD
+        ):
+            raise TypeError(
+                f"Provider {provider.name!r} of op {op.name!r}: its {what} takes ({', '.join(p.name for p in params)}), "
+                f"but the op's native definition takes ({', '.join(p.name for p in native)}); give it the same parameters."
+            )
+
+
+def _library_op(name: str, native: Callable, fake: Callable | None, mutates: tuple[str, ...], autograd) -> Any:
+    """``transfuse::<name>``, with ``native``'s signature as its schema: it dispatches at run time."""
+    op_name = name
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return _OPS[op_name](*args, **kwargs)
+
+    # Annotations resolved in the native definition's module, for the schema inferred from them.
+    run.__signature__ = inspect.signature(native, eval_str=True)  # type: ignore[attr-defined]
+    defined = torch.library.custom_op(f"transfuse::{name}", run, mutates_args=mutates)
+    defined.register_fake(fake if fake is not None else native)
+    if autograd is not None:
+        backward, setup_context = autograd
+        defined.register_autograd(backward, setup_context=setup_context)
+    return getattr(torch.ops.transfuse, name)
 
 
 _COMPILE_MODE: dict[str, str] = {}

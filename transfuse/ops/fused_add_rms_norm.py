@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .dispatch import Op, Provider, under_compile_use_library_op
+from .conformance import Rows
+from .dispatch import Op, Provider
 from .rms_norm import RMSNormSpec, builtin_rounds_alike, rms_norm_native
 
 __all__ = ["FUSED_ADD_RMS_NORM", "fused_add_rms_norm", "fused_add_rms_norm_native"]
@@ -35,7 +36,10 @@ def fused_add_rms_norm_native(
     return normed, residual
 
 
-FUSED_ADD_RMS_NORM = Op("fused_add_rms_norm", fused_add_rms_norm_native)
+FUSED_ADD_RMS_NORM = Op(
+    "fused_add_rms_norm", fused_add_rms_norm_native, sampler=Rows("x", "residual", grads=("x", "residual", "weight")),
+    library=True,
+)
 
 
 def _torch_supports(x, residual, weight, eps, *flags) -> bool:
@@ -52,33 +56,8 @@ FUSED_ADD_RMS_NORM.register(
 )
 
 
-@torch.library.custom_op("transfuse::fused_add_rms_norm", mutates_args=())
-def _fused_add_rms_norm_library_op(
-    x: Tensor,
-    residual: Tensor,
-    weight: Tensor | None,
-    eps: float,
-    upcast: bool,
-    cast_before_weight: bool,
-    offset: bool,
-    weight_fp32: bool,
-    cast_output: bool,
-) -> tuple[Tensor, Tensor]:
-    return FUSED_ADD_RMS_NORM(x, residual, weight, eps, upcast, cast_before_weight, offset, weight_fp32, cast_output)
-
-
-@_fused_add_rms_norm_library_op.register_fake
-def _(x, residual, weight, eps, *flags):
-    return fused_add_rms_norm_native(x, residual, weight, eps, *flags)
-
-
 def fused_add_rms_norm(
     x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, spec: RMSNormSpec = RMSNormSpec()
 ) -> tuple[Tensor, Tensor]:
     """``(rms_norm(residual + x), residual + x)`` over the last dimension with the rounding of ``spec``."""
-    args = (x, residual, weight, eps, *spec.flags())
-    if torch.compiler.is_compiling():
-        if under_compile_use_library_op("fused_add_rms_norm", args):
-            return torch.ops.transfuse.fused_add_rms_norm(*args)
-        return fused_add_rms_norm_native(*args)  # plain torch ops: Inductor fuses them with their neighbours
-    return FUSED_ADD_RMS_NORM(*args)
+    return FUSED_ADD_RMS_NORM(x, residual, weight, eps, *spec.flags())

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .conformance import Rows
 from .dispatch import Op
 
 __all__ = [
@@ -104,7 +105,21 @@ def cross_entropy_grad_native(logits: Tensor, targets: Tensor, scale: Tensor, ig
     return losses
 
 
-CROSS_ENTROPY_GRAD = Op("cross_entropy_grad", cross_entropy_grad_native)
+class _LossRows(Rows):
+    """Rows of logits with a target each (some ignored); the logits are overwritten (compared)."""
+
+    def __init__(self):
+        super().__init__("logits", mutates=("logits",), scale=3.0)
+
+    def make(self, shape_class, args, kwargs, generator):
+        (logits, targets, scale, ignore_index), _ = super().make(shape_class, args, kwargs, generator)
+        rows = logits.reshape(-1, logits.shape[-1]).shape[0] if logits.dim() > 1 else 1
+        picks = torch.randint(0, logits.shape[-1], (rows,), generator=generator, device=logits.device)
+        picks[::3] = ignore_index
+        return (logits.reshape(rows, -1), picks.to(targets.dtype), scale, ignore_index), {}
+
+
+CROSS_ENTROPY_GRAD = Op("cross_entropy_grad", cross_entropy_grad_native, sampler=_LossRows())
 
 
 def scale_native(x: Tensor, scale: Tensor) -> Tensor:
@@ -117,7 +132,7 @@ def scale_native(x: Tensor, scale: Tensor) -> Tensor:
 # GPU tensor takes TensorIterator's unvectorised broadcast path (1.5-2.3 ms for Llama 3's 1 GiB
 # head gradient on an H200, 3-5x a copy's time); a kernel that reads the scale once per program
 # runs at copy bandwidth.
-SCALE_ = Op("scale_", scale_native)
+SCALE_ = Op("scale_", scale_native, sampler=Rows("x", mutates=("x",)))
 
 
 def _block_loss(logits: Tensor, targets: Tensor, scale: Tensor, ignore_index: int, transform, differentiate: bool) -> Tensor:

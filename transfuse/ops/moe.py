@@ -26,17 +26,16 @@ Both are ``torch.library`` ops with fake implementations, so ``torch.compile`` s
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
+from typing import Hashable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .dispatch import Op, Provider, under_compile_use_library_op
-from .triton import available as triton_available
-from .triton import on_device
+from .conformance import Rows, Sampler, ShapeClass, _random_like, _static_key, _tensor_key
+from .dispatch import Op
 
 __all__ = [
     "EXPERT_ACTIVATIONS",
@@ -59,8 +58,6 @@ _PLAIN_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 EXPERT_ACTIVATIONS = (
     *_PLAIN_ACTIVATIONS, "clamped_swiglu", *(f"clamped_{a}" for a in _PLAIN_ACTIVATIONS), "softcapped_swiglu",
 )  # fmt: skip
-# What the Triton provider's kernels compute.
-_TRITON_ACTIVATIONS = (*_PLAIN_ACTIVATIONS, "clamped_swiglu")
 
 
 @dataclass(frozen=True)
@@ -437,113 +434,72 @@ _grouped_matmul_op.register_autograd(_grouped_matmul_backward, setup_context=_gr
 
 # ---- dispatch --------------------------------------------------------------------------
 
-MOE_ROUTE = Op("moe_route", moe_route_native)
-MOE_EXPERTS = Op("moe_experts", moe_experts_native)
+class _ExpertsSampler(Sampler):
+    """Tokens ``[T, H]`` routed to ``k`` of the experts: classes of token counts (one token, a few,
+    the call's, both sides of the providers' declared ``"tokens"`` thresholds) and of routings (every
+    token to the same k experts; an expert that receives no token). Routing weights are positive
+    and sum to one per token, as a softmax gives; the expert weights are the call's own."""
+
+    grads = ("x", "weights", "w13", "w2", "b13", "b2")
+
+    def key(self, args: tuple, kwargs: dict) -> Hashable:
+        x, weights, ids = args[:3]
+        return (_tensor_key(x, True), weights.dtype, ids.dtype, ids.shape[-1],
+                *(_static_key(a) for a in args[3:]))  # fmt: skip
+
+    def describe(self, args: tuple, kwargs: dict) -> str:
+        x, ids, w13 = args[0], args[2], args[3]
+        return (f"{str(x.dtype).replace('torch.', '')} on {x.device.type}, {w13.shape[0]} experts, top {ids.shape[-1]}, "
+                f"hidden {x.shape[-1]}")  # fmt: skip
+
+    def classes(self, args: tuple, kwargs: dict, thresholds: dict) -> list[ShapeClass]:
+        tokens = args[0].shape[0]
+        found = [
+            ShapeClass(f"as called ({tokens} tokens)", (("tokens", tokens),)),
+            ShapeClass("1 token", (("tokens", 1),)),
+            ShapeClass("3 tokens", (("tokens", 3),)),
+            ShapeClass("6 tokens, all to the same experts", (("tokens", 6),), data="one group"),
+            ShapeClass("6 tokens, one expert receiving none", (("tokens", 6),), data="one idle"),
+        ]
+        for size in sorted(thresholds.get("tokens", ())):
+            for n in (size - 1, size):
+                if n >= 1:
+                    found.append(ShapeClass(f"{n} tokens", (("tokens", n),)))
+        return found
+
+    def make(self, shape_class: ShapeClass, args: tuple, kwargs: dict, generator) -> tuple[tuple, dict]:
+        x, weights, ids, w13 = args[:4]
+        tokens, top_k, experts = shape_class.size("tokens", 1), ids.shape[-1], w13.shape[0]
+        pool = experts - 1 if shape_class.data == "one idle" and experts > top_k else experts
+        scores = torch.rand(tokens, pool, generator=generator, device=x.device)
+        if shape_class.data == "one group":
+            scores = scores[:1].expand(tokens, pool)
+        chosen = scores.topk(top_k, dim=-1).indices + (experts - pool)  # the idle expert is expert 0
+        routing = _random_like((tokens, top_k), torch.float32, x.device, generator).softmax(dim=-1)
+        new = (_random_like((tokens, x.shape[-1]), x.dtype, x.device, generator), routing.to(weights.dtype),
+               chosen.to(ids.dtype))  # fmt: skip
+        return (*new, *args[3:]), dict(kwargs)
 
 
-@functools.cache
-def _triton_module():
-    from .triton import moe as triton_moe  # imported on first call: importing transfuse never imports Triton
-
-    return triton_moe
-
-
-def _triton_route(*args):
-    return _triton_module().moe_route(*args)
-
-
-def _triton_experts(*args):
-    return _triton_module().moe_experts(*args)
-
-
-def _triton_routes(logits, correction_bias, top_k, scoring, float32, grouped, n_group, topk_group, *rest) -> bool:
-    experts = logits.shape[-1]
-    tensors = (logits,) if correction_bias is None else (logits, correction_bias)
-    if not on_device(*tensors) or logits.dim() != 2 or experts > 1024 or top_k > experts:
-        return False
-    if grouped:
-        per_group = experts // n_group
-        # The kernel ranks groups in a [groups, per-group] tile: both must be powers of two.
-        return experts % n_group == 0 and _pow2(n_group) and _pow2(per_group) and per_group >= 2
-    return True
-
-
-def _triton_runs_experts(x, weights, ids, w13, w2, b13, b2, activation, *flags) -> bool:
-    tensors = [t for t in (x, weights, ids, w13, w2, b13, b2) if t is not None]
-    if activation not in _TRITON_ACTIVATIONS or not on_device(*tensors) or x.dim() != 2 or ids.dim() != 2:
-        return False
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or w13.dtype != x.dtype or w2.dtype != x.dtype:
-        return False
-    return ids.dtype in (torch.int32, torch.int64) and x.shape[0] > 0
-
-
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
-MOE_ROUTE.register(Provider("triton", _triton_route, supported=triton_available, supports_args=_triton_routes))
-MOE_EXPERTS.register(
-    Provider("triton", _triton_experts, supported=triton_available, supports_args=_triton_runs_experts)
-)
-
-
-@torch.library.custom_op("transfuse::moe_route", mutates_args=())
-def _moe_route_library_op(
-    logits: Tensor,
-    correction_bias: Tensor | None,
-    top_k: int,
-    scoring: str,
-    float32: bool,
-    grouped: bool,
-    n_group: int,
-    topk_group: int,
-    renormalize: bool,
-    renorm_eps: float | None,
-    renorm_min: float | None,
-    scale: float | None,
-    out_dtype: torch.dtype | None,
-) -> tuple[Tensor, Tensor]:
-    return MOE_ROUTE(
-        logits, correction_bias, top_k, scoring, float32, grouped, n_group, topk_group,
-        renormalize, renorm_eps, renorm_min, scale, out_dtype,
-    )  # fmt: skip
-
-
-@_moe_route_library_op.register_fake
-def _(logits, correction_bias, top_k, scoring, float32, grouped, n_group, topk_group, renormalize, renorm_eps,
-      renorm_min, scale, out_dtype):  # fmt: skip
+def _route_fake(logits, correction_bias, top_k, scoring, float32, grouped, n_group, topk_group, renormalize,
+                renorm_eps, renorm_min, scale, out_dtype):  # fmt: skip
     dtype = out_dtype or (torch.float32 if (float32 and scoring != "sigmoid") else logits.dtype)
     shape = (*logits.shape[:-1], top_k)
     return logits.new_empty(shape, dtype=dtype), logits.new_empty(shape, dtype=torch.long)
 
 
-@torch.library.custom_op("transfuse::moe_experts", mutates_args=())
-def _moe_experts_library_op(
-    x: Tensor,
-    weights: Tensor,
-    ids: Tensor,
-    w13: Tensor,
-    w2: Tensor,
-    b13: Tensor | None,
-    b2: Tensor | None,
-    activation: str,
-    interleaved: bool,
-    gate_first: bool,
-    w13_transposed: bool,
-    w2_transposed: bool,
-    alpha: float,
-    limit: float,
-) -> Tensor:
-    return MOE_EXPERTS(
-        x, weights, ids, w13, w2, b13, b2, activation, interleaved, gate_first, w13_transposed, w2_transposed,
-        alpha, limit,
-    )  # fmt: skip
-
-
-@_moe_experts_library_op.register_fake
-def _(x, weights, ids, w13, w2, b13, b2, activation, interleaved, gate_first, w13_transposed, w2_transposed,
-      alpha, limit):  # fmt: skip
+def _experts_fake(x, weights, ids, w13, w2, b13, b2, *flags):
     return x.new_empty(x.shape)
+
+
+MOE_ROUTE = Op(
+    "moe_route", moe_route_native, sampler=Rows("logits", grads=("logits",), scale=2.0), library=True, fake=_route_fake
+)
+# The native definition groups tokens with data-dependent sizes: compiled, it would break the graph.
+MOE_EXPERTS = Op(
+    "moe_experts", moe_experts_native, sampler=_ExpertsSampler(), library=True, fake=_experts_fake,
+    compile_default="library",
+)  # fmt: skip
 
 
 def moe_route(
@@ -571,10 +527,6 @@ def moe_route(
         logits, correction_bias, int(top_k), spec.scoring, spec.float32, spec.grouped, int(n_group), int(topk_group),
         spec.renormalize, renorm_eps, renorm_min, scale if spec.scaled else None, out_dtype,
     )  # fmt: skip
-    if torch.compiler.is_compiling():
-        if under_compile_use_library_op("moe_route", args):
-            return torch.ops.transfuse.moe_route(*args)
-        return moe_route_native(*args)
     return MOE_ROUTE(*args)
 
 
@@ -598,9 +550,4 @@ def moe_experts(
             f"weights {tuple(weights.shape)}, ids {tuple(ids.shape)}."
         )
     args = (x, weights, ids, w13, w2, b13, b2, *spec.flags(), float(alpha), float(limit))
-    if torch.compiler.is_compiling():
-        # The native definition groups tokens with data-dependent sizes: compiled, it breaks the graph.
-        if under_compile_use_library_op("moe_experts", args, default="library"):
-            return torch.ops.transfuse.moe_experts(*args)
-        return moe_experts_native(*args)
     return MOE_EXPERTS(*args)

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .dispatch import Op, Provider, under_compile_use_library_op
+from .conformance import Rows
+from .dispatch import Op, Provider
 
 __all__ = [
     "GATE_ACTIVATIONS",
@@ -119,7 +120,7 @@ def rms_norm_out_dtype(
     return torch.promote_types(normed, torch.float32 if weight_fp32 else weight_dtype)
 
 
-RMS_NORM = Op("rms_norm", rms_norm_native)
+RMS_NORM = Op("rms_norm", rms_norm_native, sampler=Rows("x", grads=("x", "weight")), library=True)
 
 
 def builtin_rounds_alike(x, weight, eps, upcast, cast_before_weight, offset, weight_fp32, cast_output) -> bool:
@@ -140,33 +141,9 @@ def _torch_rms_norm(x, weight, eps, upcast, cast_before_weight, offset, weight_f
 RMS_NORM.register(Provider("torch", _torch_rms_norm, supports_args=builtin_rounds_alike, differentiable=True))
 
 
-@torch.library.custom_op("transfuse::rms_norm", mutates_args=())
-def _rms_norm_library_op(
-    x: Tensor,
-    weight: Tensor | None,
-    eps: float,
-    upcast: bool,
-    cast_before_weight: bool,
-    offset: bool,
-    weight_fp32: bool,
-    cast_output: bool,
-) -> Tensor:
-    return RMS_NORM(x, weight, eps, upcast, cast_before_weight, offset, weight_fp32, cast_output)
-
-
-@_rms_norm_library_op.register_fake
-def _(x, weight, eps, upcast, cast_before_weight, offset, weight_fp32, cast_output):
-    return rms_norm_native(x, weight, eps, upcast, cast_before_weight, offset, weight_fp32, cast_output)
-
-
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float, spec: RMSNormSpec = RMSNormSpec()) -> Tensor:
     """RMSNorm of ``x`` over its last dimension with the rounding of ``spec``."""
-    args = (x, weight, eps, *spec.flags())
-    if torch.compiler.is_compiling():
-        if under_compile_use_library_op("rms_norm", args):
-            return torch.ops.transfuse.rms_norm(*args)
-        return rms_norm_native(*args)  # plain torch ops: Inductor fuses them with their neighbours
-    return RMS_NORM(*args)
+    return RMS_NORM(x, weight, eps, *spec.flags())
 
 
 # ---- gated: ``(rms_norm(x) * act(gate.float())).to(x.dtype)`` --------------------------------
@@ -201,7 +178,7 @@ def gated_rms_norm_native(
     return (normed.to(torch.float32) * _gate_activation(gate.to(torch.float32), activation)).to(x.dtype)
 
 
-GATED_RMS_NORM = Op("gated_rms_norm", gated_rms_norm_native)
+GATED_RMS_NORM = Op("gated_rms_norm", gated_rms_norm_native, sampler=Rows("x", "gate", grads=("x", "gate", "weight")))
 
 
 def gated_rms_norm(
@@ -211,10 +188,7 @@ def gated_rms_norm(
     gate that broadcasts against ``x`` runs the native definition, as the model's own product would."""
     if activation not in GATE_ACTIVATIONS:
         raise ValueError(f"gated_rms_norm has no activation {activation!r}; it has: {', '.join(GATE_ACTIVATIONS)}.")
-    args = (x, gate, weight, eps, *spec.flags(), activation)
-    if torch.compiler.is_compiling():
-        return gated_rms_norm_native(*args)  # plain torch ops: Inductor fuses them
-    return GATED_RMS_NORM(*args)
+    return GATED_RMS_NORM(x, gate, weight, eps, *spec.flags(), activation)
 
 
 # ---- gated before the norm, in groups: ``rms_norm(x.float() * act(gate.float()))`` -----------
@@ -251,7 +225,9 @@ def input_gated_rms_norm_native(
     return _weighted(h, dtype, weight, cast_before_weight, offset, weight_fp32, cast_output)
 
 
-INPUT_GATED_RMS_NORM = Op("input_gated_rms_norm", input_gated_rms_norm_native)
+INPUT_GATED_RMS_NORM = Op(
+    "input_gated_rms_norm", input_gated_rms_norm_native, sampler=Rows("x", "gate", grads=("x", "gate", "weight"))
+)
 
 
 def input_gated_rms_norm(
@@ -272,7 +248,4 @@ def input_gated_rms_norm(
         )
     if group_size is not None and (group_size <= 0 or x.shape[-1] % group_size):
         raise ValueError(f"input_gated_rms_norm: groups of {group_size} do not divide the last dimension {x.shape[-1]}.")
-    args = (x, gate, weight, eps, *spec.flags(), activation, group_size)
-    if torch.compiler.is_compiling():
-        return input_gated_rms_norm_native(*args)  # plain torch ops: Inductor fuses them
-    return INPUT_GATED_RMS_NORM(*args)
+    return INPUT_GATED_RMS_NORM(x, gate, weight, eps, *spec.flags(), activation, group_size)

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import Hashable
 
 import torch
 from torch import Tensor
 
+from .conformance import Sampler, ShapeClass, _random_like, _tensor_key
 from .dispatch import Op, under_compile_use_library_op
 
 __all__ = ["ROTARY", "rotary", "rotary_backward_native", "rotary_native"]
@@ -36,17 +38,78 @@ def rotary_native(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim:
     return q_embed, k_embed
 
 
-ROTARY = Op("rotary", rotary_native)
+class _RotarySampler(Sampler):
+    """q and k ``[batch, heads, seq, dim]`` (heads and seq swapped with ``unsqueeze_dim=2``) and cos
+    and sin ``[batch or 1, seq, dim]``: classes of batch and sequence length, a batch whose
+    sequences have positions of their own (cos and sin per sequence, as left padding gives), and q
+    and k cut from one merged projection's output (strided heads). A provider's backward kernel is
+    judged on its gradients."""
 
+    grads = ("q", "k")
 
-@torch.library.custom_op("transfuse::rotary", mutates_args=())
-def _rotary_library_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int) -> tuple[Tensor, Tensor]:
-    return ROTARY(q, k, cos, sin, unsqueeze_dim)
+    @staticmethod
+    def _dim(args: tuple, kwargs: dict) -> int:
+        return args[4] if len(args) > 4 else kwargs.get("unsqueeze_dim", 1)
 
+    def _heads(self, args: tuple, kwargs: dict) -> tuple[int, int]:
+        q, k = args[:2]
+        return (q.shape[1], k.shape[1]) if self._dim(args, kwargs) in (1, -3) else (q.shape[2], k.shape[2])
 
-@_rotary_library_op.register_fake
-def _(q, k, cos, sin, unsqueeze_dim):
-    return rotary_native(q, k, cos, sin, unsqueeze_dim)
+    def key(self, args: tuple, kwargs: dict) -> Hashable:
+        q, k, cos, sin = args[:4]
+        return (_tensor_key(q, True), k.dtype, cos.dtype, sin.dtype, self._heads(args, kwargs),
+                self._dim(args, kwargs), cos.shape[0] == 1)  # fmt: skip
+
+    def describe(self, args: tuple, kwargs: dict) -> str:
+        q = args[0]
+        return f"{str(q.dtype).replace('torch.', '')} on {q.device.type}, heads of {q.shape[-1]}"
+
+    def classes(self, args: tuple, kwargs: dict, thresholds: dict) -> list[ShapeClass]:
+        found = [
+            ShapeClass("one position (a decode step)", (("batch", 1), ("seq", 1))),
+            ShapeClass("one position of 3 sequences", (("batch", 3), ("seq", 1))),
+            ShapeClass("7 positions", (("batch", 1), ("seq", 7))),
+            ShapeClass("2 sequences of 5 with their own positions", (("batch", 2), ("seq", 5)), data="per sequence"),
+            ShapeClass("5 positions cut from a merged projection", (("batch", 1), ("seq", 5)), layout="strided"),
+        ]
+        for dim in ("batch", "seq"):
+            for size in sorted(thresholds.get(dim, ())):
+                for n in (size - 1, size):
+                    if n >= 1:
+                        other = "seq" if dim == "batch" else "batch"
+                        found.append(ShapeClass(f"{dim} {n}", ((dim, n), (other, 1))))
+        return found
+
+    def make(self, shape_class: ShapeClass, args: tuple, kwargs: dict, generator) -> tuple[tuple, dict]:
+        q, k, cos, sin = args[:4]
+        dim = self._dim(args, kwargs)
+        batch, seq, head_dim = shape_class.size("batch", 1), shape_class.size("seq", 1), q.shape[-1]
+        heads_q, heads_k = self._heads(args, kwargs)
+        merged = None
+        if shape_class.layout == "strided":  # [batch, seq, q + k + v heads, dim], cut into q and k
+            merged = _random_like((batch, seq, heads_q + 2 * heads_k, head_dim), q.dtype, q.device, generator)
+
+        def part(x: Tensor, first: int, heads: int) -> Tensor:
+            if merged is not None:
+                cut = merged[:, :, first : first + heads]
+                return cut if dim in (2, -2) else cut.transpose(1, 2)
+            shape = (batch, heads, seq, head_dim) if dim in (1, -3) else (batch, seq, heads, head_dim)
+            return _random_like(shape, x.dtype, x.device, generator)
+
+        rows = batch if shape_class.data == "per sequence" or cos.shape[0] != 1 else 1
+        half = _random_like((rows, seq, head_dim // 2), torch.float32, cos.device, generator, 3.0)
+        angle = torch.cat([half, half], dim=-1)
+        new = (part(q, 0, heads_q), part(k, heads_q, heads_k), angle.cos().to(cos.dtype), angle.sin().to(sin.dtype))
+        return (*new, *args[4:]), dict(kwargs)
+
+    def backward_forms(self, provider) -> list:
+        if provider.backward is None:
+            return []
+
+        def run(grads: list, args: tuple, kwargs: dict) -> list:
+            return list(provider.backward(grads[0], grads[1], args[2], args[3], self._dim(args, kwargs)))
+
+        return [("its backward kernel", run)]
 
 
 def rotary_backward_native(
@@ -90,7 +153,7 @@ def _rotary_grad(ctx, grad_q, grad_k):
     return grad_q, grad_k, None, None, None
 
 
-_rotary_library_op.register_autograd(_rotary_grad, setup_context=_keep_cos_sin)
+ROTARY = Op("rotary", rotary_native, sampler=_RotarySampler(), library=True, autograd=(_rotary_grad, _keep_cos_sin))
 
 
 def rotary(
@@ -110,7 +173,7 @@ def rotary(
         if under_compile_use_library_op("rotary", (q, k, cos, sin), backward=True) and (
             original is None or _proved_constant(original, unsqueeze_dim)
         ):
-            return torch.ops.transfuse.rotary(q, k, cos, sin, unsqueeze_dim)
+            return ROTARY.library(q, k, cos, sin, unsqueeze_dim)
         return original(q, k, cos, sin) if original is not None else rotary_native(q, k, cos, sin, unsqueeze_dim)
     if original is not None and not _proved(original, unsqueeze_dim):
         return original(q, k, cos, sin)

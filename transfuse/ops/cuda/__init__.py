@@ -115,12 +115,19 @@ def _silu_and_mul_defers(x) -> bool:
     return _leave_to_triton(x, always_slower=True)
 
 
-RMS_NORM.register(Provider("cuda", launch.rms_norm, on_cuda_platform, _rms_norm_args, defers=_rms_norm_defers))
+# Where the choice between this extension and Triton changes: conformance checks both sides.
+_ROWS = {"rows": (_DEVICE_BOUND_ROWS,)}
+RMS_NORM.register(
+    Provider("cuda", launch.rms_norm, on_cuda_platform, _rms_norm_args, defers=_rms_norm_defers, thresholds=_ROWS)
+)
 FUSED_ADD_RMS_NORM.register(
     Provider(
-        "cuda", launch.fused_add_rms_norm, on_cuda_platform, _fused_add_rms_norm_args, defers=_fused_add_rms_norm_defers
+        "cuda", launch.fused_add_rms_norm, on_cuda_platform, _fused_add_rms_norm_args,
+        defers=_fused_add_rms_norm_defers, thresholds=_ROWS,
     )
-)
+)  # fmt: skip
 SILU_AND_MUL.register(
-    Provider("cuda", launch.silu_and_mul, on_cuda_platform, _silu_and_mul_args, defers=_silu_and_mul_defers)
+    Provider(
+        "cuda", launch.silu_and_mul, on_cuda_platform, _silu_and_mul_args, defers=_silu_and_mul_defers, thresholds=_ROWS
+    )
 )

@@ -22,15 +22,18 @@ from typing import Any, Callable
 
 import torch
 
+from ..accuracy import RULE, UNIT_ROUNDOFF, Tolerance
 from ..act_and_mul import GELU_AND_MUL, SILU_AND_MUL
 from ..checks import KERNEL_DTYPES, rows_fit, same_rows, weight_fits
 from ..decode_attention import DECODE_ATTENTION
 from ..dispatch import Provider
 from ..fused_add_rms_norm import FUSED_ADD_RMS_NORM
 from ..linear_cross_entropy import CROSS_ENTROPY_GRAD, SCALE_
+from ..moe import MOE_EXPERTS, MOE_ROUTE
 from ..platform import current_platform
 from ..rms_norm import GATED_RMS_NORM, RMS_NORM
 from ..rotary import ROTARY
+from .moe_configs import token_thresholds
 
 __all__ = ["MAX_HIDDEN", "available", "device_of", "interpreting", "on_device"]
 
@@ -169,7 +172,58 @@ def _scale_args(x, scale) -> bool:
     )
 
 
-def _provider(op, module: str, name: str, supports_args, backward_and_output: bool = False, backward: bool = False) -> None:
+def _triton_routes(logits, correction_bias, top_k, scoring, float32, grouped, n_group, topk_group, *rest) -> bool:
+    experts = logits.shape[-1]
+    tensors = (logits,) if correction_bias is None else (logits, correction_bias)
+    if not on_device(*tensors) or logits.dim() != 2 or experts > 1024 or top_k > experts:
+        return False
+    if grouped:
+        per_group = experts // n_group
+        # The kernel ranks groups in a [groups, per-group] tile: both must be powers of two.
+        return experts % n_group == 0 and _pow2(n_group) and _pow2(per_group) and per_group >= 2
+    return True
+
+
+def _triton_runs_experts(x, weights, ids, w13, w2, b13, b2, activation, *flags) -> bool:
+    tensors = [t for t in (x, weights, ids, w13, w2, b13, b2) if t is not None]
+    if activation not in _MOE_ACTIVATIONS or not on_device(*tensors) or x.dim() != 2 or ids.dim() != 2:
+        return False
+    if x.dtype not in KERNEL_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
+        return False
+    return ids.dtype in (torch.int32, torch.int64) and x.shape[0] > 0
+
+
+def _experts_thresholds(x, weights, ids, w13, *rest) -> dict:
+    """The token counts at which ``moe_configs.regime`` moves to another path or tiles."""
+    return {"tokens": token_thresholds(ids.shape[-1], w13.shape[0])}
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+# What the MoE kernels compute (``moe.EXPERT_ACTIVATIONS`` less the soft-capped SwiGLU).
+_MOE_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "clamped_swiglu")
+# Row counts from which the kernels launch differently (``rms_norm._LATENCY_BOUND_ROWS``,
+# ``act_and_mul._TINY_ROWS`` and ``_LATENCY_BOUND_ROWS``): conformance checks both sides.
+_NORM_ROWS = {"rows": (1025,)}
+_ACT_ROWS = {"rows": (5, 1025)}
+
+
+# Triton's interpreter emulates bfloat16, rounding less exactly than a GPU does (some products and
+# casts toward zero: a consistent scale error of up to about 0.6%, and a bf16 rounding's worth of
+# error in float32 outputs computed from bf16 values): interpreted bf16 kernels are judged with
+# twice the rule's rms factor, an rms floor of two bf16 roundings and a 1% scale allowance. On a
+# GPU, and in every other dtype, the rule's own constants.
+_INTERPRETED_BF16 = Tolerance(rms_factor=4.0, rms_floor=2 * UNIT_ROUNDOFF[torch.bfloat16], bias_floor=0.01)
+
+
+def _tolerance(dtype: torch.dtype) -> Tolerance:
+    return _INTERPRETED_BF16 if interpreting() and dtype == torch.bfloat16 else RULE
+
+
+def _provider(op, module: str, name: str, supports_args, backward_and_output: bool = False, backward: bool = False,
+              thresholds=None) -> None:  # fmt: skip
     """Register ``name`` of ``module`` as the op's triton provider, with ``name_autograd`` (the same
     kernels with their backward) for calls that need a backward, with ``backward_and_output`` the
     module's ``name_backward_and_output``, and with ``backward`` its ``name_backward``."""
@@ -177,21 +231,40 @@ def _provider(op, module: str, name: str, supports_args, backward_and_output: bo
         Provider(
             "triton", _lazy(module, name), available, supports_args, autograd=_lazy(module, f"{name}_autograd"),
             backward_and_output=_lazy(module, f"{name}_backward_and_output") if backward_and_output else None,
-            backward=_lazy(module, f"{name}_backward") if backward else None,
+            backward=_lazy(module, f"{name}_backward") if backward else None, thresholds=thresholds,
+            tolerance=_tolerance,
         )
     )  # fmt: skip
 
 
-_provider(RMS_NORM, "rms_norm", "rms_norm", _rms_norm_args)
-_provider(FUSED_ADD_RMS_NORM, "rms_norm", "fused_add_rms_norm", _fused_add_rms_norm_args)
+_provider(RMS_NORM, "rms_norm", "rms_norm", _rms_norm_args, thresholds=_NORM_ROWS)
+_provider(FUSED_ADD_RMS_NORM, "rms_norm", "fused_add_rms_norm", _fused_add_rms_norm_args, thresholds=_NORM_ROWS)
 # Forward only: under autograd the native definition (differentiable torch ops) runs.
-GATED_RMS_NORM.register(Provider("triton", _lazy("rms_norm", "gated_rms_norm"), available, _gated_rms_norm_args))
-_provider(SILU_AND_MUL, "act_and_mul", "silu_and_mul", _act_and_mul_args, backward_and_output=True)
-_provider(GELU_AND_MUL, "act_and_mul", "gelu_and_mul", _act_and_mul_args, backward_and_output=True)
+GATED_RMS_NORM.register(
+    Provider(
+        "triton", _lazy("rms_norm", "gated_rms_norm"), available, _gated_rms_norm_args, thresholds=_NORM_ROWS,
+        tolerance=_tolerance,
+    )
+)
+_provider(SILU_AND_MUL, "act_and_mul", "silu_and_mul", _act_and_mul_args, backward_and_output=True, thresholds=_ACT_ROWS)
+_provider(GELU_AND_MUL, "act_and_mul", "gelu_and_mul", _act_and_mul_args, backward_and_output=True, thresholds=_ACT_ROWS)
 _provider(ROTARY, "rotary", "rotary", _rotary_args, backward=True)
 # Forward only: under autograd the native definition runs.
 DECODE_ATTENTION.register(
-    Provider("triton", _lazy("decode_attention", "decode_attention"), available, _decode_attention_args)
+    Provider(
+        "triton", _lazy("decode_attention", "decode_attention"), available, _decode_attention_args,
+        thresholds=_lazy("decode_attention", "thresholds"), tolerance=_tolerance,
+    )
+)  # fmt: skip
+CROSS_ENTROPY_GRAD.register(
+    Provider("triton", _lazy("cross_entropy", "cross_entropy_grad"), available, _cross_entropy_grad_args, tolerance=_tolerance)
 )
-CROSS_ENTROPY_GRAD.register(Provider("triton", _lazy("cross_entropy", "cross_entropy_grad"), available, _cross_entropy_grad_args))
-SCALE_.register(Provider("triton", _lazy("cross_entropy", "scale_"), available, _scale_args))
+SCALE_.register(Provider("triton", _lazy("cross_entropy", "scale_"), available, _scale_args, tolerance=_tolerance))
+# Forward only, for inference on a GPU; the grouped path's tiles and the decode path by token count.
+MOE_ROUTE.register(Provider("triton", _lazy("moe", "moe_route"), available, _triton_routes, tolerance=_tolerance))
+MOE_EXPERTS.register(
+    Provider(
+        "triton", _lazy("moe", "moe_experts"), available, _triton_runs_experts, thresholds=_experts_thresholds,
+        tolerance=_tolerance,
+    )
+)  # fmt: skip

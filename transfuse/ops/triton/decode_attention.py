@@ -26,7 +26,7 @@ from torch import Tensor
 from . import device_of, interpreting
 from .launch import Kernel
 
-__all__ = ["decode_attention"]
+__all__ = ["decode_attention", "thresholds"]
 
 # Keys a block; a chunk is a whole number of blocks.
 _BLOCK_N = 64
@@ -144,6 +144,17 @@ def _combine_kernel(
 @functools.cache
 def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def thresholds(query, keys, values, bias, scaling, key=None, value=None, position=None) -> dict:
+    """Where the launch changes (``_splits``), as conformance reads it: from two blocks of keys a
+    head is split into chunks combined by a second kernel; at ``programs`` key/value heads of all
+    sequences together each gets one chunk again; the longest buffer split into the most chunks."""
+    block_n = TUNING.get("block_n", _BLOCK_N)
+    programs = TUNING.get("programs_per_sm", _PROGRAMS_PER_SM) * _sms(query.device)
+    kv_heads = keys.shape[1]
+    most = triton.cdiv(programs, kv_heads)
+    return {"length": (block_n + 1, most * block_n + 1), "batch": (triton.cdiv(programs, kv_heads),)}
 
 
 def _splits(rows: int, length: int, block_n: int, device: torch.device) -> tuple[int, int]:

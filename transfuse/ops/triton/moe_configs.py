@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 __all__ = [
     "CONFIGS", "DECODE_MAX_PAIRS", "TUNING_CANDIDATES", "DecodeConfig", "MoEConfig", "config_for", "fit",
-    "k_pad", "regime", "shared_memory_limit", "using_config",
+    "k_pad", "regime", "shared_memory_limit", "token_thresholds", "using_config",
 ]  # fmt: skip
 
 
@@ -170,6 +170,16 @@ TUNING_CANDIDATES: dict[str, tuple[Config, ...]] = {
 _FORCED: list[Config] = []
 
 
+# The bounds of the grouped regimes in (token, slot) pairs per expert: "tiny" up to the first, etc.
+_PER_EXPERT = (("tiny", 2), ("small", 24), ("medium", 96))
+
+
+def token_thresholds(top_k: int, experts: int) -> tuple[int, ...]:
+    """The token counts at which ``regime`` changes: the first count of each next regime."""
+    bounds = [min(DECODE_MAX_PAIRS, experts) // top_k] + [limit * experts // top_k for _, limit in _PER_EXPERT]
+    return tuple(sorted({b + 1 for b in bounds if b >= 0}))
+
+
 def regime(tokens: int, top_k: int, experts: int) -> str:
     """The regime of ``tokens`` tokens routed to ``top_k`` of ``experts`` experts: "decode" for
     the decode path, else the grouped path's by pairs per expert."""
@@ -177,13 +187,7 @@ def regime(tokens: int, top_k: int, experts: int) -> str:
     if pairs <= min(DECODE_MAX_PAIRS, experts):
         return "decode"
     per_expert = pairs / max(experts, 1)
-    if per_expert <= 2:
-        return "tiny"
-    if per_expert <= 24:
-        return "small"
-    if per_expert <= 96:
-        return "medium"
-    return "large"
+    return next((name for name, limit in _PER_EXPERT if per_expert <= limit), "large")
 
 
 def config_for(tokens: int, top_k: int, experts: int) -> Config:
