@@ -180,6 +180,7 @@ def test_a_provider_without_backward_is_skipped_when_autograd_needs_one():
         assert op.select(x.detach()).name == "forward_only"
     finally:
         ops.set_priority(None, op="silu_and_mul")
+        ops.unregister_provider("silu_and_mul", "forward_only")
         op._providers.pop("forward_only")
 
 

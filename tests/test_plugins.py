@@ -70,6 +70,7 @@ def install(tmp_path):
     added_paths, added_modules = [], []
     saved_layers = dict(layers._LAYERS)
     saved_providers = {name: dict(op._providers) for name, op in dispatch._OPS.items()}
+    saved_outside = list(dispatch._FROM_OUTSIDE)
 
     def _install(dist: str, module: str, source: str, entry_points: str) -> None:
         root = tmp_path / dist
@@ -94,6 +95,7 @@ def install(tmp_path):
     layers._LAYERS.update(saved_layers)
     for name, providers in saved_providers.items():
         dispatch._OPS[name]._providers = providers
+    dispatch._FROM_OUTSIDE[:] = saved_outside
     _reset_detection()
 
 
@@ -108,14 +110,20 @@ def test_a_plugin_adds_a_provider_to_an_existing_op_and_replaces_a_layer(install
     plugin = importlib.import_module("accel_plugin")
     assert ops.current_platform().name == "cpu"  # a provider alone does not change the platform
     x, weight = torch.randn(3, 16), torch.randn(16)
-    ops.set_priority(["accel"], op="rms_norm")
+    # Registered from outside, it runs ahead of the platform's own providers without being named,
+    # once it passed its conformance check (which ran it on other shapes first).
+    with ops.trace() as log:
+        out = ops.rms_norm(x, weight, 1e-6)
+    assert [entry.provider for entry in log] == ["accel"] and plugin.CALLS[-1] == (3, 16)
+    assert {(1, 16), (7, 16)} <= set(plugin.CALLS)  # its conformance check's one row and cut rows
+    assert torch.equal(out, ops.rms_norm_native(x, weight, 1e-6, *ops.RMSNormSpec().flags()))
+    ops.set_priority(["torch"], op="rms_norm")  # a priority the user sets runs what it names
     try:
         with ops.trace() as log:
-            out = ops.rms_norm(x, weight, 1e-6)
+            ops.rms_norm(x, weight, 1e-6)
     finally:
         ops.set_priority(None, op="rms_norm")
-    assert [entry.provider for entry in log] == ["accel"] and plugin.CALLS == [(3, 16)]
-    assert torch.equal(out, ops.rms_norm_native(x, weight, 1e-6, *ops.RMSNormSpec().flags()))
+    assert [entry.provider for entry in log] == ["torch"]
 
     assert ops.layer("RMSNorm") is plugin.AccelRMSNorm
     model = transfuse.rewrite(tiny_model("llama"), fusions=["rms_norm"])

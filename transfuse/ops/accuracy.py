@@ -200,7 +200,7 @@ def _judge_tensor(
     rms_limit, bias_limit = limits(original.dtype, own, apart, tolerance)
     # A scale no farther from the reference's than the original's is no scale error of the fused
     # result's own (a kernel that computes in float32 where the original rounds each step).
-    closer = reference is not None and abs(got.bias) <= abs(own.bias) + bias_limit
+    closer = reference is not None and abs(got.bias) <= abs(own.bias)
     if got.rms > rms_limit:
         reason = f"{what}: rms error {got.rms:.3g} exceeds {rms_limit:.3g}"
     elif abs(apart.bias) > bias_limit and not closer:

@@ -55,6 +55,7 @@ __all__ = [
 logger = logging.getLogger("transfuse")
 
 _LOCK = threading.RLock()
+_THREAD = threading.local()
 
 
 @dataclass(frozen=True)
@@ -322,15 +323,22 @@ def note_consulted(op: Op, grad: bool, key: Hashable, args: tuple, kwargs: dict)
 def check(op: Op, grad: bool, key: Hashable, args: tuple, kwargs: dict) -> dict[str, Verdict]:
     """Judge every provider of ``op`` in its current order that has no verdict for this
     configuration yet; the verdicts, by provider name (also kept on the op)."""
-    with _LOCK:
-        known = op._verdicts.setdefault(key, {})
-        waiting = [p for p in op.order() if p is not op.native and p.name not in known and (p.has_backward or not grad)]
-        found = _isolated(lambda: _check(op, grad, args, kwargs, waiting)) if waiting else {}
-        known.update(found)
+
+    def judge_waiting() -> dict[str, Verdict]:
+        with _LOCK:
+            known = op._verdicts.setdefault(key, {})
+            waiting = [p for p in op.order() if p is not op.native and p.name not in known and (p.has_backward or not grad)]
+            found = _check(op, grad, args, kwargs, waiting) if waiting else {}
+            known.update(found)
+        return found
+
+    # A check a provider's own code asks for (a backward that dispatches) runs on the checking
+    # thread itself; any other on a thread of its own.
+    found = judge_waiting() if getattr(_THREAD, "checking", False) else _isolated(judge_waiting)
     for verdict in found.values():
         if not verdict.passed:
             logger.warning("transfuse: %s; the next provider runs instead.", verdict.describe())
-    return known
+    return op._verdicts[key]
 
 
 def _check(op: Op, grad: bool, args: tuple, kwargs: dict, providers: list[Provider]) -> dict[str, Verdict]:
@@ -347,13 +355,11 @@ def _check(op: Op, grad: bool, args: tuple, kwargs: dict, providers: list[Provid
     failures: dict[str, tuple[str, str]] = {}
     with _clean_state(device):
         for shape_class in classes:
-            sample = sampler.make(shape_class, args, kwargs, generator)
+            sample = sampler.make(shape_class, args, kwargs, torch.Generator(device=device).manual_seed(0))
             taking = [p for p in providers if p.name not in failures and _accepts(op, p, grad, sample)]
             if not taking:
                 continue
-            expected = _expected(op, grad, sample)
-            for provider in taking:
-                verdict = _judge_provider(op, provider, grad, sample, expected)
+            for provider, verdict in _judge_class(op, grad, shape_class, (args, kwargs), taking, generator):
                 if verdict.passed:
                     results[provider.name].append(shape_class.name)
                 else:
@@ -373,6 +379,39 @@ def _check(op: Op, grad: bool, args: tuple, kwargs: dict, providers: list[Provid
     return verdicts
 
 
+# A class whose results are small is drawn again (new random values, the same shapes) until its
+# results hold this many elements, so that a scale error of a percent stands out of the rounding
+# noise even at one decode step's row; at most _MOST_DRAWS draws.
+_ENOUGH_ELEMENTS = 4096
+_MOST_DRAWS = 16
+
+
+def _judge_class(op: Op, grad: bool, shape_class: ShapeClass, call: tuple[tuple, dict], providers: list[Provider],
+                 generator: torch.Generator) -> list[tuple[Provider, Judgement]]:  # fmt: skip
+    """Each provider's verdict on one class (drawn from the call's arguments), over as many draws
+    as ``_ENOUGH_ELEMENTS`` asks."""
+    sample = op.sampler.make(shape_class, *call, generator)
+    draws: dict[str, list] = {p.name: [] for p in providers}
+    failed: dict[str, Judgement] = {}
+    elements = 0
+    while True:
+        expected = _expected(op, grad, sample)
+        for provider in providers:
+            if provider.name in failed:
+                continue
+            try:
+                draws[provider.name].append((_provider_results(op, provider, grad, sample, expected), expected))
+            except _Refused as exc:
+                failed[provider.name] = Judgement(False, str(exc))
+            except Exception as exc:  # a provider that raises on arguments it accepted fails its check
+                failed[provider.name] = Judgement(False, f"it raised {type(exc).__name__}: {exc}")
+        elements += sum(t.numel() for t in expected.original["output"])
+        if elements >= _ENOUGH_ELEMENTS or len(next(iter(draws.values()))) >= _MOST_DRAWS:
+            break
+        sample = op.sampler.make(shape_class, *call, generator)
+    return [(p, failed.get(p.name) or _judge_draws(p, draws[p.name], sample)) for p in providers]
+
+
 def _thresholds(provider: Provider, args: tuple, kwargs: dict) -> dict[str, Sequence[int]]:
     declared = provider.thresholds
     if declared is None:
@@ -388,6 +427,7 @@ def _isolated(work: Callable[[], Any]) -> Any:
     result: list = []
 
     def run() -> None:
+        _THREAD.checking = True
         try:
             result.append((True, work()))
         except BaseException as exc:  # handed back to the caller's thread
@@ -453,13 +493,12 @@ def _with_grads(op: Op, sample: tuple[tuple, dict]) -> tuple[tuple, dict]:
 
 @dataclass
 class _Expected:
-    """Native results on one sample: in the sample's dtype (the original) and in higher precision."""
+    """Native results on one sample, by group ("output", "gradient"): in the sample's dtype (the
+    original) and in higher precision (the reference, or None), and the output gradients used."""
 
-    original: list
-    reference: list | None
+    original: dict[str, list[torch.Tensor]]
+    reference: dict[str, list[torch.Tensor]] | None
     grad_output: list = field(default_factory=list)
-    original_grads: list = field(default_factory=list)
-    reference_grads: list | None = None
 
 
 def _outputs(op: Op, sample: tuple[tuple, dict], output: Any) -> list[torch.Tensor]:
@@ -472,54 +511,53 @@ def _outputs(op: Op, sample: tuple[tuple, dict], output: Any) -> list[torch.Tens
     return tensors
 
 
-def _run_native(op: Op, grad: bool, sample: tuple[tuple, dict], dtype: torch.dtype | None = None):
-    """(outputs, the copy of the sample they were computed from): native, on a fresh copy cast to
-    ``dtype`` when given, its inputs requiring grad when ``grad``."""
+def _run(op: Op, fn: Callable, grad: bool, sample: tuple[tuple, dict], grad_output: list | None,
+         dtype: torch.dtype | None = None) -> tuple[dict[str, list[torch.Tensor]], list]:  # fmt: skip
+    """``fn`` on a fresh copy of the sample (cast to ``dtype`` when given): its results by group,
+    with the gradients of the inputs that require grad for ``grad_output`` (random when None, and
+    returned) when ``grad``."""
     run = _copy(sample, dtype)
     if grad:
         run = _with_grads(op, run)
     with torch.enable_grad() if grad else contextlib.nullcontext():
-        return _outputs(op, run, op.native.impl(*run[0], **run[1])), run
+        outputs = _outputs(op, run, fn(*run[0], **run[1]))
+    groups = {"output": [t.detach() for t in outputs]}
+    if not grad:
+        return groups, []
+    differentiable = [t for t in outputs if t.requires_grad]
+    if grad_output is None:
+        generator = torch.Generator(device=outputs[0].device).manual_seed(1)
+        grad_output = [_random_like(t.shape, t.dtype, t.device, generator) for t in differentiable]
+    if len(differentiable) != len(grad_output):
+        raise _Refused("its result records no backward where the native definition's does")
+    groups["gradient"] = _grads(differentiable, [g.to(t.dtype) for g, t in zip(grad_output, differentiable)], run)
+    return groups, grad_output
+
+
+class _Refused(Exception):
+    """A provider's results cannot even be compared (a reason for the verdict)."""
 
 
 def _expected(op: Op, grad: bool, sample: tuple[tuple, dict]) -> _Expected:
-    original, run = _run_native(op, grad, sample)
-    expected = _Expected([t.detach() for t in original], None)
+    original, grad_output = _run(op, op.native.impl, grad, sample, None)
     coarsest = max((torch.finfo(t.dtype).eps for t in _floating(sample)), default=None)
-    reference = ref_run = None
     for dtype in (torch.float64, torch.float32):
         if coarsest is None or torch.finfo(dtype).eps >= coarsest:
             continue
         try:
-            reference, ref_run = _run_native(op, grad, sample, dtype)
+            reference, _ = _run(op, op.native.impl, grad, sample, grad_output, dtype)
         except (RuntimeError, TypeError, NotImplementedError):  # no kernel in this dtype: try the next
             continue
-        expected.reference = [t.detach() for t in reference]
-        break
-    if grad:
-        differentiable = [t for t in original if t.requires_grad]
-        if differentiable:
-            generator = torch.Generator(device=differentiable[0].device).manual_seed(1)
-            expected.grad_output = [_random_like(t.shape, t.dtype, t.device, generator) for t in differentiable]
-        expected.original_grads = _grads(differentiable, expected.grad_output, run)
-        if reference is not None:
-            ref_outputs = [t for t in reference if t.requires_grad]
-            ref_grad_output = [g.to(o.dtype) for g, o in zip(expected.grad_output, ref_outputs)]
-            expected.reference_grads = _grads(ref_outputs, ref_grad_output, ref_run)
-    return expected
+        return _Expected(original, reference, grad_output)
+    return _Expected(original, None, grad_output)
 
 
 def _floating(sample: tuple[tuple, dict]) -> list[torch.Tensor]:
     return [t for t in tree_flatten(sample)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
-def _leaves(sample: tuple[tuple, dict]) -> list[torch.Tensor | None]:
-    """The sample's tensors that require grad, in order."""
-    return [t for t in tree_flatten(sample)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-
-
 def _grads(outputs: list[torch.Tensor], grad_output: list[torch.Tensor], sample: tuple[tuple, dict]) -> list:
-    leaves = _leaves(sample)
+    leaves = [t for t in tree_flatten(sample)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     if not outputs or not leaves:
         return []
     with torch.enable_grad():
@@ -527,43 +565,37 @@ def _grads(outputs: list[torch.Tensor], grad_output: list[torch.Tensor], sample:
     return [g if g is not None else torch.zeros_like(leaf) for g, leaf in zip(found, leaves)]
 
 
-def _judge_provider(op: Op, provider: Provider, grad: bool, sample: tuple[tuple, dict], expected: _Expected) -> Judgement:
-    run = _copy(sample)
+def _provider_results(op: Op, provider: Provider, grad: bool, sample: tuple[tuple, dict], expected: _Expected):
+    """The provider's results on the sample, by group (its backward kernels' gradients as groups of
+    their own, compared with native's gradients)."""
+    results, _ = _run(op, provider.implementation(grad), grad, sample, expected.grad_output)
     if grad:
-        run = _with_grads(op, run)
-    try:
-        with torch.enable_grad() if grad else contextlib.nullcontext():
-            outputs = _outputs(op, run, provider.implementation(grad)(*run[0], **run[1]))
-        working = _floating(sample)
-        factor = provider.tolerance(working[0].dtype) if provider.tolerance is not None and working else RULE
-        verdict = judge_tensors([t.detach() for t in outputs], expected.original, expected.reference, tolerance=factor)
-        if not verdict.passed or not grad:
-            return verdict
-        differentiable = [t for t in outputs if t.requires_grad]
-        if len(differentiable) != len(expected.grad_output):
-            return Judgement(False, "its result records no backward where the native definition's does")
-        grads = _grads(differentiable, expected.grad_output, run)
-        verdict = _judge_grads(grads, expected, "gradient", factor)
+        for name, backward in op.sampler.backward_forms(provider):
+            results[name] = [g.detach() for g in backward(expected.grad_output, *_copy(sample))]
+    return results
+
+
+def _stacked(draws: list[dict[str, list[torch.Tensor]]]) -> dict[str, list[torch.Tensor]]:
+    """Each group's tensors of several draws, flattened and concatenated position by position."""
+    return {
+        group: [torch.cat([d[group][i].reshape(-1) for d in draws]) for i in range(len(tensors))]
+        for group, tensors in draws[0].items()
+    }
+
+
+def _judge_draws(provider: Provider, draws: list, sample: tuple[tuple, dict]) -> Judgement:
+    """The provider's results on every draw of one class, against native's, group by group."""
+    working = _floating(sample)
+    tolerance = provider.tolerance(working[0].dtype) if provider.tolerance is not None and working else RULE
+    got = _stacked([results for results, _ in draws])
+    original = _stacked([expected.original for _, expected in draws])
+    reference = _stacked([expected.reference for _, expected in draws]) if draws[0][1].reference is not None else None
+    verdict = Judgement(True, "")
+    for group, tensors in got.items():
+        against = group if group in original else "gradient"  # a backward kernel's: native's gradients
+        names = [f"output {i}" if group == "output" else f"{group} of input {i}" for i in range(len(tensors))]
+        refs = reference[against] if reference is not None else None
+        verdict = judge_tensors(tensors, original[against], refs, names, tolerance=tolerance)
         if not verdict.passed:
             return verdict
-        for name, backward in op.sampler.backward_forms(provider):
-            verdict = _judge_grads(backward(expected.grad_output, *_copy(sample)), expected, f"{name}'s gradient", factor)
-            if not verdict.passed:
-                return verdict
-        return verdict
-    except Exception as exc:  # a provider that raises on arguments it accepted fails its check
-        return Judgement(False, f"it raised {type(exc).__name__}: {exc}")
-
-
-def _judge_grads(grads: list, expected: _Expected, what: str, tolerance: Tolerance) -> Judgement:
-    pairs = [(g, o, r) for g, o, r in zip(grads, expected.original_grads, expected.reference_grads or [None] * len(grads))
-             if g is not None]  # fmt: skip
-    if len(grads) != len(expected.original_grads):
-        return Judgement(False, f"its {what}s cover {len(grads)} inputs, the native definition's {len(expected.original_grads)}")
-    return judge_tensors(
-        [p[0].detach() for p in pairs],
-        [p[1] for p in pairs],
-        [p[2] for p in pairs] if expected.reference_grads is not None else None,
-        [f"{what} {i}" for i in range(len(pairs))],
-        tolerance=tolerance,
-    )
+    return verdict

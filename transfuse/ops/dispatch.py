@@ -51,6 +51,7 @@ __all__ = [
     "priority",
     "refresh",
     "register_provider",
+    "unregister_provider",
     "set_priority",
     "trace",
     "set_compile_mode",
@@ -267,6 +268,11 @@ class Op:
                 return provider
         return deferred or self.native
 
+    def verdicts(self, key: Hashable) -> list[conformance.Verdict]:
+        """The conformance verdicts of this op's providers for one configuration (``(grad, the
+        sampler's key)``), as far as they were checked."""
+        return list(self._verdicts.get(key, {}).values())
+
     def _conforms(self, provider: Provider, key: Hashable, args: tuple, kwargs: dict) -> bool:
         """Whether ``provider`` passed its conformance check for this configuration (checked now,
         once, where it can be; where it cannot, the provider is passed over for this call)."""
@@ -415,6 +421,21 @@ def register_provider(
         for each in _OPS.values():
             each._order = None
     return provider
+
+
+def unregister_provider(op: str, name: str) -> None:
+    """Remove a provider that ``register_provider`` added."""
+    found = get_op(op)
+    if name not in found._providers:
+        raise ValueError(f"Op {op!r} has no provider {name!r} (it has: {', '.join(found.providers)}).")
+    del found._providers[name]
+    found._supported.pop(name, None)
+    found._verdicts.clear()
+    if not any(name in each._providers for each in _OPS.values()) and name in _FROM_OUTSIDE:
+        _FROM_OUTSIDE.remove(name)
+    for each in _OPS.values():
+        each._order = None
+    _changed()
 
 
 # Names of providers registered through ``register_provider``, in order.

@@ -35,7 +35,9 @@ from torch import nn
 from ..progress import bar
 from .analysis import ClassAnalysis, analyse
 from .capture import Probe, ProbeUnavailable, eval_mode, is_meta_model, make_probe, record_calls
-from .checking import check_instances, check_model, judge_losses, loss_in_training, prepare
+from ..ops import conformance
+from ..ops.accuracy import NON_FINITE
+from .checking import check_instances, check_model, judge_losses, loss_in_training, prepare, provider_checks
 from .fusion import Fused, Fuser, Refusal, SourceFuser
 from .report import FusionRecord, RewriteReport, SkipRecord
 from .source import MethodRewrite, bind, rewrite_method, unbind
@@ -268,6 +270,36 @@ def _undo(model: nn.Module, instance: _Instance) -> None:
             fused.undo()
 
 
+def _verified(
+    model: nn.Module, applied: list[_Instance], training: list[_Instance], checks: dict, probe: Probe, report: RewriteReport
+) -> list[_Instance]:
+    """The applied instances that pass their checks (each fused module, the training-only ones by
+    the loss, then the whole model); the others are undone and reported."""
+
+    def failed(instance: _Instance, reason: str, tag: str) -> None:
+        _undo(model, instance)
+        what = "has non-finite values the original does not" if tag == NON_FINITE else "is less accurate than the original"
+        _refuse(report, instance, tag, f"the fused module {what}: {reason}; undone.")
+
+    applied = [i for i in applied if i in training] + check_instances(
+        model, [i for i in applied if i not in training], checks, failed
+    )
+    if any(i in training for i in applied):
+        applied = _check_training(model, applied, [i for i in applied if i in training], probe, report)
+    if not applied:
+        return applied
+    verdict = check_model(model, probe)
+    if verdict.passed:
+        report.notes.append(f"verified: the whole model's output on the probe input differs by {verdict.describe() or 'nothing'}")
+        return applied
+    _undo_all(model, applied)
+    report.notes.append(
+        f"the rewritten model's output differed from the original's ({verdict.reason}), though each "
+        "fused module passed alone; all fusions were undone"
+    )
+    return []
+
+
 class RewriteError(RuntimeError):
     """A rewrite failed part-way (a fused model that raised, say); every fusion was undone."""
 
@@ -400,26 +432,9 @@ def rewrite_model(
             applied.append(instance)
             _apply(model, instance)
         if checking:
-            def failed(instance: _Instance, reason: str) -> None:
-                _undo(model, instance)
-                _refuse(report, instance, "verify.mismatch", f"the fused module is less accurate than the original: {reason}; undone.")
-
-            applied = [i for i in applied if i in training] + check_instances(
-                model, [i for i in applied if i not in training], checks, failed
-            )
-            if any(i in training for i in applied):
-                applied = _check_training(model, applied, [i for i in applied if i in training], probe, report)
-            if applied:
-                verdict = check_model(model, probe)
-                if verdict.passed:
-                    report.notes.append(f"verified: the whole model's output on the probe input differs by {verdict.describe() or 'nothing'}")
-                else:
-                    _undo_all(model, applied)
-                    applied = []
-                    report.notes.append(
-                        f"the rewritten model's output differed from the original's ({verdict.reason}), though each "
-                        "fused module passed alone; all fusions were undone"
-                    )
+            with conformance.watching() as consulted:
+                applied = _verified(model, applied, training, checks, probe, report)
+            report.providers = provider_checks(model, consulted) if applied else []
     except BaseException as exc:
         _undo_all(model, applied)
         if not isinstance(exc, Exception):

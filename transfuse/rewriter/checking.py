@@ -25,6 +25,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from ..ops import conformance
+from ..ops.accuracy import NON_FINITE
+from ..ops.conformance import Verdict
 from ..ops.graphs import suspended as graphs_suspended
 from .. import settings
 from ..progress import bar
@@ -41,6 +44,7 @@ __all__ = [
     "judge_losses",
     "loss_in_training",
     "prepare",
+    "provider_checks",
     "reference_output",
 ]
 
@@ -140,6 +144,15 @@ def reference_output(module: nn.Module, call: Call) -> tuple[Any, torch.dtype | 
     return None, None
 
 
+def _non_finite_parameter(module: nn.Module) -> str | None:
+    """The name of a floating parameter of ``module`` with a NaN or infinite value, else None
+    (buffers may hold -inf on purpose: attention masks)."""
+    for name, p in module.named_parameters():
+        if p.is_floating_point() and not p.is_meta and type(p.data) is torch.Tensor and not torch.isfinite(p).all():
+            return name
+    return None
+
+
 def prepare(
     model: nn.Module, instances: Sequence[Any], probe: Probe, refuse: Callable[[Any, str, str], None]
 ) -> dict[str, Check]:
@@ -153,6 +166,15 @@ def prepare(
             donors.setdefault(class_key(instance.module), instance.path)
     checks: dict[str, Check] = {}
     for instance in bar(instances, total=len(instances), desc="transfuse: reference runs"):
+        broken = _non_finite_parameter(instance.module)
+        if broken is not None:
+            refuse(
+                instance,
+                NON_FINITE,
+                f"its parameter {broken} holds NaN or infinite values: a fused module compared with an output "
+                "they make non-finite proves nothing, so the fusion cannot be checked.",
+            )
+            continue
         call, borrowed = reached.get(instance.path), None
         if call is None:
             borrowed = donors.get(class_key(instance.module))
@@ -183,10 +205,10 @@ def prepare(
 
 
 def check_instances(
-    model: nn.Module, instances: Sequence[Any], checks: dict[str, Check], failed: Callable[[Any, str], None]
+    model: nn.Module, instances: Sequence[Any], checks: dict[str, Check], failed: Callable[[Any, str, str], None]
 ) -> list[Any]:
-    """Run each fused instance on its recorded inputs; ``failed(instance, reason)`` for those whose
-    output ``judge`` does not pass. Returns the instances that passed."""
+    """Run each fused instance on its recorded inputs; ``failed(instance, reason, tag)`` for those
+    whose output ``judge`` does not pass. Returns the instances that passed."""
     kept = []
     for instance in bar(instances, total=len(instances), desc="transfuse: checking"):
         check = checks[instance.path]
@@ -202,8 +224,25 @@ def check_instances(
             instance.check = f"{verdict.describe()}, {check.describe()}" if verdict.fused is not None else check.describe()
             kept.append(instance)
         else:
-            failed(instance, f"{verdict.reason}, {check.describe()}")
+            failed(instance, f"{verdict.reason}, {check.describe()}", verdict.tag)
     return kept
+
+
+def provider_checks(model: nn.Module, consulted: list) -> list[Verdict]:
+    """The conformance verdicts of the providers the fused modules' ops consulted while they were
+    checked (``conformance.watching``), one per op, provider and configuration; where the model has
+    parameters that require grad (it may be trained), each configuration is also checked with
+    gradients now, so that a backward kernel is judged before a training step runs it."""
+    trains = any(p.requires_grad for p in model.parameters())
+    seen: dict = {}
+    for op, grad, key, args, kwargs in consulted:
+        seen.setdefault((op.name, key), (op, grad, key, args, kwargs))
+    found: list[Verdict] = []
+    for op, grad, key, args, kwargs in seen.values():
+        found += op.verdicts(key)
+        if trains and not grad and (op.name, (True, key[1])) not in seen and conformance.can_check_now(args, kwargs):
+            found += conformance.check(op, True, (True, key[1]), args, kwargs).values()
+    return found
 
 
 def loss_in_training(model: nn.Module, probe: Probe) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+from ..ops.conformance import Verdict
 from .fusion import Refusal
 
 __all__ = ["FusionRecord", "RewriteReport", "SkipRecord"]
@@ -48,6 +49,9 @@ class RewriteReport:
     not_rewritten: str | None = None
     # "verified", or "unverified: <why>" (only when the caller asked, or on the meta device).
     verification: str = "verified"
+    # The providers of the ops the fused modules call, judged against each op's native definition
+    # at every shape class (``transfuse.ops.conformance``); a failed one is not dispatched.
+    providers: list[Verdict] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         """Number of fusions per kind."""
@@ -80,6 +84,14 @@ class RewriteReport:
                 if s.path and s.where:
                     where = f"{s.path} ({s.where})"
                 rows.append((s.kind, s.cls, where, f"[{s.tag}] {s.reason}"))
+            lines += _table(rows)
+        if self.providers:
+            lines += ["", "providers checked against the native ops (every shape class their dispatch tells apart):"]
+            rows = [("op", "provider", "configuration", "verdict")]
+            for v in self.providers:
+                what = f"{v.config}{', with gradients' if v.grad else ''}"
+                verdict = f"conforms at {len(v.classes)} classes: {', '.join(v.classes)}" if v.passed else f"[{v.tag}] {v.reason}"
+                rows.append((v.op, v.provider, what, verdict))
             lines += _table(rows)
         if self.notes:
             lines += [""] + [f"note: {n}" for n in self.notes]
