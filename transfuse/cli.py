@@ -201,6 +201,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Loggers of libraries transformers imports while it loads a model, which log as they are imported:
+# torchao (its quantizer's backend) that its CUDA libraries do not load on a CPU build of torch, and
+# torch's pytree a deprecation in how torchao registers its types.
+_IMPORT_CHATTER = ("torchao", "torch.utils._pytree")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(_gather_fusions(list(sys.argv[1:] if argv is None else argv)))
@@ -210,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="%(message)s", level=logging.WARNING)
     log.setLevel(logging.WARNING if args.quiet else logging.INFO)
     warnings.filterwarnings("ignore", module="transformers")
+    for name in _IMPORT_CHATTER:
+        logging.getLogger(name).setLevel(logging.ERROR)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()

@@ -137,13 +137,10 @@ def _plan(
         suggesting = [f for f in suggest if f.wants(module)]
         if not wanting and not suggesting:
             continue
-        if not meta_model and any(p.is_meta for p in module.parameters()):
-            for fuser in wanting:
-                report.add_skip(SkipRecord(type(module).__name__, fuser.kind, _OFFLOADED, "instance.offloaded", path=path))
-            continue
+        offloaded = not meta_model and any(p.is_meta for p in module.parameters())
         analysis = analyse(module, path, probe)
         classes.add(analysis.cls)
-        for fuser in suggesting:
+        for fuser in suggesting if not offloaded else ():
             _suggest(fuser, module, analysis, report)
         instance = _Instance(path, module, analysis)
         for fuser in wanting:
@@ -152,6 +149,9 @@ def _plan(
                 continue
             if isinstance(verdict, Refusal):
                 report.add_skip(SkipRecord.of(type(module).__name__, fuser.kind, verdict))
+                continue
+            if offloaded:  # only the fusions its class matches concern it
+                report.add_skip(SkipRecord(type(module).__name__, fuser.kind, _OFFLOADED, "instance.offloaded", path=path))
                 continue
             refusal = fuser.validate(module, verdict)
             if refusal is not None:

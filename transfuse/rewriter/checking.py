@@ -70,9 +70,12 @@ class Check:
     reference: Any = None  # the original's output in higher precision; None where it could not run
     reference_dtype: torch.dtype | None = None
     borrowed_from: str | None = None  # the instance whose recorded inputs these are, if not its own
+    unreferenced: str | None = None  # why there is no reference run, where one would have been made
 
     def describe(self) -> str:
         against = f"a {str(self.reference_dtype).replace('torch.', '')} run of the original" if self.reference is not None else "the original's own output"
+        if self.unreferenced is not None:
+            against += f" ({self.unreferenced})"
         borrowed = f", on the inputs of {self.borrowed_from}" if self.borrowed_from is not None else ""
         return f"against {against}{borrowed}"
 
@@ -118,30 +121,58 @@ def _eager_interfaces():
 _INTERFACES = (("transformers.modeling_utils", "AttentionInterface"), ("transformers.integrations.moe", "ExpertsInterface"))
 
 
-def reference_output(module: nn.Module, call: Call) -> tuple[Any, torch.dtype | None]:
+def reference_output(module: nn.Module, call: Call) -> tuple[Any, torch.dtype | None, str | None]:
     """``module``'s output on ``call``'s inputs computed in float64, else float32, from upcast copies
     of its tensors (the module itself is not changed), as written or, where that does not run in
-    the dtype, with transformers' eager attention and experts; (None, None) where neither dtype is
-    more precise than the module, the copy would exceed ``REFERENCE_BYTES``, or it cannot run."""
+    the dtype, with transformers' eager attention and experts, and its dtype; (None, None, why) where
+    one of its tensors cannot be upcast (a quantized weight's type refuses it: the fused module is
+    then judged against the original's own output, in its own dtype); (None, None, None) where
+    neither dtype is more precise than the module, the copy would exceed ``REFERENCE_BYTES``, or it
+    cannot run."""
     tensors = _unique_tensors(module)
     floating = {id(t): t for t in tensors.values() if t.is_floating_point()}
     working = [t.dtype for t in floating.values()] + [t.dtype for t in _floating_leaves((call.args, call.kwargs))]
     if not working:
-        return None, None
+        return None, None, None
     coarsest = max(torch.finfo(d).eps for d in working)
     count = sum(t.numel() for t in floating.values())
     for dtype in (torch.float64, torch.float32):
         if torch.finfo(dtype).eps >= coarsest or count * torch.finfo(dtype).bits // 8 > REFERENCE_BYTES:
             continue
-        state = {name: t.detach().to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
+        state, refused = _upcast(tensors, dtype)
+        if state is None:
+            return None, None, refused
         for interfaces in (contextlib.nullcontext, _eager_interfaces):
             args, kwargs = _cast(call.fresh(), dtype)
             try:
                 with evaluating(module), interfaces():
-                    return torch.func.functional_call(module, state, tuple(args), kwargs), dtype
+                    return torch.func.functional_call(module, state, tuple(args), kwargs), dtype, None
             except Exception as exc:  # an op without this dtype (a fused attention kernel): try the next
                 logger.debug("transfuse: %s does not run in %s: %s", type(module).__name__, dtype, exc)
-    return None, None
+    return None, None, None
+
+
+def _upcast(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[dict | None, str | None]:
+    """Copies of the floating tensors in ``dtype`` (the others as they are), or None and the reason
+    one cannot be made: a tensor subclass (a quantized weight) that refuses the change of dtype or
+    keeps its own."""
+    state, wanted = {}, _name(dtype)
+    for name, t in tensors.items():
+        if not t.is_floating_point():
+            state[name] = t
+            continue
+        try:
+            copy = t.detach().to(dtype)
+        except Exception as exc:  # the subclass's own refusal: quanto's weights raise ValueError
+            return None, f"{name} ({type(t).__name__}) cannot be made {wanted}: {type(exc).__name__}: {exc}"
+        if copy.dtype != dtype:
+            return None, f"{name} ({type(t).__name__}) stays {_name(copy.dtype)} when made {wanted}"
+        state[name] = copy
+    return state, None
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def _non_finite_parameter(module: nn.Module) -> str | None:
@@ -199,8 +230,8 @@ def prepare(
                 )
                 continue
             call = Call(args, kwargs, output)
-        reference, dtype = reference_output(instance.module, call)
-        checks[instance.path] = Check(call, reference, dtype, borrowed)
+        reference, dtype, unreferenced = reference_output(instance.module, call)
+        checks[instance.path] = Check(call, reference, dtype, borrowed, unreferenced)
     return checks
 
 

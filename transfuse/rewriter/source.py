@@ -7,7 +7,8 @@ is made. The edited method is the single source of truth for:
 * the runtime rewrite: compiled against the original module's globals (read live, never
   added to: the names an edit needs are closure cells), under the original file name and
   line numbers (tracebacks point at real code), inside a shell of the original class so
-  that decorators, ``__qualname__`` and zero-argument ``super()`` behave as in the original;
+  that decorators, ``__qualname__`` and zero-argument ``super()`` behave as in the original,
+  and bound to each instance inside the wrappers its class puts around its forward (``wrappers``);
 * the emitted modeling file: the original file with the method replaced, formatting
   and comments kept;
 * the diff between the two texts.
@@ -32,6 +33,7 @@ import torch
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from .graph import NoMatch
+from .wrappers import rewrapped
 
 __all__ = [
     "EditContext",
@@ -278,6 +280,7 @@ class MethodRewrite:
     # Class-level statements placed before the method in the emitted file (emitted replacements only).
     preceding: tuple = ()
     _compiled: Callable | None = None
+    _bound: dict = field(default_factory=dict)  # class -> what ``bind`` binds for its instances
 
     def __reduce__(self):
         if not self.recipe:
@@ -328,8 +331,14 @@ class MethodRewrite:
         """The edited method as a function in the original module's globals (decorators applied)."""
         if self._compiled is None:
             self._compiled = _compile(self)
-            setattr(self._compiled, _REWRITE_OF, self)
         return self._compiled
+
+    def forward_for(self, cls: type) -> Callable:
+        """The function ``bind`` binds to instances of ``cls``: the compiled method inside the wrappers
+        ``cls`` has around the original one (``wrappers``); NoMatch where they cannot be copied."""
+        if cls not in self._bound:
+            self._bound[cls] = _follower(self, cls, rewrapped(cls, self.method_name, self.original.function, self.compile()))
+        return self._bound[cls]
 
 
 _REBUILT: dict = {}
@@ -367,7 +376,8 @@ _REDUCE_EX = "__reduce_ex__"
 
 
 def bind(rewrite: MethodRewrite, instance) -> types.MethodType:
-    """``rewrite``'s method bound to ``instance``, installed as the instance's ``forward``.
+    """``rewrite``'s method bound to ``instance``, installed as the instance's ``forward``, inside the
+    wrappers the instance's class has around its own forward (``MethodRewrite.forward_for``).
 
     A plain bound method, because Dynamo guards one by its function, which every instance with
     this rewrite shares: a decoder layer compiled on its own (``layer.compile()``), or a layer
@@ -376,9 +386,31 @@ def bind(rewrite: MethodRewrite, instance) -> types.MethodType:
     layer until Dynamo's recompile limit, and the layers past it eager. A plain bound method
     pickles as a name looked up on the class (the original forward), so the instance also gets
     ``PicklesRewritten`` as its own ``__reduce_ex__``."""
-    function = rewrite.compile()
+    function = rewrite.forward_for(type(instance))
     instance.__dict__[_REDUCE_EX] = PicklesRewritten(instance)
     return types.MethodType(function, instance)
+
+
+def _follower(rewrite: MethodRewrite, cls: type, function: Callable) -> Callable:
+    """``function`` (the rewrite in ``cls``'s wrappers) for instances of ``cls``; an instance whose class
+    changed after the rewrite (FSDP2's ``fully_shard`` makes it an instance of a subclass, which wraps
+    the forward again) runs the rewrite in its new class's wrappers instead, as the original would."""
+
+    def forward(self, *args, **kwargs):
+        if type(self) is cls:
+            return function(self, *args, **kwargs)
+        try:
+            other = rewrite.forward_for(type(self))
+        except NoMatch as refusal:
+            raise RuntimeError(
+                f"This {type(self).__qualname__} runs a forward rewritten for {cls.__qualname__}, which its new class "
+                f"cannot run: {refusal.reason} Rewrite the model after changing the class of its modules."
+            ) from None
+        return other(self, *args, **kwargs)
+
+    functools.update_wrapper(forward, function)
+    setattr(forward, _REWRITE_OF, rewrite)
+    return forward
 
 
 def unbind(instance) -> None:
@@ -433,7 +465,7 @@ class _Rebinding:
 
 
 def _bind_again(rewrite: MethodRewrite, instance) -> types.MethodType:
-    return types.MethodType(rewrite.compile(), instance)
+    return types.MethodType(rewrite.forward_for(type(instance)), instance)
 
 
 def _method_code(node: cst.FunctionDef) -> str:
@@ -578,4 +610,9 @@ def rewrite_method(
             context.names, context.imports = saved
     if not applied:
         return None, refusals
-    return MethodRewrite(cls, source, tree, context.imports, tuple(applied)), refusals
+    rewrite = MethodRewrite(cls, source, tree, context.imports, tuple(applied))
+    try:
+        rewrite.forward_for(cls)
+    except NoMatch as refusal:
+        return None, {**refusals, **{kind: refusal for kind in applied}}
+    return rewrite, refusals

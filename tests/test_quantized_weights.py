@@ -1,0 +1,90 @@
+"""Quantized weights (tensor subclasses and quantized linear modules transfuse has no adapter for) never
+make a rewrite fail: what can be verified fuses, the rest is refused with a reason, and the model's
+output stays the quantized stock model's. A module holding weights that cannot be upcast (quanto's
+refuse a change of dtype, torchao's keep their own) is judged against its own output, and says so."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import transfuse
+from transfuse.rewriter.verify import judge_model
+from transfuse.tiny import tiny_model
+
+
+def _quanto(weights):
+    from transformers import QuantoConfig
+
+    return QuantoConfig(weights=weights)
+
+
+def _torchao_int8():
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import TorchAoConfig
+
+    return TorchAoConfig(Int8WeightOnlyConfig())
+
+
+def _bnb(bits):
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_8bit=bits == 8, load_in_4bit=bits == 4)
+
+
+SCHEMES = {
+    "quanto-int8": ("optimum.quanto", lambda: _quanto("int8")),
+    "quanto-int4": ("optimum.quanto", lambda: _quanto("int4")),
+    "torchao-int8": ("torchao", _torchao_int8),
+    "bnb-8bit": ("bitsandbytes", lambda: _bnb(8)),
+    "bnb-4bit": ("bitsandbytes", lambda: _bnb(4)),
+}
+# Where the weights are tensor subclasses whose dtype does not change.
+NOT_UPCAST = {"quanto-int8", "quanto-int4", "torchao-int8"}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama").save_pretrained(path)
+    return path
+
+
+def _quantized(checkpoint, scheme):
+    package, config = SCHEMES[scheme]
+    if importlib.util.find_spec(package.partition(".")[0]) is None:
+        pytest.skip(f"{package} is not installed")
+    return AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=config(), device_map="cpu").eval()
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_a_quantized_model_rewrites_fusing_what_it_can_verify(checkpoint, scheme):
+    model = _quantized(checkpoint, scheme)
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids)
+    transfuse.rewrite(model)
+    report = transfuse.report(model)
+    assert {"rms_norm", "add_rms_norm", "rotary"} <= set(report.counts()), report
+    assert all(s.tag and s.reason for s in report.skipped), report.skipped
+    # The projections are quantized: refused, naming what they are.
+    assert {s.kind for s in report.skipped} == {"qkv", "gate_up"}, report.skipped
+    with torch.no_grad():
+        got = model(ids)
+    verdict = judge_model(got, want)
+    assert verdict.passed, verdict.reason
+    layer = next(f for f in report.fusions if f.kind == "add_rms_norm")
+    if scheme in NOT_UPCAST:
+        assert "against the original's own output (self_attn.q_proj.weight (" in layer.check, layer.check
+    else:
+        assert "against a float64 run of the original" in layer.check, layer.check
+
+
+def test_only_norms_and_rotary_asked_for_on_quanto_weights(checkpoint):
+    model = _quantized(checkpoint, "quanto-int8")
+    transfuse.rewrite(model, fusions=["rms_norm", "rotary"])
+    assert set(transfuse.report(model).counts()) == {"rms_norm", "rotary"}
+    assert transfuse.report(model).skipped == []
