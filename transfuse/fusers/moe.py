@@ -111,6 +111,10 @@ class MoEFuser(Fuser):
         """The router and the experts become the fused layer's; shared experts stay open to other fusions."""
         return (found.plan.router.module, found.experts_child)
 
+    def rebuilt_children(self, found: MoEMatch) -> tuple[str, ...]:
+        """The block's place; per-expert modules are also stacked into new tensors."""
+        return ("", found.experts_child) if found.member is not None else ("",)
+
     def match(self, analysis: ClassAnalysis) -> MoEMatch | Refusal | None:
         try:
             loop, call = _find_experts(analysis)

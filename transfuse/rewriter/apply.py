@@ -38,6 +38,7 @@ from .capture import Probe, ProbeUnavailable, eval_mode, is_meta_model, make_pro
 from .checking import check_instances, check_model, judge_losses, loss_in_training, prepare
 from .fusion import Fused, Fuser, Refusal, SourceFuser
 from .report import FusionRecord, RewriteReport, SkipRecord
+from .sharing import Sharing
 from .source import MethodRewrite, bind, rewrite_method, unbind
 from .tracer import unwrapped_forward
 
@@ -127,6 +128,7 @@ def _plan(
     claimed: list[str] = []  # paths whose whole subtree a planned fusion consumes
     classes = set()
     meta_model = is_meta_model(model)
+    sharing = Sharing(model)
     modules = list(model.named_modules())
     for path, module in bar(modules, total=len(modules), desc="transfuse: analysing"):
         if is_fused(module) or any(path.startswith(p + ".") or path == p for p in claimed):
@@ -151,7 +153,8 @@ def _plan(
             if isinstance(verdict, Refusal):
                 report.add_skip(SkipRecord.of(type(module).__name__, fuser.kind, verdict))
                 continue
-            refusal = fuser.validate(module, verdict)
+            refusal = sharing.refusal(fuser.kind, module, fuser.rebuilt_children(verdict))
+            refusal = refusal or fuser.validate(module, verdict)
             if refusal is not None:
                 report.add_skip(SkipRecord.of(type(module).__name__, fuser.kind, refusal, path))
                 continue
