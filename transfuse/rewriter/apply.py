@@ -32,6 +32,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from ..ops.hooks import share_hooks
 from ..progress import bar
 from .analysis import ClassAnalysis, analyse
 from .capture import Probe, ProbeUnavailable, eval_mode, is_meta_model, make_probe, record_calls
@@ -228,6 +229,7 @@ def _apply(model: nn.Module, instance: _Instance) -> None:
     for plan in instance.plans:
         plan.fused = plan.fuser.fuse(instance.module, plan.found)
         if plan.fused.replacement is not None:
+            share_hooks(instance.module, plan.fused.replacement)  # called in its place, it runs its hooks
             _set_submodule(model, instance.path, plan.fused.replacement)
             _adopt_training(plan.fused.replacement, instance.module.training, existing)
     _adopt_training(instance.module, instance.module.training, existing)

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..ops import LinearPart, identify_activation, layer
+from ..ops.hooks import share_hooks
 from ..ops.sharding import ColwiseShards, colwise_shards, is_sharded
 
 __all__ = ["ActivationError", "Merge", "MergeError", "merge_declared", "merge_linears", "merges_of", "unmerge_linears"]
@@ -93,9 +94,20 @@ def _check_mergeable(parent: nn.Module, into: str, parts: Sequence[str]) -> tupl
 
 
 def merge_linears(
-    parent: nn.Module, into: str, parts: Sequence[str], *, activation: str | None = None
+    parent: nn.Module,
+    into: str,
+    parts: Sequence[str],
+    *,
+    activation: str | None = None,
+    activation_module: str | None = None,
 ) -> nn.Module:
-    """Replace ``parent``'s linear children ``parts`` by one merged linear named ``into``."""
+    """Replace ``parent``'s linear children ``parts`` by one merged linear named ``into``; a GLU's
+    ``activation`` is applied by ``parent.<activation_module>`` where a module applies it.
+
+    The ``LinearPart`` in each part's place runs the hooks the original had (``share_hooks``), so a
+    hook registered before the merge runs as one registered after it (``MergedProjection`` calls a
+    hooked part as a module). Tensor-parallel parts keep theirs on the originals: the merged sharded
+    matmul stands for the originals' own transforms."""
     linears, shards = _check_mergeable(parent, into, parts)
     first = linears[0]
     with torch.device("meta"):
@@ -119,12 +131,14 @@ def merge_linears(
                 setattr(merged, tensor, nn.Parameter(data, requires_grad=pieces[0].requires_grad))
     views = tuple(LinearPart(merged, i) for i in range(len(parts)))
     for name, lin, view in zip(parts, linears, views):
+        if shards is None:
+            share_hooks(lin, view)
         setattr(parent, name, view)
         for tensor in _TENSORS:
             if getattr(lin, tensor) is not None:
                 setattr(lin, tensor, None)  # the merged module holds the only copy
     setattr(parent, into, merged)
-    merged.attach(parent, views)
+    merged.attach(parent, views, activation_module)
     parent.__dict__.setdefault(_MERGES, {})[into] = _Merge(tuple(parts), merged.split_sizes, tuple(linears))
     _ensure_hooks(parent)
     return merged
@@ -257,7 +271,8 @@ class Merge:
             raise ActivationError(f"{self.activation_module} ({act!r}) is not exactly one of the fused activations.")
 
     def apply(self, module: nn.Module) -> nn.Module:
-        return merge_linears(module, self.into, self.parts, activation=self.activation_of(module))
+        activation, module_name = self.activation_of(module), self.activation_module
+        return merge_linears(module, self.into, self.parts, activation=activation, activation_module=module_name)
 
     def undo(self, module: nn.Module) -> None:
         unmerge_linears(module, self.into)
