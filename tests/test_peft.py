@@ -176,11 +176,34 @@ def test_under_autocast_adapters_train_like_the_stock_models():
         assert ((fused_grads[name] - want).norm() / want.norm()).item() <= 5e-2, name
 
 
-def test_a_hook_on_a_wrapped_part_is_a_clear_error():
-    _, fused = _pair("llama", LoraConfig(r=4, target_modules=["k_proj"]))
-    fused.base_model.model.model.layers[0].self_attn.k_proj.register_forward_hook(lambda *args: None)
-    with pytest.raises(NotImplementedError, match="would not run"):
-        fused(input_ids=_ids())
+def test_a_hook_on_a_wrapped_part_runs_as_on_the_stock_model():
+    stock, fused = _pair("llama", LoraConfig(r=4, target_modules=["k_proj"]))
+    results = []
+    for model in (stock, fused):
+        calls = []
+        k_proj = model.base_model.model.model.layers[0].self_attn.k_proj
+        k_proj.register_forward_hook(lambda module, args, out: (calls.append(out), out * 1.5)[1])
+        with torch.no_grad():
+            results.append((calls, model(input_ids=_ids()).logits))
+    (stock_calls, stock_logits), (calls, logits) = results
+    assert len(calls) == len(stock_calls) == 1
+    torch.testing.assert_close(calls[0], stock_calls[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits, stock_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_mixed_adapter_batches_run_as_on_the_stock_model():
+    """PEFT passes ``adapter_names`` to its layers through forward hooks: the hooked parts run as modules."""
+    logits = []
+    for rewrite in (False, True):
+        torch.manual_seed(0)
+        base = tiny_model("llama")
+        config = LoraConfig(r=4, target_modules=["q_proj", "up_proj"])
+        model = get_peft_model(transfuse.rewrite(base) if rewrite else base, config, adapter_name="a")
+        model.add_adapter("b", LoraConfig(r=4, target_modules=["q_proj", "up_proj"]))
+        _randomise_adapters(model)
+        with torch.no_grad():
+            logits.append(model.eval()(input_ids=_ids(), adapter_names=["a", "b"]).logits)
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
 
 
 def test_a_gate_up_output_is_consumable_with_or_without_adapters_but_not_with_hooks():

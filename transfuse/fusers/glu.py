@@ -208,6 +208,9 @@ class GLUFuser(SourceFuser):
         merged = cst.parse_expression(f"{fused_op}(self.{found.into}({x.value}), self.{found.into}.activation)")
         return replace_nodes(tree, [(product, merged)])
 
+    def rebuilt_children(self, found: GLUMatch) -> tuple[str, ...]:
+        return (found.gate, found.up)
+
     def declaration(self, found: GLUMatch) -> Merge:
         return found.merge
 

@@ -43,6 +43,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..ops import layer
+from ..ops.hooks import hooked
 from ..ops.moe import ExpertsSpec
 from ..ops.sharding import is_sharded
 from ..ops.moe_layer import (
@@ -111,6 +112,10 @@ class MoEFuser(Fuser):
         """The router and the experts become the fused layer's; shared experts stay open to other fusions."""
         return (found.plan.router.module, found.experts_child)
 
+    def rebuilt_children(self, found: MoEMatch) -> tuple[str, ...]:
+        """The block's place; per-expert modules are also stacked into new tensors."""
+        return ("", found.experts_child) if found.member is not None else ("",)
+
     def match(self, analysis: ClassAnalysis) -> MoEMatch | Refusal | None:
         try:
             loop, call = _find_experts(analysis)
@@ -125,6 +130,14 @@ class MoEFuser(Fuser):
             _validate(module, found)
         except NoMatch as refusal:
             return Refusal(refusal.tag, refusal.reason)
+        if found.member is not None:
+            hooked_members = [n for n, m in module.get_submodule(found.experts_child).named_modules() if hooked(m)]
+            if hooked_members:
+                return Refusal(
+                    "moe.hooked",
+                    f"{found.experts_child}.{hooked_members[0]} has hooks; stacking the per-expert modules into one "
+                    "tensor would leave them uncalled, so the block is left as it is.",
+                )
         return None
 
     def fuse(self, module: nn.Module, found: MoEMatch) -> Fused:
@@ -143,6 +156,8 @@ class MoEFuser(Fuser):
         tensors = dict(_own_tensors(module))
         persistent = {n: n not in module._non_persistent_buffers_set for n in tensors}
         fused = layer("MoE")(children, plan, _routing_numbers(module, found.routing), experts, tensors, persistent)
+        if found.member is None:  # stacked per-expert modules are gone: the block could not run as written
+            fused.keep_block(module)
         return Fused(replaced=("",), into=type(fused).__name__, replacement=fused)
 
     def emission(self, found: MoEMatch, fused: Fused) -> MoEEmission | None:

@@ -144,6 +144,9 @@ class QKVFuser(SourceFuser):
                 return _guarded(tree, edited, tests, f"{', '.join(found.parts)} read one value")
             raise
 
+    def rebuilt_children(self, found: QKVMatch) -> tuple[str, ...]:
+        return found.parts
+
     def declaration(self, found: QKVMatch) -> Merge:
         return found.merge
 

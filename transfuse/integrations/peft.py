@@ -10,8 +10,9 @@ updates the adapters, ``save_pretrained`` writes PEFT's own keys
 (``...q_proj.lora_A.weight``), which stock PEFT loads onto the stock model, and
 ``merge_and_unload`` merges each adapter into its part's rows of the merged weight.
 
-Plain LoRA only: DoRA and PEFT's other variants, mixed-adapter batches and hooks on a wrapped part
-(which would not run) raise a clear error.
+Plain LoRA only: DoRA and PEFT's other variants raise a clear error. A wrapped part with hooks
+(PEFT's mixed-adapter batches, ``adapter_names=...``, pass their arguments through such hooks) is
+called as a module, as every hooked part is (``MergedProjection``), and never reaches this code.
 """
 
 from __future__ import annotations
@@ -48,13 +49,6 @@ def lora_adapters(wrapper: Any, x: torch.Tensor, start: int) -> list[Adapter] | 
     lora_linear = _lora_linear_class()
     if lora_linear is None or not isinstance(wrapper, lora_linear):
         return NotImplemented
-    if wrapper._forward_pre_hooks or wrapper._forward_hooks:
-        # PEFT's mixed-adapter batches (``adapter_names=...``) pass their arguments through such hooks.
-        raise NotImplementedError(
-            "A forward hook is registered on a LoRA layer whose projection transfuse merged: the merged "
-            "projection computes it without calling it, so the hook would not run (PEFT's mixed-adapter "
-            "batches, adapter_names=..., work this way). Rewrite the model without the qkv and gate_up fusions."
-        )
     if wrapper.disable_adapters or wrapper.merged:
         return []
     adapters = []

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
-from torch.nn.modules import module as module_globals
 
 from .conformance import Rows
 from .dispatch import Op, Provider
+from .hooks import watched
 
 __all__ = [
     "ACTIVATIONS",
@@ -142,15 +142,19 @@ GELU_AND_MUL = Op(
 )  # fmt: skip
 
 
-def act_and_mul(x: Tensor, activation: str) -> Tensor:
-    """``act(gate) * up`` for ``x = [gate | up]``; ``activation`` is one of ``ACTIVATIONS``."""
+def act_and_mul(x: Tensor, activation: str | nn.Module) -> Tensor:
+    """``act(gate) * up`` for ``x = [gate | up]``; ``activation`` is one of ``ACTIVATIONS``, or a module
+    that computes it (a GLU's activation module that has hooks), which is called on the gate."""
     if x.shape[-1] % 2:
         raise ValueError(f"act_and_mul needs an even last dimension ([gate | up]), got {x.shape[-1]}.")
+    if isinstance(activation, nn.Module):
+        gate, up = _halves(x)
+        return activation(gate) * up
     op, args = _op_and_args(activation)
     return op(x, *args)
 
 
-def act_and_mul_linear(linear: nn.Module, x: Tensor, activation: str) -> Tensor:
+def act_and_mul_linear(linear: nn.Module, x: Tensor, activation: str | nn.Module) -> Tensor:
     """``linear(act_and_mul(x, activation))``: a GLU's product and the projection that reads it.
 
     The same numbers as those two calls. What differs is what a training step keeps: autograd
@@ -161,9 +165,10 @@ def act_and_mul_linear(linear: nn.Module, x: Tensor, activation: str) -> Tensor:
 
     Only for a plain ``nn.Linear`` that nothing watches (no hooks, plain parameters, no autocast):
     anything else (a LoRA wrapper, a tensor-parallel layer, a hooked or quantised layer) is called
-    as it is, after act_and_mul. So is every call that records no backward, and every compiled
-    one (Inductor chooses what to keep and what to recompute itself)."""
-    if _recomputes(linear, x):
+    as it is, after act_and_mul. So is every call that records no backward, every compiled
+    one (Inductor chooses what to keep and what to recompute itself), and every call whose
+    activation is a module (``act_and_mul``)."""
+    if not isinstance(activation, nn.Module) and _recomputes(linear, x):
         op, args = _op_and_args(activation)
         return _ActAndMulLinear.apply(x, linear.weight, linear.bias, op, args)
     return linear(act_and_mul(x, activation))
@@ -187,17 +192,7 @@ def _recomputes(linear: nn.Module, x: Tensor) -> bool:
         return False
     if x.dtype != weight.dtype or x.shape[-1] != 2 * weight.shape[1] or torch.is_autocast_enabled(x.device.type):
         return False
-    watched = (
-        linear._forward_hooks
-        or linear._forward_pre_hooks
-        or linear._backward_hooks
-        or linear._backward_pre_hooks
-        or module_globals._global_forward_hooks
-        or module_globals._global_forward_pre_hooks
-        or module_globals._global_backward_hooks
-        or module_globals._global_backward_pre_hooks
-    )
-    return not watched
+    return not watched(linear)
 
 
 class _ActAndMulLinear(torch.autograd.Function):

@@ -17,6 +17,7 @@ from torch.nn.modules import module as module_globals
 
 from .act_and_mul import CONSUMABLE
 from .fused_add_rms_norm import fused_add_rms_norm
+from .hooks import global_hooks, hooked, watched
 from .low_rank import linear_with_adapters
 from .moe_layer import MoE
 from .rms_norm import RMSNormSpec, gated_rms_norm, input_gated_rms_norm, rms_norm
@@ -48,6 +49,12 @@ class MergedProjection(nn.Module):
     which stay under their names as ``LinearPart`` views of this weight. When such a tool wraps a
     part (a LoRA adapter), ``part_hook`` is asked for the wrapper's adapters, which
     ``linear_with_adapters`` adds to that part's columns: the merged matmul runs once, adapters or not.
+
+    A part (or the module in its place) with hooks, or hooks registered for every module, is called
+    as a module, as the original forward called it, and the outputs are concatenated: its hooks run
+    with its input and output, as often as in the original, and a hook that changes the output
+    changes what follows. So is the activation module of a GLU (``activation`` is then that module,
+    which ``act_and_mul`` calls on the gate).
     """
 
     __transfuse_layer__ = True
@@ -70,7 +77,9 @@ class MergedProjection(nn.Module):
         self.split_sizes = tuple(int(s) for s in split_sizes)
         self.out_features = sum(self.split_sizes)
         self.parts = tuple(parts)
-        self.activation = activation
+        self.activation_name = activation
+        # The owner's child that applies the activation, if one does (not a child of this module).
+        self.__dict__["_activation_module"] = None
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(self.out_features, device=device, dtype=dtype)) if bias else None
         self._owner = None  # the module holding the parts under their names (a weak reference)
@@ -78,15 +87,39 @@ class MergedProjection(nn.Module):
         # Set when the parts were column-parallel shards (tp_plan): split_sizes are then this rank's.
         self.shards: ColwiseShards | None = None
 
-    def attach(self, owner: nn.Module, part_modules: tuple[nn.Module, ...]) -> None:
-        """Where the parts live (``owner.<part>``), and the ``LinearPart`` each slot holds unwrapped."""
+    def attach(
+        self, owner: nn.Module, part_modules: tuple[nn.Module, ...], activation_module: str | None = None
+    ) -> None:
+        """Where the parts live (``owner.<part>``), the ``LinearPart`` each slot holds unwrapped, and
+        the owner's child that applies a GLU's activation, if a module does."""
         self._owner = weakref.ref(owner)
         self._part_modules = tuple(part_modules)
+        self.__dict__["_activation_module"] = owner._modules[activation_module] if activation_module else None
+
+    @property
+    def activation(self) -> str | nn.Module | None:
+        """The GLU's activation as ``act_and_mul`` takes it: its name, or while the module that applies
+        it in the original has hooks (its own or global ones), that module, called on the gate so that
+        its hooks run. Read on every GLU call: the checks are written out."""
+        module = self._activation_module
+        if module is not None and (
+            module._forward_hooks
+            or module._forward_pre_hooks
+            or module._backward_hooks
+            or module._backward_pre_hooks
+            or module_globals._global_forward_hooks
+            or module_globals._global_forward_pre_hooks
+            or module_globals._global_backward_hooks
+            or module_globals._global_backward_pre_hooks
+        ):
+            return module
+        return self.activation_name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for part in self._part_modules:
-            part.sync()
-        adapters = self._adapters(x)
+        slots, watched = self._slots()
+        if watched:
+            return self._call_parts(x, slots)
+        adapters = self._adapters(x, slots)
         if self.shards is not None:
             if adapters:
                 raise NotImplementedError(
@@ -97,7 +130,7 @@ class MergedProjection(nn.Module):
             return F.linear(x, self.weight.to_local(), self.bias.to_local() if self.bias is not None else None)
         out = linear_with_adapters(x, self.weight, self.bias, adapters)
         hooked = self._forward_hooks or module_globals._global_forward_hooks
-        if self.activation is not None and not hooked and not torch.compiler.is_compiling():
+        if self.activation_name is not None and not hooked and not torch.compiler.is_compiling():
             # Only the GLU reads a gate/up output (the fusion proved it): its backward may reuse it.
             # Compiled code runs the GLU's native definition, which never does. With adapters too:
             # their op keeps its input and the adapters' hidden values, never its output. (The
@@ -106,15 +139,44 @@ class MergedProjection(nn.Module):
             setattr(out, CONSUMABLE, True)
         return out
 
-    def _adapters(self, x: torch.Tensor) -> list:
-        """The adapters of the parts that a tool wrapped (PEFT's LoRA), each on its part's columns."""
+    def _slots(self) -> tuple[list[nn.Module], bool]:
+        """The module in each part's place (the part, or a tool's wrapper of it), with each part's
+        replaced view data written back (``sync``); and whether calling one of them would run hooks.
+
+        One pass with the checks written out: this runs on every call, in eager decoding too."""
         owner = self._owner() if self._owner is not None else None
-        if owner is None:
-            return []
+        modules = owner._modules if owner is not None else {}
+        watched = global_hooks()
+        slots = []
+        for name, part in zip(self.parts, self._part_modules):
+            if part._views:
+                part.sync()
+            slot = modules.get(name)
+            if slot is None:
+                slot = part
+            watched = watched or bool(
+                part._forward_hooks or part._forward_pre_hooks or part._backward_hooks or part._backward_pre_hooks
+            )
+            watched = watched or (slot is not part and hooked(slot))
+            slots.append(slot)
+        return slots, watched
+
+    def _call_parts(self, x: torch.Tensor, slots: list[nn.Module]) -> torch.Tensor:
+        """Each part computed by calling the module in its place, as the original forward called it
+        (its hooks run), the outputs concatenated as the merged matmul would give them."""
+        if self.shards is not None:
+            raise NotImplementedError(
+                f"A hook on {', '.join(self.parts)} of a tensor-parallel merged projection would not run: it is "
+                "computed as one sharded matmul. Remove the hook, or rewrite the model without the qkv and gate_up "
+                "fusions to hook the projections under tensor parallelism."
+            )
+        return torch.cat([slot(x) for slot in slots], dim=-1)
+
+    def _adapters(self, x: torch.Tensor, slots: list[nn.Module]) -> list:
+        """The adapters of the parts that a tool wrapped (PEFT's LoRA), each on its part's columns."""
         adapters, start = [], 0
-        for name, size, part in zip(self.parts, self.split_sizes, self._part_modules):
-            slot = owner._modules.get(name)
-            if slot is not part and slot is not None:
+        for name, size, part, slot in zip(self.parts, self.split_sizes, self._part_modules, slots):
+            if slot is not part:
                 hook = type(self).part_hook
                 found = hook(slot, x, start) if hook is not None else NotImplemented
                 if found is NotImplemented:
@@ -139,17 +201,17 @@ class MergedProjection(nn.Module):
 
     def extra_repr(self) -> str:
         merged = " + ".join(f"{name}:{size}" for name, size in zip(self.parts, self.split_sizes))
-        act = f", activation={self.activation}" if self.activation else ""
+        act = f", activation={self.activation_name}" if self.activation_name else ""
         return f"in_features={self.in_features}, bias={self.bias is not None}, parts=[{merged}]{act}"
 
 
 class LinearPart(nn.Linear):
     """One projection that a ``MergedProjection`` computes, kept under its original name: an
     ``nn.Linear`` whose weight and bias are views of its rows of the merged tensors (no copy, no
-    parameter of its own, so nothing is trained or saved twice). The model's rewritten forward does
-    not call it; called, it computes what the original did. Tools find it by name and class
-    (PEFT wraps it with an adapter, whose contribution the merged projection adds); an in-place
-    change of its weight (a merged adapter) changes the merged weight.
+    parameter of its own, so nothing is trained or saved twice). The model's rewritten forward calls
+    it only where it has hooks (``MergedProjection``); called, it computes what the original did.
+    Tools find it by name and class (PEFT wraps it with an adapter, whose contribution the merged
+    projection adds); an in-place change of its weight (a merged adapter) changes the merged weight.
     """
 
     __transfuse_layer__ = True
@@ -183,11 +245,26 @@ class LinearPart(nn.Linear):
             elif not untracked:
                 return view
         rows = source[self._rows[0] : self._rows[1]]
-        shards = self._merged.shards
-        # Under tensor parallelism, this rank's rows of the part as the DTensor shard of the full part.
-        view = shards.sharded(rows, self.out_features) if shards is not None else rows
+        view = self._part_of(rows)
         self._views[name] = (merged, source.data_ptr(), view, rows.data_ptr())
         return view
+
+    def _part_of(self, rows: torch.Tensor) -> torch.Tensor:
+        """The part's tensor over ``rows``: under tensor parallelism, this rank's rows of the part as
+        the DTensor shard of the full part."""
+        shards = self._merged.shards
+        return shards.sharded(rows, self.out_features) if shards is not None else rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The original projection, computed from fresh slices of the merged tensors (the views that
+        ``weight`` hands out are neither made nor compared here, so compiled code traces this)."""
+        if not torch.compiler.is_compiling():
+            self.sync()
+        return F.linear(x, self._slice("weight"), self._slice("bias"))
+
+    def _slice(self, name: str) -> torch.Tensor | None:
+        merged = getattr(self._merged, name)
+        return None if merged is None else self._part_of(_local(merged)[self._rows[0] : self._rows[1]])
 
     def sync(self) -> None:
         """Write back into the merged tensors a view whose data was replaced since it was handed out
@@ -316,18 +393,17 @@ def add_rms_norm(norm: nn.Module, a: torch.Tensor, b: torch.Tensor) -> tuple[tor
     One ``fused_add_rms_norm`` where that is exactly what those statements compute: ``norm`` is a
     plain ``RMSNorm`` layer, or a class of an emitted modeling file whose forward is that op (it
     says so with ``_transfuse_rms_norm``: its weight's and epsilon's names and its rounding); it
-    has no hooks to run (its own or global ones) and no forward of its own set on the instance
-    (accelerate's offloading hooks replace it); and ``a`` and ``b`` are plain tensors of one
-    shape and dtype (the sum is then taken in that dtype either way, and ``a + b`` equals
-    ``b + a``). Otherwise the statements as written: the sum, then the norm's call."""
+    has no hooks to run (forward, forward-pre or backward; its own or global ones) and no forward
+    of its own set on the instance (accelerate's offloading hooks replace it); and ``a`` and ``b``
+    are plain tensors of one shape and dtype (the sum is then taken in that dtype either way, and
+    ``a + b`` equals ``b + a``). Otherwise the statements as written: the sum, then the norm's call."""
     if (
         "forward" not in norm.__dict__
         and type(a) is torch.Tensor
         and type(b) is torch.Tensor
         and a.dtype == b.dtype
         and a.shape == b.shape
-        and not (norm._forward_hooks or norm._forward_pre_hooks)
-        and not (module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks)
+        and not watched(norm)
     ):
         if type(norm) is RMSNorm:
             if norm.assumes:

@@ -12,6 +12,9 @@ router (transformers records router logits with forward hooks), the router child
 called as is and its outputs are used. ``StackedExperts`` holds per-expert GLU weights
 stacked into the packed layout, saved and loaded under the original per-expert keys.
 
+Where the experts' child has hooks (its own or global ones), the layer runs the block's forward as
+written instead, on its own children, so that the hooks run as in the original.
+
 ``moe_block(module, x, plan, top_k=...)`` computes the same for any module holding those
 children: an emitted modeling file's block calls it from its own forward. A plan's ``assumes``
 are attribute values the traced code branched on; a layer whose attributes differ raises.
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .graphs import SmallBatchGraphs
+from .hooks import watched
 from .moe import ExpertsSpec, RoutingSpec, moe_experts, moe_route
 from .sharding import is_sharded
 
@@ -203,10 +207,6 @@ def _tensor(layer: nn.Module, path: str) -> Tensor:
         ) from None
 
 
-def _observed(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks)
-
-
 @dataclass
 class RoutingNumbers:
     """The instance's routing numbers (read from its attributes by whoever builds the layer)."""
@@ -278,6 +278,7 @@ class MoE(nn.Module):
         self._experts_config = None
         self.experts_implementation = None
         self._kernels = _transformers_experts_kernels()
+        self.__dict__["_block"] = None  # the block this layer took the place of (``keep_block``)
         for child in children.values():
             implementation = getattr(getattr(child, "config", None), "_experts_implementation", None)
             if implementation is not None:
@@ -296,7 +297,31 @@ class MoE(nn.Module):
                     f"{self.experts_implementation!r} when the model was rewritten. Set it back, or rewrite "
                     "the model without the 'moe' fusion to choose the experts implementation."
                 )
+        if experts_watched(self, self.plan):
+            return self._as_written(hidden_states, *unused, **unused_kwargs)
         return _block_forward(self, hidden_states, self.plan, self.routing, self.expert_numbers)
+
+    def keep_block(self, block: nn.Module) -> None:
+        """Keep the block this layer took the place of (it shares the layer's children and tensors), to
+        run its forward as written while the experts' module has hooks (``experts_watched``)."""
+        self.__dict__["_block"] = block
+
+    def _as_written(self, hidden_states: Tensor, *args, **kwargs):
+        """The block's own forward, on this layer's children, tensors and mode: the experts' module is
+        called as the original called it, and its hooks run."""
+        block = self._block
+        if block is None:
+            experts = self.plan.experts.w13.rpartition(".")[0]
+            raise RuntimeError(
+                f"A hook on {experts} (or one registered for every module) would not run: this fused "
+                "mixture-of-experts layer computes per-expert modules stacked into one tensor and never calls "
+                "them. Remove the hook, or rewrite the model without the 'moe' fusion to hook its experts."
+            )
+        block._modules.update(self._modules)
+        block._parameters.update(self._parameters)
+        block._buffers.update(self._buffers)
+        block.training = self.training
+        return block.forward(hidden_states, *args, **kwargs)
 
     def _forward(self, hidden_states: Tensor):
         """The layer's computation, never through a CUDA graph."""
@@ -338,9 +363,22 @@ def moe_block(
 
 def moe_block_applies(layer: nn.Module, plan: MoEPlan) -> bool:
     """Whether ``moe_block`` computes this block: its experts are whole tensors, not the DTensor
-    shards of tensor or expert parallelism (an emitted block then runs its forward as written)."""
+    shards of tensor or expert parallelism, and their module has no hooks (an emitted block then
+    runs its forward as written)."""
     e = plan.experts
-    return not any(is_sharded(_tensor(layer, path)) for path in (e.w13, e.w2))
+    return not any(is_sharded(_tensor(layer, path)) for path in (e.w13, e.w2)) and not experts_watched(layer, plan)
+
+
+def experts_watched(layer: nn.Module, plan: MoEPlan) -> bool:
+    """Whether the child holding the packed experts, which the fused layer does not call, has hooks
+    (its own or global ones) that the block's forward as written would run."""
+    *owners, _ = _split(plan.experts.w13)
+    if not owners:
+        return False  # the block holds the experts itself: its own hooks run around the layer's call
+    module = layer
+    for part in owners:
+        module = module._modules[part]
+    return watched(module)
 
 
 def _block_forward(layer: nn.Module, hidden_states: Tensor, plan: MoEPlan, routing, numbers: ExpertNumbers):
@@ -415,9 +453,9 @@ def _block_compute(layer: nn.Module, hidden_states: Tensor, *, plan: MoEPlan, ro
 
 def _block_route(layer: nn.Module, r: RouterPlan, n, hidden_states: Tensor, tokens: Tensor):
     module = getattr(layer, r.module)
-    observed = _observed(module)
+    observed = watched(module)
     call_module = r.spec is None or (WEIGHTS in r.returns and (observed or (layer.training and r.train_as_module)))
-    # A router observed by hooks (transformers records router logits with them) is called for its logits.
+    # A router with hooks (transformers records router logits with them) is called for its logits.
     if call_module or r.logits is None or (observed and LOGITS in r.returns):
         out = module(hidden_states if r.input else tokens, *(_tensor(layer, p) for p in r.extra))
         found = dict(zip(r.returns, out if len(r.returns) > 1 else (out,)))

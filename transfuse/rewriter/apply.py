@@ -32,14 +32,16 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from ..ops import conformance
+from ..ops.accuracy import NON_FINITE
+from ..ops.hooks import share_hooks
 from ..progress import bar
 from .analysis import ClassAnalysis, analyse
 from .capture import Probe, ProbeUnavailable, eval_mode, is_meta_model, make_probe, record_calls
-from ..ops import conformance
-from ..ops.accuracy import NON_FINITE
 from .checking import check_instances, check_model, judge_losses, loss_in_training, prepare, provider_checks
 from .fusion import Fused, Fuser, Refusal, SourceFuser
 from .report import FusionRecord, RewriteReport, SkipRecord
+from .sharing import Sharing
 from .source import MethodRewrite, bind, rewrite_method, unbind
 from .tracer import unwrapped_forward
 
@@ -129,6 +131,7 @@ def _plan(
     claimed: list[str] = []  # paths whose whole subtree a planned fusion consumes
     classes = set()
     meta_model = is_meta_model(model)
+    sharing = Sharing(model)
     modules = list(model.named_modules())
     for path, module in bar(modules, total=len(modules), desc="transfuse: analysing"):
         if is_fused(module) or any(path.startswith(p + ".") or path == p for p in claimed):
@@ -153,7 +156,8 @@ def _plan(
             if offloaded:  # only the fusions its class matches concern it
                 report.add_skip(SkipRecord(type(module).__name__, fuser.kind, _OFFLOADED, "instance.offloaded", path=path))
                 continue
-            refusal = fuser.validate(module, verdict)
+            refusal = sharing.refusal(fuser.kind, module, fuser.rebuilt_children(verdict))
+            refusal = refusal or fuser.validate(module, verdict)
             if refusal is not None:
                 report.add_skip(SkipRecord.of(type(module).__name__, fuser.kind, refusal, path))
                 continue
@@ -227,6 +231,7 @@ def _apply(model: nn.Module, instance: _Instance) -> None:
     for plan in instance.plans:
         plan.fused = plan.fuser.fuse(instance.module, plan.found)
         if plan.fused.replacement is not None:
+            share_hooks(instance.module, plan.fused.replacement)  # called in its place, it runs its hooks
             _set_submodule(model, instance.path, plan.fused.replacement)
             _adopt_training(plan.fused.replacement, instance.module.training, existing)
     _adopt_training(instance.module, instance.module.training, existing)

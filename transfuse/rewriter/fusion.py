@@ -75,6 +75,12 @@ class Fuser(ABC):
         other fusion plans anything in them. A fuser that replaces the module claims all."""
         return ()
 
+    def rebuilt_children(self, found: Any) -> tuple[str, ...]:
+        """Children (dotted names) whose places ``fuse`` takes and whose tensors it copies into new ones,
+        and ``""`` where it takes the instance's own place (its parameters reused): the rewriter refuses
+        the fusion where one of them is shared with another place in the model (``sharing``)."""
+        return ("",) if self.replaces_module else ()
+
     @abstractmethod
     def match(self, analysis: ClassAnalysis) -> Any | Refusal | None:
         """What was found in the class (a record of names and flags, never instance values),

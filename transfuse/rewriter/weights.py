@@ -8,12 +8,14 @@ children along the output dimension, and leaves in their places ``LinearPart`` v
 lives at the load/save boundary, never in ``forward``:
 
 * ``parent.state_dict()`` shows the originals' keys and shapes, as slices of the merged
-  tensors (no copies), so ``save_pretrained`` writes files stock transformers loads;
+  tensors (no copies) that each have a storage of their own, so ``save_pretrained`` writes files
+  stock transformers loads and tie detection (which groups tensors by storage) finds no tie the
+  original model did not have;
 * ``parent.load_state_dict`` of a state dict with the original keys concatenates them
   into the merged parameters.
 
-``unmerge_linears`` undoes a merge with views of the merged tensors, so neither direction
-keeps a second copy of the weights.
+``unmerge_linears`` undoes a merge with the merged tensors' rows (each over a storage of its
+own, the same memory), so neither direction keeps a second copy of the weights.
 
 Under tensor parallelism (``tp_plan``), column-parallel parts (DTensors ``Shard(0)``) merge
 from this rank's shards (``transfuse.ops.sharding``): the parts, their state-dict entries and
@@ -29,6 +31,7 @@ import torch
 from torch import nn
 
 from ..ops import LinearPart, identify_activation, layer
+from ..ops.hooks import share_hooks
 from ..ops.sharding import ColwiseShards, colwise_shards, is_sharded
 
 __all__ = ["ActivationError", "Merge", "MergeError", "merge_declared", "merge_linears", "merges_of", "unmerge_linears"]
@@ -91,9 +94,20 @@ def _check_mergeable(parent: nn.Module, into: str, parts: Sequence[str]) -> tupl
 
 
 def merge_linears(
-    parent: nn.Module, into: str, parts: Sequence[str], *, activation: str | None = None
+    parent: nn.Module,
+    into: str,
+    parts: Sequence[str],
+    *,
+    activation: str | None = None,
+    activation_module: str | None = None,
 ) -> nn.Module:
-    """Replace ``parent``'s linear children ``parts`` by one merged linear named ``into``."""
+    """Replace ``parent``'s linear children ``parts`` by one merged linear named ``into``; a GLU's
+    ``activation`` is applied by ``parent.<activation_module>`` where a module applies it.
+
+    The ``LinearPart`` in each part's place runs the hooks the original had (``share_hooks``), so a
+    hook registered before the merge runs as one registered after it (``MergedProjection`` calls a
+    hooked part as a module). Tensor-parallel parts keep theirs on the originals: the merged sharded
+    matmul stands for the originals' own transforms."""
     linears, shards = _check_mergeable(parent, into, parts)
     first = linears[0]
     with torch.device("meta"):
@@ -117,26 +131,28 @@ def merge_linears(
                 setattr(merged, tensor, nn.Parameter(data, requires_grad=pieces[0].requires_grad))
     views = tuple(LinearPart(merged, i) for i in range(len(parts)))
     for name, lin, view in zip(parts, linears, views):
+        if shards is None:
+            share_hooks(lin, view)
         setattr(parent, name, view)
         for tensor in _TENSORS:
             if getattr(lin, tensor) is not None:
                 setattr(lin, tensor, None)  # the merged module holds the only copy
     setattr(parent, into, merged)
-    merged.attach(parent, views)
+    merged.attach(parent, views, activation_module)
     parent.__dict__.setdefault(_MERGES, {})[into] = _Merge(tuple(parts), merged.split_sizes, tuple(linears))
     _ensure_hooks(parent)
     return merged
 
 
 def unmerge_linears(parent: nn.Module, into: str) -> None:
-    """Put back the original linears of a merge, as views of the merged tensors."""
+    """Put back the original linears of a merge, over the merged tensors' memory (no copies)."""
     record = merges_of(parent).pop(into)
     merged = parent._modules[into]
     for tensor in _TENSORS:
         joined = getattr(merged, tensor)
         if joined is None:
             continue
-        for lin, piece in zip(record.originals, _pieces(merged, joined.detach(), record.sizes)):
+        for lin, piece in zip(record.originals, _pieces(merged, joined.detach(), record.sizes, alone=True)):
             setattr(lin, tensor, nn.Parameter(piece, requires_grad=joined.requires_grad))
     delattr(parent, into)
     for name, lin in zip(record.parts, record.originals):
@@ -165,14 +181,31 @@ def _remove_hooks(parent: nn.Module) -> None:
             del table[key]
 
 
-def _pieces(merged: nn.Module, joined: torch.Tensor, sizes: tuple[int, ...]) -> list[torch.Tensor]:
-    """The parts' tensors of a merged tensor: views of its rows, or under tensor parallelism the
-    DTensor shards of the full parts whose local tensors are views of this rank's rows."""
+def _pieces(merged: nn.Module, joined: torch.Tensor, sizes: tuple[int, ...], alone: bool) -> list[torch.Tensor]:
+    """The parts' tensors of a merged tensor: its rows, or under tensor parallelism the DTensor shards
+    of the full parts whose local tensors are this rank's rows. With ``alone``, each over a storage
+    of its own (``_alone``); else views, which carry autograd back to the merged tensor."""
     shards = merged.shards
+    own = _alone if alone else (lambda piece: piece)
     if shards is None:
-        return list(joined.split(sizes, dim=0))
+        return [own(piece) for piece in joined.split(sizes, dim=0)]
     local = joined.to_local().split(sizes, dim=0)
-    return [shards.sharded(piece, full) for piece, full in zip(local, shards.full_sizes)]
+    return [shards.sharded(own(piece), full) for piece, full in zip(local, shards.full_sizes)]
+
+
+def _alone(piece: torch.Tensor) -> torch.Tensor:
+    """``piece`` (contiguous rows of a merged tensor) over the same memory but a storage object of
+    its own, which starts and ends where the piece does and keeps the merged storage alive.
+
+    Tie detection groups tensors by storage (transformers' ``id_tensor_storage`` in its tests and in
+    ``save_pretrained``, safetensors' shared-tensor check): views of one merged tensor would be
+    reported as tied weights, which the parts of a merge are not. No copy is made, so writes through
+    the piece still reach the merged tensor. Meta tensors have no memory to share and stay views."""
+    if piece.device.type == "meta" or not piece.is_contiguous():
+        return piece
+    start = piece.storage_offset() * piece.element_size()
+    storage = piece.untyped_storage()[start : start + piece.nbytes]
+    return piece.new_empty(0).set_(storage, 0, piece.shape, piece.stride())
 
 
 def _split_on_save(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
@@ -180,7 +213,11 @@ def _split_on_save(module: nn.Module, state_dict: dict, prefix: str, local_metad
         for tensor in _TENSORS:
             key = f"{prefix}{into}.{tensor}"
             if key in state_dict:
-                pieces = _pieces(module._modules[into], state_dict.pop(key), record.sizes)
+                joined = state_dict.pop(key)
+                # ``state_dict(keep_vars=True)`` hands out the parameter: its parts then stay views of it,
+                # with gradients; a detached state dict's parts have storages of their own.
+                alone = type(joined) is not nn.Parameter and not joined.requires_grad
+                pieces = _pieces(module._modules[into], joined, record.sizes, alone)
                 for part, piece in zip(record.parts, pieces):
                     state_dict[f"{prefix}{part}.{tensor}"] = piece
 
@@ -234,7 +271,8 @@ class Merge:
             raise ActivationError(f"{self.activation_module} ({act!r}) is not exactly one of the fused activations.")
 
     def apply(self, module: nn.Module) -> nn.Module:
-        return merge_linears(module, self.into, self.parts, activation=self.activation_of(module))
+        activation, module_name = self.activation_of(module), self.activation_module
+        return merge_linears(module, self.into, self.parts, activation=activation, activation_module=module_name)
 
     def undo(self, module: nn.Module) -> None:
         unmerge_linears(module, self.into)
