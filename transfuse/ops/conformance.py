@@ -92,8 +92,18 @@ class Verdict:
         return f"{what}: {self.reason}"
 
 
+def _device_kind(t: torch.Tensor) -> str:
+    # ``is_cuda``/``is_cpu`` first: building ``t.device`` costs several times more, on every call.
+    return "cuda" if t.is_cuda else "cpu" if t.is_cpu else t.device.type
+
+
 def _tensor_key(t: torch.Tensor, row: bool) -> tuple:
-    return (t.dtype, t.device.type, t.shape[-1] if row else tuple(t.shape)) if t.dim() else (t.dtype, t.device.type, ())
+    """A tensor's part of a configuration: dtype, device and, for a tensor of rows, its width (the
+    number of rows is what the classes vary), else its whole shape."""
+    return (t.dtype, _device_kind(t), (t.shape[-1] if t.dim() else ()) if row else t.shape)
+
+
+_SCALARS = (bool, int, float, str, type(None))
 
 
 def _static_key(value: Any) -> Hashable:
@@ -176,10 +186,12 @@ class Rows(Sampler):
     def key(self, args: tuple, kwargs: dict) -> Hashable:
         rows = self._row_positions
         parts = [
-            _tensor_key(a, i in rows) if isinstance(a, torch.Tensor) else _static_key(a) for i, a in enumerate(args)
+            (_tensor_key(a, i in rows) if isinstance(a, torch.Tensor) else a if isinstance(a, _SCALARS) else _static_key(a))
+            for i, a in enumerate(args)
         ]
-        for name, value in kwargs.items():
-            parts.append((name, _tensor_key(value, name in self.rows) if isinstance(value, torch.Tensor) else _static_key(value)))
+        if kwargs:
+            parts += [(name, _tensor_key(value, name in self.rows) if isinstance(value, torch.Tensor) else _static_key(value))
+                      for name, value in kwargs.items()]  # fmt: skip
         return tuple(parts)
 
     def _first_row(self, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -417,6 +429,11 @@ def _thresholds(provider: Provider, args: tuple, kwargs: dict) -> dict[str, Sequ
     if declared is None:
         return {}
     return declared(*args, **kwargs) if callable(declared) else declared
+
+
+def checking() -> bool:
+    """Whether this thread is running a conformance check."""
+    return getattr(_THREAD, "checking", False)
 
 
 def _isolated(work: Callable[[], Any]) -> Any:
