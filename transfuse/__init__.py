@@ -8,13 +8,12 @@
     model = transfuse.compile(model)      # inference: attention outside the graph, CUDA graphs
 """
 
-__version__ = "0.1.0"
-
 from . import integrations  # registers the integrations' hooks; imports none of their libraries
 from .api import ExampleInputsError, RewriteError, diff, report, rewrite
 from .auto import AutoModelForCausalLM, from_pretrained
 from . import compile  # noqa: A004 - a callable module: transfuse.compile(model)
 from .rewriter.report import FusionRecord, RewriteReport, SkipRecord
+from .version import __version__
 
 __all__ = [
     "AutoModelForCausalLM",

@@ -8,7 +8,7 @@ import sys
 import time
 import warnings
 
-from . import __version__
+from .version import __version__
 
 __all__ = ["main"]
 

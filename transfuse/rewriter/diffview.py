@@ -305,7 +305,7 @@ def review_page(model: nn.Module, name: str) -> str:
     import torch
     import transformers
 
-    from .. import __version__
+    from ..version import __version__
     from ..api import report as report_of
     from .apply import REPLACED_ATTR, rewrites_of
     from .emit import emitted_replacement

@@ -33,7 +33,7 @@ import libcst as cst
 import libcst.matchers as m
 from torch import nn
 
-from .. import __version__
+from ..version import __version__
 from .apply import REPLACED_ATTR, REWRITTEN_ATTR
 from .emit_dir import EmitError, check_destination, link_target, write_directory
 from .source import EditContext, MethodRewrite, _identifiers, _parse_file, method_source
