@@ -14,7 +14,7 @@ from torch import nn
 import transfuse
 from tests import toys
 from transfuse.rewriter.apply import rewrites_of
-from transfuse.rewriter.diffview import highlighted_lines, review_page
+from transfuse.presentation.diffview import highlighted_lines, review_page
 from transfuse.tiny import tiny_model
 
 

@@ -42,7 +42,7 @@ def _explain(args: argparse.Namespace) -> int:
 
 def _diff(args: argparse.Namespace) -> int:
     from .api import diff
-    from .rewriter.diffview import colour, review_page
+    from .presentation.diffview import colour, review_page
 
     model = _load_and_rewrite(args)
     text = diff(model, context=args.context)

@@ -20,7 +20,7 @@ import torch
 from .api import diff, report, rewrite
 from .ops import current_platform
 from .rewriter.apply import rewrites_of
-from .rewriter.diffview import summary
+from .presentation.diffview import summary
 
 __all__ = ["run_demo"]
 

@@ -22,7 +22,7 @@ from itertools import zip_longest
 
 from torch import nn
 
-from .source import MethodRewrite
+from ..rewriter.source import MethodRewrite
 
 __all__ = ["colour", "review_page", "summary"]
 
@@ -205,8 +205,8 @@ def _rewrite_section(rewrite: MethodRewrite, what: str) -> _Section:
 
 def _replacement_section(cls: type, fuser, layer: nn.Module | None) -> _Section:
     """A replaced class with no emitted form: its forward as written, and the layer taking its place."""
-    from .source import method_source
-    from .tracer import unwrapped_forward
+    from ..rewriter.source import method_source
+    from ..rewriter.tracer import unwrapped_forward
 
     source = method_source(unwrapped_forward(cls))
     code = ""
@@ -307,8 +307,8 @@ def review_page(model: nn.Module, name: str) -> str:
 
     from ..version import __version__
     from ..api import report as report_of
-    from .apply import REPLACED_ATTR, rewrites_of
-    from .emit import emitted_replacement
+    from ..rewriter.apply import REPLACED_ATTR, rewrites_of
+    from ..rewriter.emit import emitted_replacement
 
     report = report_of(model)
     sections = [_rewrite_section(r, "rewritten") for r in rewrites_of(model)]
