@@ -23,7 +23,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import transfuse  # noqa: E402
-from transfuse.compile import IMPLEMENTATION, _implementation  # noqa: E402
+from transfuse.compile.attention import IMPLEMENTATION  # noqa: E402
+from transfuse.compile.calls import attention_implementation  # noqa: E402
 from transfuse.tiny import tiny_model  # noqa: E402
 
 
@@ -43,7 +44,7 @@ def check_us(model_type: str, layers: int, trust_modules: bool, calls: int) -> f
     with torch.no_grad():
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, min_new_tokens=5, do_sample=False)
     frame = frames[-1]
-    with torch.no_grad(), _implementation(compiled.configs, IMPLEMENTATION):
+    with torch.no_grad(), attention_implementation(compiled.configs, IMPLEMENTATION):
         if compiled.dynamo.serving(frame) is None:
             raise SystemExit(f"{model_type}, {layers} layers: no Dynamo entry's guards pass for the last decode step")
         for _ in range(calls // 10):

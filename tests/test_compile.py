@@ -364,11 +364,11 @@ def test_compiling_latent_attention_warns_of_the_cache_s_growth_and_it_is_what_i
 
 
 def test_the_kept_cache_state_undoes_every_write_of_a_call():
-    """``_CacheState`` puts back a dynamic cache's layers, plain and sliding window (which drops
+    """``CacheState`` puts back a dynamic cache's layers, plain and sliding window (which drops
     its oldest tokens and counts what it saw), however many writes a call made."""
     from transformers import DynamicCache
 
-    from transfuse.compile import _CacheState
+    from transfuse.compile.calls import CacheState
 
     config = tiny_model("gemma2", sliding_window=4).config
     cache = DynamicCache(config=config)
@@ -381,7 +381,7 @@ def test_the_kept_cache_state_undoes_every_write_of_a_call():
 
     write(3)
     before = [(layer.keys.clone(), layer.values.clone(), dict(vars(layer))) for layer in cache.layers]
-    kept = _CacheState(cache)
+    kept = CacheState(cache)
     write(5)
     write(1)
     assert cache.get_seq_length() == 9
@@ -943,7 +943,7 @@ def test_dynamo_s_guards_name_the_entry_a_call_runs_and_fail_on_what_changed(tru
     mode or autocast, with the module guards on or off; what the forward reads through a module
     (an epsilon, the configs' attention implementation) fails them only with the module guards on
     (where our own snapshot sees nothing: the modules and weights are the same objects)."""
-    from transfuse.compile import _implementation
+    from transfuse.compile.calls import attention_implementation
     from transfuse.compile.replay import _Snapshot
 
     model = _model("llama")
@@ -962,7 +962,7 @@ def test_dynamo_s_guards_name_the_entry_a_call_runs_and_fail_on_what_changed(tru
     assert compiled.dynamo.effects[served[1]] is None
     snapshot = _Snapshot(model)
     with torch.no_grad():
-        with _implementation(compiled.configs, IMPLEMENTATION):
+        with attention_implementation(compiled.configs, IMPLEMENTATION):
             assert compiled.dynamo.serving(frame)[0] is served[0]
             model.model.norm.eps = model.model.norm.eps * 10
             assert snapshot.holds()

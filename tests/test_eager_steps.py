@@ -81,7 +81,7 @@ def admitted_on_cpu(admission):
     def on_cpu(model):
         why, configs = admission(model)
         if why == "the model's weights are not all on one CUDA device":
-            return None, eager_steps._check(model)
+            return None, eager_steps.check(model)
         return why, configs
 
     return on_cpu

@@ -64,9 +64,10 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_globals
 
-# The package imports this module after it defines what is imported here.
 from .. import settings
-from . import CompileError, _check, _DecodeCalls, attention, generate, replay
+from . import attention, generate, replay
+from .admission import CompileError, check
+from .calls import DecodeCalls
 from ..ops import graphs
 from ..rewriter.apply import REPORT_ATTR
 
@@ -89,7 +90,7 @@ STORE: bool | None = None
 # Held while a loop makes a model's calls its own (``EagerSteps.installed``).
 _CLAIMING = threading.Lock()
 # Per model: why a loop's call through the path failed where the model's own forward did not
-# (``_DecodeCalls._abandon``); its later loops run as usual.
+# (``DecodeCalls._abandon``); its later loops run as usual.
 _ABANDONED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 # Per model: why an earlier loop's decode steps could not go through a store (a layer's attention
 # needs more than it gives: ``kv_store.StoreUnusable``); its later loops run as usual.
@@ -136,7 +137,7 @@ def _admission(model: nn.Module) -> tuple[str | None, list[Any]]:
         return why, []
     modules = [module for _, module in named]
     try:
-        configs = _check(model, modules)
+        configs = check(model, modules)
     except CompileError as exc:
         return str(exc).replace("transfuse.compile", "the decode path", 1), []
     devices = {
@@ -198,7 +199,7 @@ def _records_outputs(hook: Any) -> bool:
     )
 
 
-class EagerSteps(_DecodeCalls):
+class EagerSteps(DecodeCalls):
     """One closed loop's calls of a rewritten model: installed as its ``_compiled_call_impl``
     for the loop (``installed``), so the loop's ``self(...)`` comes here."""
 
