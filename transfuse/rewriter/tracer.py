@@ -659,6 +659,8 @@ def _attention_interface_as_leaf():
         return
     original_get = AttentionInterface.get_interface
     original_getitem = AttentionInterface.__getitem__
+    # The class's own entries, put back as they were (an inherited method is deleted again, not set).
+    own = {name: AttentionInterface.__dict__.get(name) for name in ("get_interface", "__getitem__")}
 
     def get_interface(self, *args, **kwargs):
         return leaf_callable(original_get(self, *args, **kwargs), arity=2)
@@ -671,8 +673,11 @@ def _attention_interface_as_leaf():
     try:
         yield
     finally:
-        AttentionInterface.get_interface = original_get
-        AttentionInterface.__getitem__ = original_getitem
+        for name, entry in own.items():
+            if entry is None:
+                delattr(AttentionInterface, name)
+            else:
+                setattr(AttentionInterface, name, entry)
 
 
 def _with_fused_ops_as_leaves(fn: Callable) -> Callable:
