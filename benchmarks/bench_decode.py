@@ -9,7 +9,7 @@ random bf16 weights, greedy decoding with no end-of-sequence token. Variants:
   transformers dynamic   stock model, the default DynamicCache
   transformers static    stock model, cache_implementation="static" (transformers compiles it,
                          CUDA graphs through torch.compile's "reduce-overhead")
-  transfuse eager        transfuse.rewrite, DynamicCache, TRANSFUSE_STEP_GRAPHS=0 (the MoE
+  transfuse eager        transfuse.rewrite + transfuse.decode_steps, DynamicCache, TRANSFUSE_STEP_GRAPHS=0 (the MoE
                          blocks of decode steps replayed as CUDA graphs: ops/graphs.py)
   transfuse eager, step graphs    TRANSFUSE_STEP_GRAPHS=1 (the default): generate's decode steps
                          replayed as CUDA graphs of the eager forward (compile/eager_steps.py)
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python benchmarks/bench_decode.py " + shlex.join(argv if argv is not None else sys.argv[1:])
 
     stock = build(args.model, device)
-    fused = transfuse.rewrite(copy.deepcopy(stock))
+    fused = transfuse.decode_steps(transfuse.rewrite(copy.deepcopy(stock)))
     compiled_options = {
         "transfuse compiled": {},
         "transfuse compiled, Dynamo every step": {"replay": False},

@@ -73,7 +73,7 @@ def main() -> int:
     for options in ({"replay": False}, {"lean_loop": False}, {}, {"trust_modules": True}, "eager"):
         if options == "eager":  # uncompiled, its steps as graphs of the eager forward
             os.environ["TRANSFUSE_STEP_GRAPHS"] = "1"
-            model = transfuse.rewrite(copy.deepcopy(stock))
+            model = transfuse.decode_steps(transfuse.rewrite(copy.deepcopy(stock)))
             options = {"eager, step graphs": True}
         else:
             model = transfuse.compile(transfuse.rewrite(copy.deepcopy(stock)), **options)

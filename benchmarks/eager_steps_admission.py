@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     os.environ[eager_steps.ENV] = "1"
     for layers in args.layers:
-        model = transfuse.rewrite(tiny_model("llama", num_hidden_layers=layers).eval())
+        model = transfuse.decode_steps(transfuse.rewrite(tiny_model("llama", num_hidden_layers=layers).eval()))
         modules = sum(1 for _ in model.modules())
         rounds = []
         with torch.no_grad():

@@ -52,7 +52,7 @@ def _rewritten(model_type: str):
     """The tiny model of this type, rewritten, or why not (a string)."""
     try:
         torch.manual_seed(0)
-        return transfuse.rewrite(tiny_model(model_type).eval())
+        return transfuse.decode_steps(transfuse.rewrite(tiny_model(model_type).eval()))
     except Exception as exc:  # noqa: BLE001 - reported
         return f"not built or rewritten here ({type(exc).__name__})"
 

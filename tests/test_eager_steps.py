@@ -11,6 +11,7 @@ store's attention and the loops; the graphs themselves run on a GPU only.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import os
 import threading
@@ -23,9 +24,15 @@ from transfuse.compile import eager_steps
 from transfuse.ops import dispatch, graphs
 from transfuse.tiny import tiny_model
 
-from .test_compile import _generated_in_two_threads, _model
+from .test_compile import _generated_in_two_threads
+from .test_compile import _model as _rewritten
 from .test_compile import _streamed as streamed
 from .test_compile import _padded_batch as _batch
+
+
+def _model(*args, **kwargs):
+    """A rewritten tiny model with its decode steps on (``transfuse.decode_steps``)."""
+    return transfuse.decode_steps(_rewritten(*args, **kwargs))
 
 
 @pytest.fixture(autouse=True)
@@ -301,6 +308,79 @@ def test_the_model_is_left_as_it_was_when_the_loop_raises(store_on_cpu):
     assert torch.equal(_generate(model, ids, mask, do_sample=False), _generate(model, ids, mask, off=True, do_sample=False))
 
 
+_CLASSES_CHANGED = """
+import sys
+
+import torch
+
+import transfuse
+from transfuse.tiny import tiny_model
+
+
+def snapshot():
+    found = {}
+    for name, module in list(sys.modules.items()):
+        if module is not None and name.split(".")[0] == "transformers":
+            for key, value in list(vars(module).items()):
+                if isinstance(value, type) and value.__module__ == name:
+                    found.update({(key, attribute): id(member) for attribute, member in list(vars(value).items())})
+    return found
+
+
+def changed(before, after):
+    return sorted(".".join(key) for key in after if before.get(key) != after[key])
+
+
+model = tiny_model("llama", num_hidden_layers=1).eval()
+ids = torch.randint(0, 256, (1, 5))
+with torch.no_grad():
+    model.generate(ids, max_new_tokens=2, do_sample=False)  # (transformers' own imports on the way)
+    before = snapshot()
+    transfuse.rewrite(model)
+    model.generate(ids, max_new_tokens=2, do_sample=False)
+    after = snapshot()
+    print(changed(before, after))
+    transfuse.decode_steps(model)
+    model.generate(ids, max_new_tokens=2, do_sample=False)
+    print(changed(after, snapshot()))
+"""
+
+
+def test_a_rewrite_changes_no_transformers_class_and_decode_steps_wrap_only_the_loops():
+    """In a fresh process: every attribute of every transformers class is the same object after a
+    rewrite and a ``generate``; ``decode_steps`` then wraps the two decoding loops and the deferred
+    stop check, and nothing else."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _CLASSES_CHANGED], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    by_rewrite, by_decode_steps = done.stdout.strip().splitlines()[-2:]
+    assert by_rewrite == "[]"
+    assert by_decode_steps == "['DeferredStopCheck.is_supported', 'GenerationMixin._beam_search', 'GenerationMixin._sample']"
+
+
+def test_decode_steps_are_the_model_s_own(store_on_cpu):
+    """Two rewritten models in one process: the one given decode steps takes them, the other runs
+    transformers' loop untouched (never asked); a copy keeps them; a model that was not rewritten is
+    refused with the way out; the report of a plain rewrite says how to get them; the drop-in gives them."""
+    from transfuse.api import DECODE_STEPS_NOTE
+    from transfuse.compile import generate
+
+    given, plain = _model(num_hidden_layers=1), _rewritten(num_hidden_layers=1)
+    ids, mask = _batch()
+    assert torch.equal(_generate(given, ids, mask, do_sample=False), _generate(plain, ids, mask, do_sample=False))
+    assert eager_steps.stats(given)["loops"] == 1
+    assert eager_steps.stats(plain) == eager_steps._fresh()
+    assert eager_steps.refusal(plain) == "its decode steps are not turned on (transfuse.decode_steps(model) turns them on)"
+    assert generate.served_by(copy.deepcopy(given)) is eager_steps.for_loop
+    assert DECODE_STEPS_NOTE in transfuse.report(plain).notes and "transfuse.decode_steps(model)" in DECODE_STEPS_NOTE
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM was not: call transfuse.rewrite\(model\) first"):
+        transfuse.decode_steps(tiny_model("llama", num_hidden_layers=1))
+    loaded = transfuse.AutoModelForCausalLM.from_config(tiny_model("llama", num_hidden_layers=1).config)
+    assert generate.served_by(loaded) is eager_steps.for_loop
+
+
 def test_loops_the_path_does_not_take_say_why(monkeypatch):
     model = _model(num_hidden_layers=1)
     ids, mask = _batch()
@@ -340,7 +420,9 @@ def test_loops_the_path_does_not_take_say_why(monkeypatch):
     flash = _model(num_hidden_layers=1)
     flash.config._attn_implementation_internal = "flash_attention_2"
     with torch.no_grad():
-        assert eager_steps.refusal(stock) == "the model is not rewritten by transfuse.rewrite"
+        assert eager_steps.refusal(stock) == (
+            "its decode steps are not turned on (transfuse.decode_steps(model) turns them on)"
+        )
         assert "attn_implementation='sdpa'" in eager_steps.refusal(flash)
 
 

@@ -82,6 +82,7 @@ def test_the_decode_paths_give_the_checkpoint_s_own_answers(smollm2_dir, monkeyp
     if tokenizer.pad_token is None:  # (transformers 5.17's GGUF conversion sets none)
         tokenizer.pad_token = tokenizer.eos_token
     model = transfuse.rewrite(AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval())
+    transfuse.decode_steps(model)
     prompts = tokenizer(["The three primary colours are", "Write a haiku about the sea, please:"],
                         return_tensors="pt", padding=True)
     assert not prompts.attention_mask.all()  # (padded: the mask is part of what is checked)

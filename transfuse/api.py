@@ -1,4 +1,9 @@
-"""The public entry points: ``rewrite`` a model in place and read its ``report``."""
+"""The public entry points: ``rewrite`` a model in place and read its ``report``.
+
+A rewrite changes the model and nothing else in the process: what runs around it (decode steps,
+compilation, CUDA graphs) is the caller's choice, through ``transfuse.decode_steps`` and
+``transfuse.compile``.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +16,15 @@ from .fusers import FUSERS, fusers_for
 from .rewriter.apply import REPORT_ATTR, ExampleInputsError, RewriteError, rewrite_model, rewrites_of
 from .rewriter.report import RewriteReport
 
-__all__ = ["ExampleInputsError", "RewriteError", "diff", "report", "rewrite"]
+__all__ = ["DECODE_STEPS_NOTE", "ExampleInputsError", "RewriteError", "diff", "is_rewritten", "report", "rewrite"]
 
 M = TypeVar("M", bound=nn.Module)
+
+# The report's note on a model that generates: how to get the decode steps, which a rewrite leaves off.
+DECODE_STEPS_NOTE = (
+    "decode steps: transfuse.decode_steps(model) runs generate's decode steps as CUDA graphs on a GPU; "
+    "transfuse.AutoModelForCausalLM does so for the models it loads, a plain rewrite does not"
+)
 
 
 def rewrite(
@@ -40,21 +51,22 @@ def rewrite(
     settings.validate()
     chosen = fusers_for(fusions)
     suggest = [f for f in FUSERS if f.opt_in and f not in chosen]
-    rewrite_model(model, chosen, verify=verify, example_inputs=example_inputs, suggest=suggest)
-    # ``generate`` on the rewritten model may replay its decode steps as CUDA graphs (on a GPU,
-    # with TRANSFUSE_STEP_GRAPHS=1 for now: ``transfuse/compile/eager_steps.py``).
-    from .compile import eager_steps
-
-    eager_steps.install()
+    made = rewrite_model(model, chosen, verify=verify, example_inputs=example_inputs, suggest=suggest)
+    if callable(getattr(type(model), "generate", None)):
+        made.notes.append(DECODE_STEPS_NOTE)
     return model
+
+
+def is_rewritten(model: nn.Module) -> bool:
+    """Whether ``transfuse.rewrite`` ran on ``model`` (then ``report`` says what it did, which may be nothing)."""
+    return getattr(model, REPORT_ATTR, None) is not None
 
 
 def report(model: nn.Module) -> RewriteReport:
     """What ``rewrite`` did to ``model``: fusions made, fusions refused with reasons, verification."""
-    found = getattr(model, REPORT_ATTR, None)
-    if found is None:
+    if not is_rewritten(model):
         raise ValueError(f"This {type(model).__name__} has not been rewritten; call transfuse.rewrite(model) first.")
-    return found
+    return getattr(model, REPORT_ATTR)
 
 
 def diff(model: nn.Module, context: int = 3) -> str:

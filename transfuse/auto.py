@@ -1,8 +1,8 @@
-"""Drop-in loading: transformers' ``from_pretrained``, returning a rewritten model.
+"""Drop-in loading: transformers' ``from_pretrained``, returning a rewritten model with its decode steps on.
 
 The checkpoint loads exactly as transformers loads it (``device_map``, ``dtype``,
 ``trust_remote_code`` and every other argument behave as there); the rewrite then fuses
-in place. Merging a group of projections allocates the merged tensor before the
+in place, and ``transfuse.decode_steps`` turns on the model's decode steps. Merging a group of projections allocates the merged tensor before the
 originals are freed, so the peak memory exceeds transformers' own by the largest merged
 group (less than one layer's weights).
 """
@@ -14,6 +14,7 @@ from typing import Any
 
 from . import settings
 from .api import rewrite
+from .compile.eager_steps import decode_steps
 
 __all__ = ["AutoModelForCausalLM", "from_pretrained"]
 
@@ -34,7 +35,7 @@ class AutoModelForCausalLM:
         """Load as ``transformers.AutoModelForCausalLM.from_pretrained`` does (every argument means what
         it means there: ``dtype``, ``device_map``, ``trust_remote_code``, ``gguf_file``, ...), then
         ``transfuse.rewrite`` the model in place with ``fusions`` (the default kinds when None) and
-        ``verify``. Where the rewrite cannot be made (no probe runs, an error part-way), a warning
+        ``verify``, and turn on its decode steps (``transfuse.decode_steps``). Where the rewrite cannot be made (no probe runs, an error part-way), a warning
         says why and the stock model is returned: loading never fails because of transfuse. Progress
         follows transformers' logging (``transformers.logging.disable_progress_bar()`` hides the bars).
         Bad arguments (an unknown fusion kind, a bad TRANSFUSE_* variable) are errors before loading."""
@@ -67,11 +68,11 @@ def _check_arguments(fusions) -> None:
 
 
 def _rewritten_or_stock(model, fusions, verify):
-    """The rewritten model; where the rewrite cannot be made (no probe runs, an error part-way,
+    """The rewritten model, its decode steps on; where the rewrite cannot be made (no probe runs, an error part-way,
     after which the model is as it was), a warning and the stock model: loading never fails
     because of transfuse."""
     try:
-        return rewrite(model, fusions=fusions, verify=verify)
+        rewrite(model, fusions=fusions, verify=verify)
     except Exception as exc:
         warnings.warn(
             f"transfuse: {type(model).__name__} was loaded unchanged, because the rewrite failed: "
@@ -79,6 +80,7 @@ def _rewritten_or_stock(model, fusions, verify):
             stacklevel=3,
         )
         return model
+    return decode_steps(model)
 
 
 def from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs):

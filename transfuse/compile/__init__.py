@@ -65,9 +65,10 @@ from torch import nn
 from . import attention, backend, generate, replay
 from .admission import CompileError, check, latent_cache_growth
 from .calls import DecodeCalls
-from . import eager_steps  # noqa: F401 - transfuse.compile.eager_steps
+from . import eager_steps
+from .eager_steps import decode_steps
 
-__all__ = ["CompileError", "compile", "is_compiled", "release", "warm_up"]
+__all__ = ["CompileError", "compile", "decode_steps", "eager_steps", "is_compiled", "release", "warm_up"]
 
 
 def _register_backend() -> None:

@@ -1,5 +1,10 @@
 """``generate`` on a rewritten model that is not compiled: its decode steps as CUDA graphs of the eager forward.
 
+``decode_steps(model)`` (``transfuse.decode_steps``) turns this on for one rewritten model; the
+drop-in loader calls it. ``transfuse.rewrite`` does not: a rewrite changes the model and nothing
+else. The first call in a process wraps transformers' decoding loops and its deferred stop check
+(``generate.serve``); the loops of every model not given decode steps run as transformers wrote them.
+
 An eager decode step of a small model is the host's work: at Qwen3-MoE's shapes the GPU is busy
 about 0.24 ms a token and the host issues some 600 torch ops for it (the fourteenth session's
 profile in ``benchmarks/NOTES.md``), so the token took 3.5-5.6 ms in the H200 runs whatever the
@@ -33,7 +38,7 @@ One loop of a model at a time takes the path: another thread's ``generate`` of t
 meanwhile runs as usual (refused, saying why), and its calls of the model, which reach the
 running loop's object, go to the model's own forward.
 
-Not taken (``refusal``): a model not rewritten by ``transfuse.rewrite`` in this process, one
+Not taken (``refusal``): a model whose decode steps were not turned on (``decode_steps``), one
 compiled (``torch.compile``, ``model.compile()`` or ``transfuse.compile``, which has its own
 path), in training mode, with weights not all on the current CUDA device (offloaded, sharded,
 another device), forward hooks other than transformers' own output recorders, accelerate's
@@ -58,20 +63,22 @@ import os
 import threading
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 from torch.nn.modules import module as module_globals
 
 from .. import settings
+from ..api import is_rewritten
+from ..ops import graphs
 from . import attention, generate, replay
 from .admission import CompileError, check
 from .calls import DecodeCalls
-from ..ops import graphs
-from ..rewriter.apply import REPORT_ATTR
 
-__all__ = ["ENV", "EagerSteps", "install", "refusal", "stats"]
+__all__ = ["ENV", "EagerSteps", "decode_steps", "refusal", "stats"]
+
+M = TypeVar("M", bound=nn.Module)
 
 ENV = "TRANSFUSE_STEP_GRAPHS"
 # On unless ``TRANSFUSE_STEP_GRAPHS=0``. On the H200 ``tests/test_eager_steps.py -m gpu`` passed, the
@@ -99,10 +106,20 @@ _STORE_REFUSED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDicti
 _STATS: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
-def install() -> None:
-    """Wrap transformers' decoding loops and stop check (once each): ``transfuse.rewrite`` calls this."""
-    generate.install_loops()
-    generate.install()
+def decode_steps(model: M) -> M:
+    """Turn on the decode steps of ``model``, which ``transfuse.rewrite`` rewrote, and return it: on a
+    GPU, ``generate``'s closed decoding loops of this model run their decode steps as CUDA graphs of
+    its eager forward (see the module docstring for when they do not; ``stats`` says why). Other
+    models are not touched. ``transfuse.AutoModelForCausalLM`` calls this for the models it loads."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"decode_steps() takes a torch.nn.Module, not {type(model).__name__}.")
+    if not is_rewritten(model):
+        raise ValueError(
+            f"decode_steps() takes a model that transfuse.rewrite rewrote, and this {type(model).__name__} "
+            "was not: call transfuse.rewrite(model) first."
+        )
+    generate.serve(model, for_loop)
+    return model
 
 
 def stats(model: nn.Module) -> dict[str, Any]:
@@ -162,8 +179,8 @@ def _refused(model: nn.Module, named: list[tuple[str, nn.Module]] | None = None)
         return f"turned off ({ENV}={chosen})" if chosen else f"off ({ENV}=1 turns it on)"
     if not graphs.enabled():
         return "turned off (TRANSFUSE_DECODE_GRAPHS=0 or ops.graphs.suspended())"
-    if getattr(model, REPORT_ATTR, None) is None:
-        return "the model is not rewritten by transfuse.rewrite"
+    if generate.served_by(model) is not for_loop:
+        return "its decode steps are not turned on (transfuse.decode_steps(model) turns them on)"
     abandoned = _ABANDONED.get(model)
     if abandoned is not None:
         return f"a call of an earlier loop through the path failed where the model's own forward did not ({abandoned})"
@@ -280,8 +297,6 @@ def _most_new_tokens(arguments: dict[str, Any]) -> int | None:
 def for_loop(model: nn.Module, arguments: dict[str, Any]) -> EagerSteps | None:
     """The path for a closed decoding loop of ``model`` starting now (``arguments``: the loop's,
     by name), or None (why: ``stats``)."""
-    if getattr(model, REPORT_ATTR, None) is None:  # the common case, without a walk of the model
-        return None
     why, configs = _admission(model)
     model_kwargs = arguments.get("model_kwargs") or {}
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))

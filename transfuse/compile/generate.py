@@ -19,9 +19,9 @@ What Dynamo's guards check before a step therefore holds for every step of the l
 has held for one, and the compiled model may replay a captured step without checking them
 again (``replay.CallGraphs``): the first replay of each captured step in a loop checks
 everything, the later ones nothing. ``install_loops`` wraps the two loops to tell the compiled model
-when it is inside one (``_Compiled.closed_loop``). A closed loop of a rewritten model that is
-not compiled may run its steps the same way, as graphs of its eager forward
-(``eager_steps.for_loop``, opt-in for now).
+when it is inside one (``DecodeCalls.closed_loop``). A model that is not compiled but whose
+closed loops were given a path (``serve``: ``transfuse.decode_steps``) runs its steps through it.
+The wrapped loops run every other model's loop as transformers wrote it.
 
 Inside a closed greedy or sampling loop whose only stopping criteria are the length and end
 tokens, and which returns just the tokens (``lean_loop``), transfuse runs the loop itself
@@ -41,14 +41,12 @@ import contextlib
 import functools
 import inspect
 import types
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from ..rewriter.apply import REPORT_ATTR
-
-__all__ = ["closed", "install", "install_loops", "lean_loop", "mark", "supported"]
+__all__ = ["closed", "install", "install_loops", "lean_loop", "mark", "serve", "served_by", "supported"]
 
 # transformers' decoding loops that run only transformers' code between two decode steps when
 # given nothing of the caller's (assisted decoding runs another model between them).
@@ -130,8 +128,29 @@ def _own(item: Any) -> bool:
 _CODE = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial, nn.Module)
 
 
+# On a model whose closed loops take a path: what starts it (``serve``). An attribute, so that a copy of
+# the model keeps its path as it keeps its rewrite.
+_SERVED_ATTR = "_transfuse_decode_path"
+
+
+def serve(model: nn.Module, start: Callable[[nn.Module, dict[str, Any]], Any]) -> None:
+    """The closed decoding loops of ``model`` ask ``start(model, arguments)`` (the loop's arguments, by
+    name) for the path their steps take: an object with ``installed()``, ``options`` and ``loops``
+    (``eager_steps.EagerSteps``), or None for transformers' own loop. Wraps the loops and the stop
+    check, once in the process."""
+    install_loops()
+    install()
+    model.__dict__[_SERVED_ATTR] = start
+
+
+def served_by(model: nn.Module) -> Callable[[nn.Module, dict[str, Any]], Any] | None:
+    """What starts the path of ``model``'s closed loops (``serve``), or None."""
+    return model.__dict__.get(_SERVED_ATTR)
+
+
 def install_loops() -> None:
-    """Wrap transformers' decoding loops (once) to run closed loops of compiled models as such."""
+    """Wrap transformers' decoding loops (once) to run closed loops of compiled models, and of models
+    given a path (``serve``), as such."""
     try:
         from transformers.generation.utils import GenerationMixin
     except ImportError:  # pragma: no cover - transformers is a dependency
@@ -153,7 +172,8 @@ def _closing(original: Any, lean: bool) -> Any:
         compiled = getattr(self, "_transfuse_compiled", None)
         if compiled is not None and self.__dict__.get("_compiled_call_impl") is not compiled:
             compiled = None
-        if compiled is None and getattr(self, REPORT_ATTR, None) is None:  # neither compiled nor rewritten
+        start = served_by(self) if compiled is None else None
+        if compiled is None and start is None:  # neither compiled nor given a path
             return original(self, *args, **kwargs)
         try:
             arguments = signature.bind_partial(self, *args, **kwargs).arguments
@@ -163,10 +183,8 @@ def _closing(original: Any, lean: bool) -> Any:
             return original(self, *args, **kwargs)
         if compiled is not None:
             running = compiled.closed_loop()
-        else:  # a rewritten model, not compiled: its steps as graphs of its eager forward
-            from . import eager_steps
-
-            compiled = eager_steps.for_loop(self, arguments)
+        else:  # a model given a path, not compiled (``eager_steps``: graphs of its eager forward)
+            compiled = start(self, arguments)
             if compiled is None:
                 return original(self, *args, **kwargs)
             running = compiled.installed()
