@@ -104,6 +104,7 @@ def build_fused(block):
     holder = torch.nn.Sequential(block)
     x = torch.randn(1, 8, HIDDEN, device=DEVICE, dtype=torch.bfloat16)
     transfuse.rewrite(holder, example_inputs=(x,), fusions=["moe"])
+    transfuse.decode_steps(holder)  # small batches replayed as CUDA graphs, as the drop-in loader has them
     fused = holder[0]
     if not isinstance(fused, MoE):
         raise RuntimeError(f"transfuse did not fuse the block:\n{transfuse.report(holder)}")

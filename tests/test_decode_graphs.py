@@ -35,6 +35,8 @@ def layer():
     holder = torch.nn.Sequential(_original_block())
     transfuse.rewrite(holder, example_inputs=(torch.randn(1, 8, 256, device="cuda", dtype=torch.bfloat16),),
                       fusions=["moe"])  # fmt: skip
+    assert not holder[0].graph_small_batches  # a rewrite alone captures nothing
+    transfuse.decode_steps(holder)
     fused = holder[0]
     assert isinstance(fused, MoE), transfuse.report(holder)
     return fused

@@ -381,6 +381,19 @@ def test_decode_steps_are_the_model_s_own(store_on_cpu):
     assert generate.served_by(loaded) is eager_steps.for_loop
 
 
+def test_moe_layers_replay_small_batches_only_where_the_caller_asked():
+    """A rewrite leaves the fused MoE layers' small-batch graphs off (its verification runs their
+    code); ``decode_steps`` and ``transfuse.compile`` turn them on, for their model's layers only."""
+    from transfuse.ops import MoE
+
+    models = [_rewritten("qwen3_moe", num_hidden_layers=1) for _ in range(3)]
+    flags = lambda model: [m.graph_small_batches for m in model.modules() if isinstance(m, MoE)]  # noqa: E731
+    assert [flags(model) for model in models] == [[False]] * 3
+    transfuse.decode_steps(models[0])
+    transfuse.compile(models[1], inductor=False)
+    assert [flags(model) for model in models] == [[True], [True], [False]]
+
+
 def test_loops_the_path_does_not_take_say_why(monkeypatch):
     model = _model(num_hidden_layers=1)
     ids, mask = _batch()

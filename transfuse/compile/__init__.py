@@ -62,7 +62,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import attention, backend, generate, replay
+from . import attention, backend, generate, layer_graphs, replay
 from .admission import CompileError, check, latent_cache_growth
 from .calls import DecodeCalls
 from . import eager_steps
@@ -202,6 +202,7 @@ def compile(  # noqa: A001 - the name users call, as torch.compile
     )
     model._compiled_call_impl = compiled
     model._transfuse_compiled = compiled
+    layer_graphs.enable(model)  # (for the calls the compiled path leaves to the model's own forward)
     generate.install_loops()
     if deferred_stop:
         generate.install()

@@ -72,7 +72,7 @@ from torch.nn.modules import module as module_globals
 from .. import settings
 from ..api import is_rewritten
 from ..ops import graphs
-from . import attention, generate, replay
+from . import attention, generate, layer_graphs, replay
 from .admission import CompileError, check
 from .calls import DecodeCalls
 
@@ -109,8 +109,9 @@ _STATS: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDi
 def decode_steps(model: M) -> M:
     """Turn on the decode steps of ``model``, which ``transfuse.rewrite`` rewrote, and return it: on a
     GPU, ``generate``'s closed decoding loops of this model run their decode steps as CUDA graphs of
-    its eager forward (see the module docstring for when they do not; ``stats`` says why). Other
-    models are not touched. ``transfuse.AutoModelForCausalLM`` calls this for the models it loads."""
+    its eager forward (see the module docstring for when they do not; ``stats`` says why), and its
+    fused MoE layers replay small batches as CUDA graphs elsewhere (``layer_graphs``). Other models
+    are not touched. ``transfuse.AutoModelForCausalLM`` calls this for the models it loads."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"decode_steps() takes a torch.nn.Module, not {type(model).__name__}.")
     if not is_rewritten(model):
@@ -119,6 +120,7 @@ def decode_steps(model: M) -> M:
             "was not: call transfuse.rewrite(model) first."
         )
     generate.serve(model, for_loop)
+    layer_graphs.enable(model)
     return model
 
 

@@ -32,6 +32,7 @@ the plan a class attribute that also names the attribute values the traces assum
 from __future__ import annotations
 
 import ast
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Any
@@ -155,7 +156,8 @@ class MoEFuser(Fuser):
         # Tensors the block holds and hands to its router stay the layer's, under their names.
         tensors = dict(_own_tensors(module))
         persistent = {n: n not in module._non_persistent_buffers_set for n in tensors}
-        fused = layer("MoE")(children, plan, _routing_numbers(module, found.routing), experts, tensors, persistent)
+        routing = _routing_numbers(module, found.routing)
+        fused = layer("MoE")(children, plan, routing, experts, tensors, persistent, kernels=_experts_kernels())
         if found.member is None:  # stacked per-expert modules are gone: the block could not run as written
             fused.keep_block(module)
         return Fused(replaced=("",), into=type(fused).__name__, replacement=fused)
@@ -317,6 +319,20 @@ def _expression(source: Source) -> str:
 
 def _float(source: Source | None, module: nn.Module, default: float | None = None) -> float | None:
     return float(source.read(module)) if source is not None else default
+
+
+@functools.lru_cache(maxsize=1)
+def _experts_kernels() -> frozenset[str]:
+    """The experts implementations transformers ships: each computes the function the fused layer
+    computes, so a switch among them keeps the layer (``MoE``'s ``kernels``)."""
+    names = {"eager", "grouped_mm", "batched_mm"}
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+
+        names |= set(getattr(ExpertsInterface, "_global_mapping", {}))
+    except ImportError:
+        pass
+    return frozenset(names)
 
 
 def _routing_numbers(module: nn.Module, routing: RoutingMatch | None) -> RoutingNumbers | None:

@@ -64,8 +64,7 @@ def enabled() -> bool:
 
 @contextlib.contextmanager
 def suspended() -> Iterator[None]:
-    """Calls inside run their code: none is counted as a sighting, captured or replayed. For
-    one-off calls, such as a rewrite running its fusions on the probe input to verify them."""
+    """Calls inside run their code: none is counted as a sighting, captured or replayed."""
     global _SUSPENDED
     _SUSPENDED += 1
     try:

@@ -19,9 +19,11 @@ written instead, on its own children, so that the hooks run as in the original.
 children: an emitted modeling file's block calls it from its own forward. A plan's ``assumes``
 are attribute values the traced code branched on; a layer whose attributes differ raises.
 
-Called eagerly on a GPU, in eval mode, with up to ``DECODE_GRAPH_TOKENS`` tokens, the layer
-replays a CUDA graph of its own forward (``transfuse.ops.graphs``), where the host cost of
-issuing the routing and expert kernels from Python would otherwise exceed their GPU time.
+Where its caller asked for it (``graph_small_batches``: ``transfuse.decode_steps`` and
+``transfuse.compile`` do), the layer called eagerly on a GPU, in eval mode, with up to
+``DECODE_GRAPH_TOKENS`` tokens replays a CUDA graph of its own forward (``transfuse.ops.graphs``),
+where the host cost of issuing the routing and expert kernels from Python would otherwise exceed
+their GPU time. The layer never captures one unasked.
 """
 
 from __future__ import annotations
@@ -226,19 +228,6 @@ class ExpertNumbers:
     routed_scale: float = 1.0
 
 
-@functools.lru_cache(maxsize=1)
-def _transformers_experts_kernels() -> frozenset[str]:
-    """The experts implementations transformers ships (each computes the same function)."""
-    names = {"eager", "grouped_mm", "batched_mm"}
-    try:
-        from transformers.integrations.moe import ExpertsInterface
-
-        names |= set(getattr(ExpertsInterface, "_global_mapping", {}))
-    except ImportError:
-        pass
-    return frozenset(names)
-
-
 class MoE(nn.Module):
     """A mixture-of-experts block computed with ``moe_route`` and ``moe_experts``.
 
@@ -246,6 +235,10 @@ class MoE(nn.Module):
     routing: the numbers of a plan with a ``RoutingSpec`` (None when the router is called as is).
     tensors: the block's own parameters and buffers that the plan reads, kept under their names;
         ``persistent`` says which buffers are in the state dict (all, when not given).
+    kernels: the names of the model's experts implementations that compute the function this layer
+        computes (its builder knows them): a switch to one of them keeps the layer.
+    graph_small_batches: whether eager calls with a few tokens on a GPU replay CUDA graphs; off until
+        the caller turns it on.
     """
 
     __transfuse_layer__ = True
@@ -258,6 +251,8 @@ class MoE(nn.Module):
         experts: ExpertNumbers | None = None,
         tensors: dict[str, Tensor] | None = None,
         persistent: dict[str, bool] | None = None,
+        *,
+        kernels: frozenset[str] = frozenset(),
     ):
         super().__init__()
         for name, child in children.items():
@@ -277,7 +272,8 @@ class MoE(nn.Module):
         # transformers may compute something else, and the layer refuses to run under it.
         self._experts_config = None
         self.experts_implementation = None
-        self._kernels = _transformers_experts_kernels()
+        self._kernels = kernels
+        self.graph_small_batches = False
         self.__dict__["_block"] = None  # the block this layer took the place of (``keep_block``)
         for child in children.values():
             implementation = getattr(getattr(child, "config", None), "_experts_implementation", None)
@@ -384,7 +380,8 @@ def experts_watched(layer: nn.Module, plan: MoEPlan) -> bool:
 def _block_forward(layer: nn.Module, hidden_states: Tensor, plan: MoEPlan, routing, numbers: ExpertNumbers):
     if plan.assumes:
         _check_assumptions(layer, plan.assumes)
-    if hidden_states.is_cuda and not layer.training and not torch.compiler.is_compiling():
+    graphing = layer.__dict__.get("graph_small_batches", False)  # (an emitted block has none)
+    if graphing and hidden_states.is_cuda and not layer.training and not torch.compiler.is_compiling():
         graphs = _LAYER_GRAPHS.get(layer)
         if graphs is None:
             # The graphs are kept in a table weakly keyed by the layer: they must not hold it.

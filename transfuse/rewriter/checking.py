@@ -28,7 +28,6 @@ from torch.utils._pytree import tree_map
 from ..ops import conformance
 from ..ops.accuracy import NON_FINITE
 from ..ops.conformance import Verdict
-from ..ops.graphs import suspended as graphs_suspended
 from .. import settings
 from ..progress import bar
 from .analysis import class_key
@@ -58,7 +57,7 @@ REFERENCE_BYTES = settings.at_import("TRANSFUSE_REFERENCE_BYTES")
 @contextlib.contextmanager
 def evaluating(module: nn.Module):
     """Eval mode, no autograd, and no CUDA graphs of the one-off calls a check makes."""
-    with eval_mode(module), torch.no_grad(), graphs_suspended():
+    with eval_mode(module), torch.no_grad():
         yield
 
 
@@ -283,7 +282,7 @@ def loss_in_training(model: nn.Module, probe: Probe) -> Any:
     devices = [p.device for p in model.parameters() if p.is_cuda][:1]
     try:
         model.train()
-        with torch.no_grad(), graphs_suspended(), torch.random.fork_rng(devices=devices):
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
             torch.manual_seed(0)
             output = model(*probe.args, **probe.kwargs)
     finally:
