@@ -29,9 +29,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..ops.moe import RoutingSpec
-from ..ops.moe_layer import INPUT, LOGITS, LogitsPlan
-from ..rewriter.graph import NoMatch, is_op, op_name, operand, operands, peel_casts, value
+from ...ops.moe import RoutingSpec
+from ...ops.moe_layer import INPUT, LOGITS, LogitsPlan
+from ...rewriter.graph import NoMatch, is_op, op_name, operand, operands, peel_casts, value
 
 __all__ = ["RoutingMatch", "Source", "match_masked_scores", "match_routing", "peel_reshapes", "source_of"]
 

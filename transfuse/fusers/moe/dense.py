@@ -2,7 +2,7 @@
 
 Some models (llama4) compute every expert on every token with batched matmuls, each token's
 row scaled by its score for that expert; the scores are zero at the experts a token did
-not choose (``moe_routing.match_masked_scores``), so those rows are zero and so are their
+not choose (``routing.match_masked_scores``), so those rows are zero and so are their
 outputs, as long as the expert has no bias: ``down(act(gate(0)) · up(0)) = 0``. What that
 computes is a routed mixture whose weights scale the input (``ExpertsPlan.weights_on_input``):
 the fused layer runs each token's k chosen experts only. The three places of the form:
@@ -23,10 +23,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..ops.moe import ExpertsSpec
-from ..rewriter.graph import NoMatch, is_op, op_name, operand, operands, value
-from ..rewriter.tracer import Trace
-from .moe_experts import Lookup, PackedExpert, gated, split_halves
+from ...ops.moe import ExpertsSpec
+from ...rewriter.graph import NoMatch, is_op, op_name, operand, operands, value
+from ...rewriter.tracer import Trace
+from .experts import Lookup, PackedExpert, gated, split_halves
 
 __all__ = ["DenseExperts", "match_dense_experts", "match_expert_sum", "match_scaled_rows"]
 

@@ -24,11 +24,11 @@ import libcst.matchers as m
 import torch
 import torch.fx as fx
 
-from ..ops.moe import ExpertsSpec
-from ..rewriter.graph import NoMatch, is_op, op_name, operand, operands, peel_casts, value
-from ..rewriter.source import method_source
-from ..rewriter.tracer import Trace, unwrapped_forward
-from .moe_routing import Source, source_of
+from ...ops.moe import ExpertsSpec
+from ...rewriter.graph import NoMatch, is_op, op_name, operand, operands, peel_casts, value
+from ...rewriter.source import method_source
+from ...rewriter.tracer import Trace, unwrapped_forward
+from .routing import Source, source_of
 
 __all__ = [
     "GLUMember", "Lookup", "LoopMatch", "PackedExpert", "activation_of", "gated", "match_glu_member", "match_loop",

@@ -1,33 +1,4 @@
-"""MoE: ``Σ_k w_k·expert_{i_k}(x) [+ σ(g(x))·shared(x)]``, ``w, i = topk(score(router(x)))`` → ``transfuse.ops.MoE``.
-
-A mixture-of-experts block is found by dataflow across three graphs:
-
-* the experts: a child whose forward (or the block's own forward, when it loops over an
-  ``nn.ModuleList``) adds ``weight · expert(rows)`` into zeros, once per hit expert
-  (``moe_experts``); the ids, weights and tokens it reads are followed back into the block;
-* the router: the children that compute those ids and weights are inlined into the block's
-  graph and the routing is read off it (``moe_routing``). A router that is not understood
-  (phimoe's sparsemixer) is kept and called as is: the experts are still fused (its writes in
-  place into tensors it allocated itself, axk2's group mask, are its own business);
-* the block's output: the routed sum plus shared experts (a child called on the tokens,
-  optionally times ``sigmoid`` of a gate child), reshaped back; a tuple output keeps its
-  other members (the router's weights or logits).
-
-Every child the block calls must have a role, every in-place op must be understood, and a
-trace may only have assumed what the experts loop explains; anything else is refused with
-a tag. Flags read in the traced forwards (``norm_topk_prob``) specialise the traces
-(``Trace.specialisation``): each instance is analysed with its own flag values, and every
-number (k, groups, eps, scale, alpha, limit) is read per instance from the attribute that
-supplied it. A branch on ``self.training`` is evaluated per instance for training mode; a
-block whose training path differs fuses for inference and says so when run in training.
-
-Packed experts are used in place (no copies, any layout); per-expert modules are stacked
-into the packed layout (``StackedExperts``), keeping their state-dict keys.
-
-An emitted file gives a block with packed experts ``forward = moe_block(self, x, plan, top_k=...)``,
-the plan a class attribute that also names the attribute values the traces assumed
-(``MoEPlan.assumes``); blocks of per-expert modules are emitted unchanged.
-"""
+"""The mixture-of-experts fuser: the class-level match and the per-instance fusion."""
 
 from __future__ import annotations
 
@@ -43,24 +14,24 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..ops import layer
-from ..ops.hooks import hooked
-from ..ops.moe import ExpertsSpec
-from ..ops.sharding import is_sharded
-from ..ops.moe_layer import (
+from ...ops import layer
+from ...ops.hooks import hooked
+from ...ops.moe import ExpertsSpec
+from ...ops.sharding import is_sharded
+from ...ops.moe_layer import (
     HIDDEN, IDS, LOGITS, WEIGHTS, ExpertNumbers, ExpertsPlan, MoEPlan, RouterPlan, RoutingNumbers, SharedPlan,
     StackedExperts,
 )  # fmt: skip
-from ..rewriter.analysis import ClassAnalysis
-from ..rewriter.fusion import Fused, Fuser, Refusal
-from ..rewriter.graph import NoMatch, calls_fused_op, is_op, operand, operands, peel_casts, value
-from ..rewriter.inline import call_inputs, inline_calls
-from ..rewriter.source import EditContext, method_source, rewrite_of
-from ..rewriter.syntax import comment_line, dataclass_literal
-from ..rewriter.tracer import Trace, unwrapped_forward
-from .moe_dense import match_dense_experts, match_expert_sum, match_scaled_rows
-from .moe_experts import GLUMember, LoopMatch, match_glu_member, match_loop
-from .moe_routing import RoutingMatch, Source, match_masked_scores, match_routing, peel_reshapes, source_of
+from ...rewriter.analysis import ClassAnalysis
+from ...rewriter.fusion import Fused, Fuser, Refusal
+from ...rewriter.graph import NoMatch, calls_fused_op, is_op, operand, operands, peel_casts, value
+from ...rewriter.inline import call_inputs, inline_calls
+from ...rewriter.source import EditContext, method_source, rewrite_of
+from ...rewriter.syntax import comment_line, dataclass_literal
+from ...rewriter.tracer import Trace, unwrapped_forward
+from .dense import match_dense_experts, match_expert_sum, match_scaled_rows
+from .experts import GLUMember, LoopMatch, match_glu_member, match_loop
+from .routing import RoutingMatch, Source, match_masked_scores, match_routing, peel_reshapes, source_of
 
 __all__ = ["MoEEmission", "MoEFuser", "MoEMatch"]
 
@@ -224,7 +195,7 @@ def _dense_experts(analysis: ClassAnalysis) -> MoEMatch | Refusal | None:
     """A block with a router (a linear child with one output per expert) and a child holding two or
     more 3-D tensors with that leading size (packed experts), but no experts loop: the experts run
     on every token (llama4's batched matmuls over all of them). Fused when the scores that scale
-    their rows are zero at every expert not chosen (``moe_dense``); else refused with the reason."""
+    their rows are zero at every expert not chosen (``dense``); else refused with the reason."""
     if calls_fused_op(analysis.trace.graph):
         return None  # an emitted block, which calls the fused op itself
     holder = _packed_holder(analysis)
@@ -263,7 +234,7 @@ def _packed_holder(analysis: ClassAnalysis) -> tuple[str, str] | None:
 
 
 def _match_dense_block(analysis: ClassAnalysis, call: fx.Node) -> MoEMatch:
-    """Experts run on every token's rows scaled by dense scores (``moe_dense``), the scores zero at the
+    """Experts run on every token's rows scaled by dense scores (``dense``), the scores zero at the
     experts not chosen: the routed mixture with its weights on the input."""
     trace = analysis.trace
     x_input = _block_input(trace)
