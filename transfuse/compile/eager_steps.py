@@ -50,8 +50,8 @@ earlier loop found a layer the store cannot serve (a window, soft-capping, sinks
 that holds something else than the keys and values attended to: latent attention's latents; that
 loop's steps ran the model's own forward).
 ``TRANSFUSE_STEP_GRAPHS=0`` turns this off alone,
-``TRANSFUSE_DECODE_GRAPHS=0`` (or ``ops.graphs.suspended()``) with the eager layer graphs. It is on
-by default (``ON_BY_DEFAULT``) since its GPU tests passed and it was measured on the H200.
+``TRANSFUSE_DECODE_GRAPHS=0`` (or ``ops.graphs.suspended()``) with the eager layer graphs, for
+every model given decode steps.
 ``stats(model)`` counts the loops this ran and the steps replayed, and says why the latest loop
 was refused or its capture failed.
 """
