@@ -9,8 +9,8 @@ Llama normalises in float32 and casts back before the weight multiply; Gemma
 multiplies by ``1 + weight`` in float32 and casts last.
 
 The whole module is replaced, so the match must account for every op in the graph,
-and the source must have no branch the trace could have hidden, except a branch whose
-test reads only the instance's own attributes (``if self.with_scale``, ``if self.weight is
+and the source must have no branch the trace could have hidden (``rewriter.branches``), except
+a branch whose test reads only the instance's own attributes (``if self.with_scale``, ``if self.weight is
 not None``): it is decided as the traced instance decided it, the attributes it read
 become the match's assumptions, an instance whose attributes differ is refused (or, for
 the scalars the analyses are specialised on, traced on its own path), and the fused layer
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from dataclasses import dataclass
 
 import libcst as cst
@@ -41,13 +40,13 @@ from torch import nn
 from ..ops import GATE_ACTIVATIONS, RMSNormSpec, layer
 from ..ops.layers import Assumption, GatedRMSNorm
 from ..rewriter.analysis import ClassAnalysis
+from ..rewriter.branches import traced_path
 from ..rewriter.fusion import Fused, Fuser, Refusal
 from ..rewriter.graph import (
     Cast, NoMatch, ancestors, calls_fused_op, is_op, op_name, operand, operands, peel_casts, value,
 )  # fmt: skip
-from ..rewriter.source import EditContext, MethodSource, helper_functions, method_source, self_method_calls
+from ..rewriter.source import EditContext
 from ..rewriter.syntax import comment_line
-from ..rewriter.tracer import unwrapped_forward
 
 __all__ = ["RMSNormFuser", "RMSNormMatch"]
 
@@ -82,7 +81,7 @@ class RMSNormFuser(Fuser):
             return None  # already fused (an emitted modeling file's norm)
         try:
             found, product = _match_graph(analysis)
-            path = _check_source(analysis)
+            path = traced_path(analysis, "rms_norm")
             if path.optional:
                 found = dataclasses.replace(found, optional_gate=_gate_is_optional(found, product, path.optional))
             _check_assumed(path.assumes.values())
@@ -692,205 +691,3 @@ def _match_builtin(node: fx.Node, x: fx.Node, matched: set[fx.Node], cast_output
         matched.add(weight)
     spec = RMSNormSpec(upcast=True, cast_before_weight=False, offset=False, weight_fp32=True, cast_output=True)
     return RMSNormMatch(spec, name, attr, x.target)
-
-
-def _check_source(analysis: ClassAnalysis) -> _TracedPath:
-    """Prove on the source what one trace cannot: no branch or loop that another input could take,
-    in the forward or in any helper it calls (a ``self.`` method or a function of the model's code).
-
-    A branch whose test reads only attributes of ``self`` (``if self.with_scale``, ``if self.weight
-    is not None``) is decided as the traced instance decided it, and only the path taken is checked;
-    the attributes it read are the match's assumptions. A test of whether one of the forward's
-    optional inputs is None is kept for the gated matcher to explain (``_TracedPath.optional``)."""
-    forward = unwrapped_forward(analysis.cls)
-    source = method_source(forward)
-    if source is None:
-        raise NoMatch("rms_norm.no-source", f"the source of {analysis.cls.__name__}.forward is not available.")
-    path = _TracedPath(analysis)
-    pending, seen = [source], {forward}
-    while pending:
-        current = pending.pop()
-        path.walk(current, is_forward=current.function is inspect.unwrap(forward))
-        helpers = [getattr(analysis.cls, name, None) for name in self_method_calls(current)]
-        helpers += helper_functions(current)
-        for helper in helpers:
-            if not callable(helper) or not hasattr(inspect.unwrap(helper), "__code__") or helper in seen:
-                continue
-            seen.add(helper)
-            helper_source = method_source(helper)
-            if helper_source is None:
-                raise NoMatch(
-                    "rms_norm.no-source",
-                    f"{current.node.name.value} calls {getattr(helper, '__qualname__', helper)}, whose source "
-                    "is not available, so its control flow cannot be checked.",
-                )
-            pending.append(helper_source)
-    return path
-
-
-# ---- branches decided per instance ------------------------------------------------------------
-
-_TENSOR = object()  # what a test of a parameter or buffer reads: a tensor (only ``is None`` is decidable)
-_COMPARE = {
-    cst.Is: lambda a, b: a is b, cst.IsNot: lambda a, b: a is not b,
-    cst.Equal: lambda a, b: a == b, cst.NotEqual: lambda a, b: a != b,
-    cst.LessThan: lambda a, b: a < b, cst.LessThanEqual: lambda a, b: a <= b,
-    cst.GreaterThan: lambda a, b: a > b, cst.GreaterThanEqual: lambda a, b: a >= b,
-}  # fmt: skip
-
-
-class _TracedPath(cst.CSTVisitor):
-    """Walks the path the trace took through a method: a branch on ``self``'s attributes is decided
-    as the traced instance decided it and only the branch taken is walked; any other branch, loop,
-    ``with``, ``try`` or early return is refused. ``assumes`` are the attributes the decisions read,
-    with their values; ``optional`` the tests of an optional input being None (parameter, If)."""
-
-    def __init__(self, analysis: ClassAnalysis):
-        super().__init__()
-        self.analysis = analysis
-        self.assumes: dict[str, Assumption] = {}
-        self.optional: list[tuple[str, cst.If, MethodSource]] = []
-        self._source: MethodSource | None = None
-        self._params: dict[str, cst.Param] = {}
-
-    def walk(self, source: MethodSource, is_forward: bool) -> None:
-        self._source = source
-        params = source.node.params
-        self._params = {p.name.value: p for p in [*params.params, *params.kwonly_params]} if is_forward else {}
-        source.node.body.visit(self)
-
-    def _refuse(self, node: cst.CSTNode, kind: str) -> None:
-        article = "an" if kind[0] in "aeiou" else "a"
-        raise NoMatch(
-            "rms_norm.control-flow",
-            f"{self._source.node.name.value} has {article} {kind} at line {self._source.line(node)}; the trace "
-            "shows one path only.",
-        )
-
-    def visit_If(self, node: cst.If) -> bool:
-        branch = node.body if self._decide(node.test, node) else node.orelse
-        if branch is not None:
-            branch.visit(self)
-        return False
-
-    def visit_IfExp(self, node: cst.IfExp) -> bool:
-        (node.body if self._decide(node.test, node) else node.orelse).visit(self)
-        return False
-
-    def visit_For(self, node) -> None:
-        self._refuse(node, "for")
-
-    def visit_While(self, node) -> None:
-        self._refuse(node, "while")
-
-    def visit_Try(self, node) -> None:
-        self._refuse(node, "try")
-
-    def visit_With(self, node) -> None:
-        self._refuse(node, "with")
-
-    def visit_Match(self, node) -> None:
-        self._refuse(node, "match")
-
-    def visit_Return(self, node: cst.Return) -> None:
-        last = self._source.node.body.body[-1] if self._source.node.body.body else None
-        if not (isinstance(last, cst.SimpleStatementLine) and node in last.body):
-            self._refuse(node, "return")
-
-    def _decide(self, test: cst.BaseExpression, branch: cst.CSTNode) -> bool:
-        """The traced instance's value of ``test``; a test reading anything but ``self``'s attributes
-        and constants (or an optional input against None) is refused."""
-        optional = self._optional_input(test)
-        if optional is not None:
-            param, given_is_true = optional
-            if isinstance(branch, cst.If):
-                self.optional.append((param, branch, self._source))
-            else:
-                self._refuse(branch, "conditional expression on an optional input")
-            return given_is_true
-        try:
-            return bool(self._evaluate(test))
-        except _Undecidable:
-            kind = "if" if isinstance(branch, cst.If) else "ifexp"
-            self._refuse(branch, kind)
-
-    def _optional_input(self, test) -> tuple[str, bool] | None:
-        """``p is not None`` / ``p is None`` of a forward parameter ``p`` that defaults to None, given a
-        tensor in the traced call, never rebound: (p, the test's value on the traced call)."""
-        if not (isinstance(test, cst.Comparison) and len(test.comparisons) == 1):
-            return None
-        target = test.comparisons[0]
-        if not (isinstance(test.left, cst.Name) and m.matches(target.comparator, m.Name("None"))):
-            return None
-        if not isinstance(target.operator, (cst.Is, cst.IsNot)):
-            return None
-        param = self._params.get(test.left.value)
-        if param is None or param.default is None or not m.matches(param.default, m.Name("None")):
-            return None
-        if m.findall(self._source.node.body, m.AssignTarget(target=m.Name(param.name.value))):
-            return None
-        placeholder = next((p for p in self.analysis.trace.placeholders() if p.target == param.name.value), None)
-        if placeholder is None or not isinstance(value(placeholder), torch.Tensor):
-            return None  # traced without it: the None path, which no matcher explains
-        return param.name.value, isinstance(target.operator, cst.IsNot)
-
-    def _evaluate(self, node: cst.BaseExpression):
-        if isinstance(node, cst.Name) and node.value in ("True", "False", "None"):
-            return {"True": True, "False": False, "None": None}[node.value]
-        if isinstance(node, (cst.Integer, cst.Float, cst.SimpleString)):
-            return node.evaluated_value
-        if m.matches(node, m.Attribute(value=m.Name("self"))):
-            return self._attribute(node.attr.value)
-        if isinstance(node, cst.UnaryOperation) and isinstance(node.operator, cst.Not):
-            return not self._truth(self._evaluate(node.expression))
-        if isinstance(node, cst.BooleanOperation):
-            left = self._evaluate(node.left)
-            if self._truth(left) == isinstance(node.operator, cst.Or):
-                return left  # short-circuit: the right operand never runs
-            return self._evaluate(node.right)
-        if isinstance(node, cst.Comparison):
-            left = self._evaluate(node.left)
-            for target in node.comparisons:
-                right = self._evaluate(target.comparator)
-                identity = isinstance(target.operator, (cst.Is, cst.IsNot))
-                compare = _COMPARE.get(type(target.operator))
-                if compare is None or ((left is _TENSOR or right is _TENSOR) and not identity):
-                    raise _Undecidable
-                if not compare(left, right):
-                    return False
-                left = right
-            return True
-        raise _Undecidable
-
-    @staticmethod
-    def _truth(v) -> bool:
-        if v is _TENSOR:
-            raise _Undecidable  # a tensor's truth is its data
-        return bool(v)
-
-    def _attribute(self, name: str):
-        """``self.<name>`` on the traced instance: a scalar the trace read, a parameter or buffer it
-        held (a tensor), or None or a string read off the instance itself; its value is assumed."""
-        if m.findall(self._source.node, m.AssignTarget(target=m.Attribute(value=m.Name("self"), attr=m.Name(name)))):
-            raise _Undecidable  # the method rebinds it: its value at the test is not the instance's
-        trace = self.analysis.trace
-        scalar = trace.self_attrs.get(name)
-        if scalar is not None:
-            found, assumption = scalar.meta["val"], Assumption(name, scalar.meta["val"])
-        elif any(n.op == "get_attr" and n.target == name and "self_attr" not in n.meta for n in trace.graph.nodes):
-            found, assumption = _TENSOR, Assumption(name, tensor=True)
-        else:
-            instance = trace.graph.find_nodes(op="placeholder", target="self")[0].meta.get("val")
-            try:
-                found = getattr(instance, name)
-            except (ReferenceError, AttributeError):
-                raise _Undecidable from None  # the traced instance is gone, or has no such attribute
-            if found is not None and type(found) is not str:
-                raise _Undecidable
-            assumption = Assumption(name, found)
-        self.assumes[name] = assumption
-        return found
-
-
-class _Undecidable(Exception):
-    """A branch test that does not read only ``self``'s attributes and constants."""
