@@ -16,7 +16,7 @@ differs from ``fx.Tracer`` in these ways:
   guard, and ``Trace.specialisation`` names the attributes the graph is specialised on;
 * the attention interface and declared leaf callables become single nodes;
 * sizes read off a traced tensor (``x.shape``, ``x.size(1)``, ``x.dim()``, ``x.numel()``) are
-  ints that remember where they came from: when Python control flow tests one (``if x.dim()
+  ints that remember where they came from (``sizes``): when Python control flow tests one (``if x.dim()
   == 2``, in the forward or in any helper it calls), the trace records a ``ShapeGuard`` with
   its source line, so a fuser that replaces the whole module knows its graph holds for
   inputs of this shape only;
@@ -53,6 +53,8 @@ from torch import nn
 from torch.fx.proxy import Attribute, Scope, TracerBase
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
+
+from .sizes import SIZE_READS, ShapeGuard, SizeInt, SizeOrigin, SizeTuple, plain_size, tracked_size
 
 __all__ = ["UNKNOWN", "Assumption", "ShapeGuard", "Trace", "TraceStop", "is_kv_cache", "leaf_callable", "trace_module"]
 
@@ -111,131 +113,6 @@ class Assumption:
     def describe(self) -> str:
         where = f" at {os.path.basename(self.location[0])}:{self.location[1]}" if self.location else ""
         return f"{self.kind} on {self.node.name}{where}"
-
-
-@dataclass(frozen=True)
-class ShapeGuard:
-    """Where Python control flow tested a size read off a traced tensor (``if x.dim() == 2``)."""
-
-    node: fx.Node  # the tensor whose size was read
-    read: str  # what was read: "shape", "dim()", ...
-    location: tuple[str, int] | None
-
-    def describe(self) -> str:
-        where = f" at {os.path.basename(self.location[0])}:{self.location[1]}" if self.location else ""
-        return f"a test of {self.node.name}.{self.read}{where}"
-
-
-class _SizeBool:
-    """The truth of a comparison of sizes; testing it records a shape guard."""
-
-    __slots__ = ("value", "origin")
-
-    def __init__(self, value: bool, origin: "_SizeOrigin"):
-        self.value = bool(value)
-        self.origin = origin
-
-    def __bool__(self) -> bool:
-        self.origin.guard()
-        return self.value
-
-    def __repr__(self) -> str:
-        return repr(self.value)
-
-
-class _SizeOrigin:
-    """Which tensor a size was read from, by which trace."""
-
-    __slots__ = ("tracer", "node", "read")
-
-    def __init__(self, tracer: "_LeafTracer", node: fx.Node, read: str):
-        self.tracer, self.node, self.read = tracer, node, read
-
-    def guard(self) -> None:
-        tracer = self.tracer
-        if _ACTIVE is tracer and not tracer.executing:
-            tracer.shape_guards.append(ShapeGuard(self.node, self.read, _user_location(3)))
-
-
-def _size_op(op: Callable) -> Callable:
-    def method(self, *others):
-        result = op(int(self), *(int(o) if isinstance(o, int) else o for o in others))
-        return _SizeInt(result, self._origin) if type(result) is int and self._origin is not None else result
-
-    return method
-
-
-def _size_compare(op: Callable) -> Callable:
-    def method(self, other):
-        result = op(int(self), int(other) if isinstance(other, int) else other)
-        return _SizeBool(result, self._origin) if self._origin is not None else result
-
-    return method
-
-
-class _SizeInt(int):
-    """A size read off a traced tensor: an int for every use, that records a shape guard when
-    control flow tests it (comparisons give a ``_SizeBool``; arithmetic keeps the origin)."""
-
-    def __new__(cls, value: int, origin: _SizeOrigin | None = None):
-        obj = super().__new__(cls, value)
-        obj._origin = origin
-        return obj
-
-    def __bool__(self) -> bool:
-        if self._origin is not None:
-            self._origin.guard()
-        return int(self) != 0
-
-    __hash__ = int.__hash__
-    __eq__ = _size_compare(operator.eq)
-    __ne__ = _size_compare(operator.ne)
-    __lt__ = _size_compare(operator.lt)
-    __le__ = _size_compare(operator.le)
-    __gt__ = _size_compare(operator.gt)
-    __ge__ = _size_compare(operator.ge)
-    __add__ = _size_op(operator.add)
-    __radd__ = _size_op(lambda a, b: b + a)
-    __sub__ = _size_op(operator.sub)
-    __rsub__ = _size_op(lambda a, b: b - a)
-    __mul__ = _size_op(operator.mul)
-    __rmul__ = _size_op(lambda a, b: b * a)
-    __floordiv__ = _size_op(operator.floordiv)
-    __rfloordiv__ = _size_op(lambda a, b: b // a)
-    __mod__ = _size_op(operator.mod)
-    __rmod__ = _size_op(lambda a, b: b % a)
-    __neg__ = _size_op(operator.neg)
-
-
-class _SizeTuple(tuple):
-    """``x.shape`` / ``x.size()`` of a traced tensor: a tuple of ``_SizeInt`` (with ``numel``)."""
-
-    def numel(self) -> int:
-        total = 1
-        for d in self:
-            total *= int(d)
-        return total
-
-
-def _plain_size(value: Any) -> Any:
-    """A tracked size as the plain int (or tuple) it stands for: what graphs and real ops see."""
-    if isinstance(value, _SizeInt):
-        return int(value)
-    if isinstance(value, _SizeTuple):
-        return tuple(int(d) for d in value)
-    return value
-
-
-# Tensor reads that give sizes, tracked for control flow.
-_SIZE_READS = frozenset({"shape", "ndim", "size", "dim", "numel", "nelement"})
-
-
-def _tracked_size(value: Any, origin: _SizeOrigin) -> Any:
-    if isinstance(value, torch.Size):
-        return _SizeTuple(_SizeInt(d, origin) for d in value)
-    if type(value) is int:
-        return _SizeInt(value, origin)
-    return value
 
 
 @dataclass
@@ -349,12 +226,12 @@ class ValueProxy(fx.Proxy):
             if self.stand_in and name in ("shape", "size", "numel", "nelement"):
                 self._assume("size")
             concrete = getattr(value, name)
-            if name not in _SIZE_READS or self.stand_in:  # a stand-in's sizes are assumptions already
+            if name not in SIZE_READS or self.stand_in:  # a stand-in's sizes are assumptions already
                 return concrete
             if not callable(concrete):
-                return _tracked_size(concrete, _SizeOrigin(self.tracer, self.node, name))
-            origin = _SizeOrigin(self.tracer, self.node, f"{name}()")
-            return lambda *args, **kwargs: _tracked_size(concrete(*args, **kwargs), origin)
+                return tracked_size(concrete, SizeOrigin(self.node, name, self.tracer.record_shape_guard))
+            origin = SizeOrigin(self.node, f"{name}()", self.tracer.record_shape_guard)
+            return lambda *args, **kwargs: tracked_size(concrete(*args, **kwargs), origin)
         return _ValueAttribute(self, name)
 
     def __bool__(self) -> bool:
@@ -441,6 +318,11 @@ class _LeafTracer(TracerBase):
         self._shadows: dict[str, ValueProxy] = {}  # name -> the node proxy shadowing it
         self.self_node: fx.Node | None = None
 
+    def record_shape_guard(self, node: fx.Node, read: str) -> None:
+        """Control flow of the traced code tested a size read off ``node`` (``sizes.SizeOrigin``)."""
+        if _ACTIVE is self and not self.executing:
+            self.shape_guards.append(ShapeGuard(node, read, _user_location(3)))
+
     # -- graph building -------------------------------------------------------------
     def proxy(self, node: fx.Node) -> ValueProxy:
         return ValueProxy(node, self)
@@ -448,8 +330,8 @@ class _LeafTracer(TracerBase):
     def create_arg(self, a: Any) -> Any:
         if isinstance(a, fx.Proxy):
             return a.node
-        if isinstance(a, (_SizeInt, _SizeTuple)):
-            return _plain_size(a)
+        if isinstance(a, (SizeInt, SizeTuple)):
+            return plain_size(a)
         if isinstance(a, torch.Tensor):
             return self._tensor_node(a)
         if isinstance(a, nn.Module):
@@ -514,7 +396,7 @@ class _LeafTracer(TracerBase):
                 return x.node.meta.get("val", UNKNOWN)
             if isinstance(x, torch.Tensor):
                 return self._to_meta(x)
-            return _plain_size(x)
+            return plain_size(x)
 
         return tree_map(convert, obj)
 
