@@ -53,7 +53,7 @@ class AddRMSNormMatch:
         return tuple(name for name, _ in self.found)
 
 
-class AddRMSNormFuser(SourceFuser):
+class AddRMSNormFuser(SourceFuser[AddRMSNormMatch]):
     kind = "add_rms_norm"
     requires = ("rms_norm",)  # the fused op runs where the RMSNorm fusion made the norm its layer
 

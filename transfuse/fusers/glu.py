@@ -116,7 +116,7 @@ def _class_activation(analysis: ClassAnalysis) -> str:
     )
 
 
-class GLUFuser(SourceFuser):
+class GLUFuser(SourceFuser[GLUMatch]):
     kind = "gate_up"
 
     def wants(self, module: nn.Module) -> bool:

@@ -54,7 +54,7 @@ _ELEMENTWISE = {"mul", "div", "add", "sub", "tanh", "neg"}
 _LAYOUT = {"view", "reshape", "contiguous", "flatten"}
 
 
-class LinearCrossEntropyFuser(SourceFuser):
+class LinearCrossEntropyFuser(SourceFuser[LinearCrossEntropyMatch]):
     kind = "linear_cross_entropy"
     opt_in = True
     changes_training = True

@@ -99,7 +99,7 @@ def _roles(calls: list[fx.Node], analysis: ClassAnalysis) -> tuple[str, str, str
     return tuple(names)
 
 
-class QKVFuser(SourceFuser):
+class QKVFuser(SourceFuser[QKVMatch]):
     kind = "qkv"
 
     def wants(self, module: nn.Module) -> bool:

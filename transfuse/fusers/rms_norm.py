@@ -69,7 +69,7 @@ class RMSNormMatch:
     optional_gate: bool = False  # ... and without a gate the norm of the input alone (proved on the source)
 
 
-class RMSNormFuser(Fuser):
+class RMSNormFuser(Fuser[RMSNormMatch]):
     kind = "rms_norm"
     replaces_module = True
 

@@ -61,7 +61,7 @@ _FUNCTIONS = {operator.mul, operator.add, operator.neg, operator.getitem, operat
 _METHODS = {"unsqueeze", "size"}
 
 
-class RotaryFuser(SourceFuser):
+class RotaryFuser(SourceFuser[RotaryMatch]):
     kind = "rotary"
 
     def wants(self, module: nn.Module) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, TypeVar
 
 from torch import nn
 
@@ -22,6 +22,9 @@ if TYPE_CHECKING:
     from .source import EditContext
 
 __all__ = ["Fused", "Fuser", "Refusal", "SourceFuser"]
+
+# The record a fuser's ``match`` returns for a class: names and flags found, never instance values.
+M = TypeVar("M")
 
 
 @dataclass(frozen=True)
@@ -51,8 +54,9 @@ class Fused:
     undo: Callable[[], None] | None = None
 
 
-class Fuser(ABC):
-    """One fusion pattern. Subclasses set ``kind`` and implement ``match`` and ``fuse``."""
+class Fuser(ABC, Generic[M]):
+    """One fusion pattern, whose ``match`` finds an ``M`` in a class. Subclasses set ``kind`` and
+    implement ``match`` and ``fuse``; every other hook is given that record as ``found``."""
 
     kind: ClassVar[str]
     # True when ``fuse`` returns a replacement for the whole instance (its children go with it).
@@ -70,27 +74,27 @@ class Fuser(ABC):
         """Cheap class-level filter: is it worth tracing this module's class for this pattern?"""
         return True
 
-    def claimed_children(self, found: Any) -> tuple[str, ...]:
+    def claimed_children(self, found: M) -> tuple[str, ...]:
         """Children (dotted names) of a planned instance that this fusion consumes, so that no
         other fusion plans anything in them. A fuser that replaces the module claims all."""
         return ()
 
-    def rebuilt_children(self, found: Any) -> tuple[str, ...]:
+    def rebuilt_children(self, found: M) -> tuple[str, ...]:
         """Children (dotted names) whose places ``fuse`` takes and whose tensors it copies into new ones,
         and ``""`` where it takes the instance's own place (its parameters reused): the rewriter refuses
         the fusion where one of them is shared with another place in the model (``sharing``)."""
         return ("",) if self.replaces_module else ()
 
     @abstractmethod
-    def match(self, analysis: ClassAnalysis) -> Any | Refusal | None:
+    def match(self, analysis: ClassAnalysis) -> M | Refusal | None:
         """What was found in the class (a record of names and flags, never instance values),
         a Refusal for a class that looks like the pattern but cannot be fused, or None."""
 
-    def validate(self, module: nn.Module, found: Any) -> Refusal | None:
+    def validate(self, module: nn.Module, found: M) -> Refusal | None:
         """Whether this instance fits what was found in its class."""
         return None
 
-    def suggestion(self, module: nn.Module, found: Any) -> str:
+    def suggestion(self, module: nn.Module, found: M) -> str:
         """For an opt-in fuser that was not asked for: what the report says it would do here."""
         return ""
 
@@ -101,17 +105,17 @@ class Fuser(ABC):
         in ``context.class_statements``."""
         return None
 
-    def emission(self, found: Any, fused: Fused) -> Any:
+    def emission(self, found: M, fused: Fused) -> Any:
         """What ``emitted_forward`` needs of a replacement, kept on the model (so it must deep-copy
         and pickle: no graph nodes); None where there is nothing to emit. Default: the match."""
         return found
 
     @abstractmethod
-    def fuse(self, module: nn.Module, found: Any) -> Fused:
+    def fuse(self, module: nn.Module, found: M) -> Fused:
         """Build the fused module(s) from the instance's own tensors."""
 
 
-class SourceFuser(Fuser):
+class SourceFuser(Fuser[M]):
     """A fuser that edits the class's forward source (once per class) and, per instance,
     changes the instance's children in place; the rewriter binds the edited forward.
 
@@ -121,10 +125,10 @@ class SourceFuser(Fuser):
     """
 
     @abstractmethod
-    def edit(self, tree: cst.FunctionDef, found: Any, context: EditContext) -> cst.FunctionDef:
+    def edit(self, tree: cst.FunctionDef, found: M, context: EditContext) -> cst.FunctionDef:
         """The forward with this fusion's change made."""
 
     @abstractmethod
-    def declaration(self, found: Any) -> Any:
+    def declaration(self, found: M) -> Any:
         """What an emitted modeling file declares on the class so that loading builds the fused
         children (a ``rewriter.weights.Merge``); ``fuse`` builds the same at run time."""

@@ -65,7 +65,7 @@ class MoEEmission:
     numbers: tuple[tuple[str, Source], ...]
 
 
-class MoEFuser(Fuser):
+class MoEFuser(Fuser[MoEMatch]):
     kind = "moe"
 
     def wants(self, module: nn.Module) -> bool:
