@@ -386,6 +386,33 @@ def rewrite_model(
     previous: RewriteReport | None = getattr(model, REPORT_ATTR, None)
     report = RewriteReport(fusions=list(previous.fusions) if previous else [])
     meta = is_meta_model(model)
+    probe, failure = _probe(model, example_inputs, report)
+    if failure is not None and verify and not meta:
+        return _not_rewritten(model, failure, report)
+    if failure is not None:
+        report.notes.append(f"the probe forward stopped early ({failure}); classes it did not reach were traced without inputs")
+    with eval_mode(model):  # traced as the probe ran: fusions reproduce inference (see each fuser for training)
+        planned = _plan(model, fusers, probe, report, suggest)
+    checking = verify and not meta and bool(planned)
+    if checking:
+        planned, training, checks = _prepare_checks(model, planned, probe, report)
+    elif planned:
+        _unverified(report, "the caller passed verify=False" if not verify else _META)
+    applied = _apply_all(model, planned)
+    if checking:
+        applied = _checked(model, applied, training, checks, probe, report)
+    _record(model, applied, report)
+    logger.info("transfuse: %d fusions in %.2f s", sum(len(i.plans) for i in applied), time.perf_counter() - start)
+    object.__setattr__(model, REPORT_ATTR, report)
+    return report
+
+
+_META = "the model's parameters are on the meta device (no data to compare)"
+
+
+def _probe(model: nn.Module, example_inputs: Any, report: RewriteReport) -> tuple[Probe, str | None]:
+    """The probe forward, recorded, and why it failed (None: it ran). The probe made here is
+    retried simpler before it fails; the caller's ``example_inputs`` must run as given."""
     try:
         made = make_probe(model, example_inputs)
         probe = record_calls(model, made)
@@ -395,51 +422,49 @@ def rewrite_model(
                 retried = record_calls(model, Probe(made.args, kwargs))
                 if retried.error is None:
                     report.notes.append(f"the probe ran {what}: as first made, the model raised {failure}")
-                    probe, failure = retried, None
-                    break
+                    return retried, None
     except ProbeUnavailable as exc:
         probe, failure = Probe((), {}), str(exc)
-    if failure is not None:
-        if example_inputs is not None:
-            raise ExampleInputsError(
-                f"{type(model).__name__} rejected example_inputs: {failure}. Pass the arguments its forward "
-                f"takes{_signature_hint(model)}, as a tuple of positional arguments or a dict of keyword "
-                "arguments, or leave example_inputs out to let transfuse make random token ids."
-            )
-        if verify and not meta:
-            report.not_rewritten = (
-                f"the probe forward could not run ({failure}), so no fusion could be verified; pass "
-                "example_inputs that the model accepts, or verify=False to fuse without verification"
-            )
-            warnings.warn(f"transfuse: {type(model).__name__} was not rewritten: {report.not_rewritten}.", stacklevel=3)
-            object.__setattr__(model, REPORT_ATTR, report)
-            return report
-        report.notes.append(f"the probe forward stopped early ({failure}); classes it did not reach were traced without inputs")
-    with eval_mode(model):  # traced as the probe ran: fusions reproduce inference (see each fuser for training)
-        planned = _plan(model, fusers, probe, report, suggest)
-    checking = verify and not meta and bool(planned)
-    if checking:
-        # Fusions that change training mode only run the original code in eval mode: they are judged
-        # by the model's loss in training mode instead (``_check_training``).
-        training = [i for i in planned if all(p.fuser.changes_training for p in i.plans)]
-        evaluated = [i for i in planned if i not in training]
-        checks = prepare(model, evaluated, probe, lambda instance, tag, reason: _refuse(report, instance, tag, reason))
-        planned = [i for i in planned if i.path in checks or i in training]
-    elif planned and not verify:
-        report.verification = "unverified: the caller passed verify=False"
-        report.notes.append(report.verification)
-    elif planned and meta:
-        report.verification = "unverified: the model's parameters are on the meta device (no data to compare)"
-        report.notes.append(report.verification)
-    applied: list[_Instance] = []
+    if failure is not None and example_inputs is not None:
+        raise ExampleInputsError(
+            f"{type(model).__name__} rejected example_inputs: {failure}. Pass the arguments its forward "
+            f"takes{_signature_hint(model)}, as a tuple of positional arguments or a dict of keyword "
+            "arguments, or leave example_inputs out to let transfuse make random token ids."
+        )
+    return probe, failure
+
+
+def _not_rewritten(model: nn.Module, failure: str, report: RewriteReport) -> RewriteReport:
+    """Nothing fused: no probe ran, so no fusion could be verified."""
+    report.not_rewritten = (
+        f"the probe forward could not run ({failure}), so no fusion could be verified; pass "
+        "example_inputs that the model accepts, or verify=False to fuse without verification"
+    )
+    warnings.warn(f"transfuse: {type(model).__name__} was not rewritten: {report.not_rewritten}.", stacklevel=4)
+    object.__setattr__(model, REPORT_ATTR, report)
+    return report
+
+
+def _prepare_checks(model: nn.Module, planned: list[_Instance], probe: Probe, report: RewriteReport):
+    """(the instances that can be checked, those judged by the loss in training mode, the checks).
+    Fusions that change training mode only run the original code in eval mode: they are judged by
+    the model's loss in training mode instead (``_check_training``)."""
+    training = [i for i in planned if all(p.fuser.changes_training for p in i.plans)]
+    evaluated = [i for i in planned if i not in training]
+    checks = prepare(model, evaluated, probe, lambda instance, tag, reason: _refuse(report, instance, tag, reason))
+    return [i for i in planned if i.path in checks or i in training], training, checks
+
+
+def _unverified(report: RewriteReport, why: str) -> None:
+    report.verification = f"unverified: {why}"
+    report.notes.append(report.verification)
+
+
+@contextlib.contextmanager
+def _all_or_nothing(model: nn.Module, applied: list[_Instance]):
+    """An error inside undoes every instance in ``applied`` and raises ``RewriteError``."""
     try:
-        for instance in planned:
-            applied.append(instance)
-            _apply(model, instance)
-        if checking:
-            with conformance.watching() as consulted:
-                applied = _verified(model, applied, training, checks, probe, report)
-            report.providers = provider_checks(model, consulted) if applied else []
+        yield
     except BaseException as exc:
         _undo_all(model, applied)
         if not isinstance(exc, Exception):
@@ -448,30 +473,47 @@ def rewrite_model(
             f"transfuse could not finish rewriting {type(model).__name__} ({type(exc).__name__}: {exc}); "
             "every fusion was undone and the model is as it was."
         ) from exc
+
+
+def _apply_all(model: nn.Module, planned: list[_Instance]) -> list[_Instance]:
+    applied: list[_Instance] = []
+    with _all_or_nothing(model, applied):
+        for instance in planned:
+            applied.append(instance)
+            _apply(model, instance)
+    return applied
+
+
+def _checked(model, applied: list[_Instance], training, checks, probe: Probe, report: RewriteReport) -> list[_Instance]:
+    """The applied instances that pass their checks, with the providers the checks consulted."""
+    with _all_or_nothing(model, list(applied)), conformance.watching() as consulted:
+        passed = _verified(model, applied, training, checks, probe, report)
+        report.providers = provider_checks(model, consulted) if passed else []
+    return passed
+
+
+def _record(model: nn.Module, applied: list[_Instance], report: RewriteReport) -> None:
+    """Each fusion made, in the report; each replaced class, with what its emitted forward needs."""
     replaced = model.__dict__.setdefault(REPLACED_ATTR, {})
     differing: set[type] = set()
     for instance in applied:
         for plan in instance.plans:
             if plan.fused.replacement is not None and plan.fused.replaced == ("",):
-                # What an emitted forward needs (not the match: it may hold graph nodes, which
-                # neither copy nor pickle); None where instances of one class differ in it.
-                emits = type(plan.fuser).emitted_forward is not Fuser.emitted_forward
-                kept = plan.fuser.emission(plan.found, plan.fused) if emits else None
-                cls = type(instance.module)
-                if cls in differing or (cls in replaced and replaced[cls][1] != kept):
-                    differing.add(cls)
-                    kept = None
-                replaced[cls] = (plan.fuser, kept)
+                _keep_emission(replaced, differing, type(instance.module), plan)
             report.fusions.append(
                 FusionRecord(
-                    instance.path,
-                    type(instance.module).__name__,
-                    plan.fuser.kind,
-                    plan.fused.replaced,
-                    plan.fused.into,
-                    instance.check or report.verification,
+                    instance.path, type(instance.module).__name__, plan.fuser.kind, plan.fused.replaced,
+                    plan.fused.into, instance.check or report.verification,
                 )
             )
-    logger.info("transfuse: %d fusions in %.2f s", sum(len(i.plans) for i in applied), time.perf_counter() - start)
-    object.__setattr__(model, REPORT_ATTR, report)
-    return report
+
+
+def _keep_emission(replaced: dict, differing: set[type], cls: type, plan: _Planned) -> None:
+    """What an emitted forward needs (not the match: it may hold graph nodes, which neither copy
+    nor pickle); None where instances of one class differ in it."""
+    emits = type(plan.fuser).emitted_forward is not Fuser.emitted_forward
+    kept = plan.fuser.emission(plan.found, plan.fused) if emits else None
+    if cls in differing or (cls in replaced and replaced[cls][1] != kept):
+        differing.add(cls)
+        kept = None
+    replaced[cls] = (plan.fuser, kept)

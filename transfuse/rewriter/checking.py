@@ -56,7 +56,7 @@ REFERENCE_BYTES = settings.at_import("TRANSFUSE_REFERENCE_BYTES")
 
 @contextlib.contextmanager
 def evaluating(module: nn.Module):
-    """Eval mode, no autograd, and no CUDA graphs of the one-off calls a check makes."""
+    """Eval mode and no autograd, for the one-off calls a check makes."""
     with eval_mode(module), torch.no_grad():
         yield
 
