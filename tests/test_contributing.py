@@ -63,6 +63,19 @@ class SiLUOnlyForSmallInputs(nn.Module):
         return x * torch.sigmoid(x)
 
 
+class SiLUUnlessPlain(nn.Module):
+    """A branch on its own attribute, which another instance may set otherwise → refused (silu.branch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.plain = False
+
+    def forward(self, x):
+        if self.plain:
+            return x
+        return x * torch.sigmoid(x)
+
+
 class ScaledSiLU(nn.Module):
     """More than the formula → not a match."""
 
@@ -75,9 +88,10 @@ class _Toy(nn.Module):
         super().__init__()
         self.proj = nn.Linear(16, 16)
         self.fused, self.branchy, self.scaled = HandWrittenSiLU(), SiLUOnlyForSmallInputs(), ScaledSiLU()
+        self.flagged = SiLUUnlessPlain()
 
     def forward(self, x):
-        return self.scaled(self.branchy(self.fused(self.proj(x))))
+        return self.flagged(self.scaled(self.branchy(self.fused(self.proj(x)))))
 
 
 def test_the_skeleton_is_short():
@@ -90,10 +104,12 @@ def test_the_skeleton_fuser_fuses_and_refuses(skeleton):
     original = copy.deepcopy(model)
     transfuse.rewrite(model, fusions=["silu"], example_inputs=(x,))
     assert type(model.fused) is nn.SiLU
-    assert type(model.branchy) is SiLUOnlyForSmallInputs and type(model.scaled) is ScaledSiLU
+    assert [type(m) for m in (model.branchy, model.scaled, model.flagged)] == [
+        SiLUOnlyForSmallInputs, ScaledSiLU, SiLUUnlessPlain,
+    ]  # fmt: skip
     report = transfuse.report(model)
     assert [(f.kind, f.into) for f in report.fusions] == [("silu", "SiLU")]
-    assert [s.tag for s in report.skipped] == ["silu.control-flow"]
+    assert sorted(s.tag for s in report.skipped) == ["silu.branch", "silu.control-flow"]
     HandWrittenSiLU.calls = 0
     with torch.no_grad():
         torch.testing.assert_close(model(x), original(x), rtol=1e-6, atol=1e-6)
