@@ -42,7 +42,7 @@ def rewrite(
     suggest = [f for f in FUSERS if f.opt_in and f not in chosen]
     rewrite_model(model, chosen, verify=verify, example_inputs=example_inputs, suggest=suggest)
     # ``generate`` on the rewritten model may replay its decode steps as CUDA graphs (on a GPU,
-    # with TRANSFUSE_STEP_GRAPHS=1 for now: ``transfuse/compile/eager_steps.py``).
+    # unless TRANSFUSE_STEP_GRAPHS=0: ``transfuse/compile/eager_steps.py``).
     from .compile import eager_steps
 
     eager_steps.install()
