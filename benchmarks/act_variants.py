@@ -9,8 +9,8 @@ torch.compile of the Hugging Face code, in alternating CUDA-graph replays
 (``bench_ops.time_paired``; hidden 4096, bf16):
 
 - ``ours``: the triton provider as shipped (2-D grid of rows by blocks, the activation rounded to
-  bf16 before the multiply as eager does). In ``results/h200_act_variants.md`` the row width and
-  stride were runtime arguments; they became compile-time constants after that run, as in ``flat``;
+  bf16 before the multiply as eager does). The row width and stride are compile-time
+  constants, as in ``flat``;
 - ``flat``: one kernel with the width a compile-time constant and contiguous rows, whose flags
   switch on, one at a time, compile's choices: a 1-D grid over all outputs (``grid_1d``), no
   rounding of the activation (``no_round``), libdevice's exp (``libdevice``), and compile's launch

@@ -388,7 +388,7 @@ def suggested_defaults(rows: list[dict], cross: list[dict]) -> str:
 
 
 def verdict(tokens: int, floor_us: float, results: dict) -> tuple[str, list[str]]:
-    """PASS/FAIL against the issue's targets, and why."""
+    """PASS/FAIL against the targets, and why."""
     ours = results["transfuse triton"].get("us", math.inf)
     reasons = []
     kind, bound = TARGETS.get(tokens, ("floor", math.inf))

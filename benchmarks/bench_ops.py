@@ -490,7 +490,7 @@ def default_providers(fn, probe) -> str:
 
 
 def verdicts(rows: list[Row]) -> list[str]:
-    """The issue's targets, checked on the default dispatch choice."""
+    """The targets, checked on the default dispatch choice."""
     lines = []
     by_key = {(r.op, r.tokens, r.variant): r for r in rows}
     for op in sorted({r.op for r in rows}):

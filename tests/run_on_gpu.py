@@ -84,9 +84,8 @@ def main() -> int:
     command = [sys.executable, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider", f"--junitxml={report}"]
     if args.keyword:
         command += ["-k", args.keyword]
-    # The whole list is about 1250 cases (about 45 minutes on an H200, at the rate of the first 88 in
-    # the tenth session's runs): a session with little device
-    # time runs a subset (``--files`` or ``-k``).
+    # The whole list is about 1250 cases (about 45 minutes on an H200): with little time on the
+    # GPU, run a subset (``--files`` or ``-k``).
     test_code, test_s = _run(command + ["--durations=15", *args.files], args.out / "pytest.log")
     print(f"pytest: exit {test_code} in {test_s:.0f} s (log: {args.out / 'pytest.log'})\n")
     if not report.exists():

@@ -1,5 +1,5 @@
 """Fail closed: a fusion is exact (as accurate as the original, in every dtype) or refused with a
-reason. Each test here is a hole that was observed in the first wave, reproduced."""
+reason. Each test here reproduces a way a fusion could be wrong and checks that it is refused."""
 
 from __future__ import annotations
 

@@ -6,10 +6,8 @@ else. The first call in a process wraps transformers' decoding loops and its def
 (``generate.serve``); the loops of every model not given decode steps run as transformers wrote them.
 
 An eager decode step of a small model is the host's work: at Qwen3-MoE's shapes the GPU is busy
-about 0.24 ms a token and the host issues some 600 torch ops for it (the fourteenth session's
-profile in ``benchmarks/NOTES.md``), so the token took 3.5-5.6 ms in the H200 runs whatever the
-kernels do. The
-pieces that take the host off the GPU's way exist for the compile path: the attention op that
+about 0.24 ms a token and the host issues some 600 torch ops for it, so the token takes 3.5-5.6 ms
+on an H200 whatever the kernels do. The pieces that take the host off the GPU's way exist for the compile path: the attention op that
 writes a token's key and value into a ``KVStore`` and attends there (every shape and address of
 a step fixed), whole calls captured as one CUDA graph (``replay.CallGraphs``), and closed
 decoding loops (``generate.py``), in which only transformers' generation code runs between two
@@ -81,10 +79,10 @@ __all__ = ["ENV", "EagerSteps", "decode_steps", "refusal", "stats"]
 M = TypeVar("M", bound=nn.Module)
 
 ENV = "TRANSFUSE_STEP_GRAPHS"
-# On unless ``TRANSFUSE_STEP_GRAPHS=0``. On the H200 ``tests/test_eager_steps.py -m gpu`` passed, the
-# other decode, MoE and model GPU tests passed with it on, and ``benchmarks/bench_decode.py``
+# On unless ``TRANSFUSE_STEP_GRAPHS=0``. On an H200 ``tests/test_eager_steps.py -m gpu`` passes, the
+# other decode, MoE and model GPU tests pass with it on, and ``benchmarks/bench_decode.py``
 # measured a Qwen3-MoE-shaped token at 0.457 ms with it against 3.821 without, a Llama-3-8B-shaped
-# one (8 layers) at 1.336 against 6.587 (``benchmarks/results/h200_decode_*_twentyfourth.md``).
+# one (8 layers) at 1.336 against 6.587 (``benchmarks/results/h200_decode_*_step_graphs_2026-12-05.md``).
 ON_BY_DEFAULT = settings.SWITCHES[ENV].default
 # Loops that make fewer new tokens run as usual: a capture (an eager step's time and a device
 # synchronisation) is paid back only over several replays. A guess, to be set from a measurement

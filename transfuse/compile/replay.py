@@ -17,7 +17,7 @@ A replay stands for what Dynamo would have run, so before each one it checks:
   guards on they cost what the rest of Dynamo's way to the graph costs (150-210 us a call on the
   development CPU against 17-26 with ``trust_modules``, ``benchmarks/dynamo_guards.py``; a
   replay of a Qwen3-MoE step with every guard took 0.81 ms a token on the H200, Dynamo 0.73-0.77
-  in two sessions), so outside a closed decoding loop ``transfuse.compile`` replays by default
+  in two runs), so outside a closed decoding loop ``transfuse.compile`` replays by default
   only a model compiled with ``trust_modules=True``;
 * that the model's module tree is made of the same objects (``_Snapshot``, taken at the capture):
   every submodule, parameter, buffer and forward hook entry, none added or removed, each module

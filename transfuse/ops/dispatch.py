@@ -511,7 +511,7 @@ def under_compile_use_library_op(op: str, args: tuple, default: str = "native", 
     wherever a provider with backward kernels runs on the arguments' device: Inductor's code for
     the gradient of a merged projection's split (one kernel that also concatenates the parts)
     measured several times slower on the GPU than those kernels
-    (``benchmarks/results/h200_profile_train_llama_*compiled_fourteenth.txt``)."""
+    (``benchmarks/results/h200_profile_train_llama_compiled*_2026-12-02.txt``)."""
     chosen = _COMPILE_MODE.get(op) or _COMPILE_MODE.get("*") or settings.value("TRANSFUSE_COMPILE_MODE")
     mode = chosen or default
     if mode not in _COMPILE_MODES:

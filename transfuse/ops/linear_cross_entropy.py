@@ -46,8 +46,8 @@ CHUNK_BYTES = 256 << 20
 # block's sum is a matmul that also reads and writes the whole weight gradient, so fewer, larger
 # blocks are faster: at Llama-3-8B's shapes (8192 tokens) on an H200, 512 MiB took 1.4 ms a step
 # off 256 MiB's 114.3 for 0.18 GiB more peak, and 1 GiB 2.3 ms for 0.67 GiB
-# (``benchmarks/results/h200_train_llama_blocks_fourteenth.md``); in a later run 1 GiB was 0.8 ms
-# slower than 512 MiB, inside the rounds' spread (``..._llama_fifteenth.md``): 512 MiB stays.
+# (``benchmarks/results/h200_train_llama_loss_blocks_2026-12-02.md``); in another run 1 GiB was 0.8 ms
+# slower than 512 MiB, inside the rounds' spread (``h200_train_llama_2026-12-02.md``): 512 MiB it is.
 BLOCK_BYTES = 512 << 20
 
 

@@ -182,7 +182,7 @@ def _split(path: str) -> tuple[str, ...]:
 
 # Up to this many tokens an eager call on a GPU replays a CUDA graph of the layer (``graphs.py``): at
 # one token the Qwen3-MoE block's host work is ~3x its GPU time, 163 against 48 us, and a replay's
-# 32 us (benchmarks/results/h200_decode_graphs.txt).
+# 32 us (benchmarks/results/h200_decode_graphs_2026-11-30.txt).
 DECODE_GRAPH_TOKENS = 16
 # Graphs per layer, outside the module so that copying or pickling a model never copies them.
 _LAYER_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

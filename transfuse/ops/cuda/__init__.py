@@ -31,7 +31,7 @@ _VECTORS = 4096
 # silu_and_mul covers a row with at most 65535 blocks of 256 threads.
 _MAX_ACT_WIDTH = 2**24
 # Which of this extension and the Triton kernels runs, where both can. Measured on an H200
-# (benchmarks/results/h200_ops.md and h200_sweep_triton_ops.md; bf16, hidden 4096):
+# (benchmarks/results/h200_ops_2026-11-30.md and h200_sweep_triton_ops_2026-11-29.md; bf16, hidden 4096):
 # * issued eagerly from Python, a call of up to a few thousand rows is bound by its host cost,
 #   which is 2-3x lower here (about 15-45 us against 40-90 us for a Triton launch, depending on
 #   the machine), so this extension runs;

@@ -7,8 +7,9 @@ activation is computed in float32 and rounded to the input dtype before the mult
 The half width ``D`` is a compile-time constant, and so is the row stride when rows are
 contiguous (``2 * D``): at a few rows a call is bound by latency, and with the index arithmetic
 folded into the code the first load issues a few dependent instructions sooner. On an H200
-(``benchmarks/results/h200_act_variants.md``, alternating replays against ``torch.compile``) that
-took one row from 1.022x compile's time to 0.982x, and 16 rows from 1.012x to 0.983x. A model has
+(``benchmarks/results/h200_act_variants_2026-11-30.md``, alternating replays against ``torch.compile``)
+one row takes 0.982x compile's time and 16 rows 0.983x, against 1.022x and 1.012x with the width
+and stride as runtime arguments. A model has
 one or two widths, each compiled once.
 """
 
@@ -36,8 +37,8 @@ __all__ = [
 SILU, GELU, GELU_TANH = 0, 1, 2
 _GELU_APPROXIMATIONS = {"none": GELU, "tanh": GELU_TANH}
 
-# Launch shapes, measured on an H200 (bf16, 4096 wide; ``benchmarks/results/h200_sweep_act_paired.md``
-# and, for the many-row blocks, ``h200_sweep_triton_ops.md``):
+# Launch shapes, measured on an H200 (bf16, 4096 wide; ``benchmarks/results/h200_sweep_act_and_mul_2026-11-30.md``
+# and, for the many-row blocks, ``h200_sweep_triton_ops_2026-11-29.md``):
 # - up to _TINY_ROWS rows: blocks of 256 elements, 4 warps (two elements a thread; fastest at one
 #   row, 1.19 us against 1.20 for blocks of 512);
 # - up to _LATENCY_BOUND_ROWS rows: blocks of 1024, 8 bytes a thread (8 warps in bf16; 1.29 against

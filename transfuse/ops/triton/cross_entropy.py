@@ -29,12 +29,12 @@ __all__ = ["cross_entropy_grad", "scale_"]
 # override them here as block and num_warps (``benchmarks/train_kernels.py``).
 TUNING: dict = {}
 # 8192 and 16: 2.7% faster than 4096 and 8 (401 against 412 us) over 2048 rows of Llama 3's
-# vocabulary on an H200, and the best of 48 launches (``benchmarks/results/h200_train_kernels.md``).
+# vocabulary on an H200, and the best of 48 launches (``benchmarks/results/h200_train_kernels_sweep_2026-12-02.md``).
 _BLOCK, _WARPS = 8192, 16
 # scale_: elements per program and step of its loop, and programs per SM (None: one program a
 # block). 32 an SM, looping: Llama 3's 1 GiB head gradient by one in 3.4 us (one program a block:
 # 39.6), by 0.5 in 545 us (524); a plain ``loss.backward()`` scales by one
-# (``benchmarks/results/h200_train_kernels_fifteenth.md``).
+# (``benchmarks/results/h200_train_kernels_2026-12-02.md``).
 _SCALE_BLOCK, _SCALE_PROGRAMS_PER_SM = 8192, 32
 
 

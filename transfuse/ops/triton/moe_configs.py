@@ -124,7 +124,7 @@ DECODE_MAX_PAIRS = 64
 # tiny / small: still weight-bound, one or a few rows per expert: small M, wide K, deep pipeline.
 # medium / large: compute-bound: tiles large enough to reuse each weight tile across rows.
 CONFIGS: dict[str, Config] = {
-    "decode": DecodeConfig(16, 128, 8, 64, 4, 4),  # H200 sweep (benchmarks/results/h200_moe.md): fastest at 1 token
+    "decode": DecodeConfig(16, 128, 8, 64, 4, 4),  # H200 sweep (benchmarks/results/h200_moe_tile_sweep_2026-11-29.md): fastest at 1 token
     "tiny": MoEConfig(16, 32, 256, 4, 3),
     "small": MoEConfig(32, 128, 64, 4, 4),  # H200 sweep: fastest at 256 tokens
     "medium": MoEConfig(64, 128, 64, 4, 3),

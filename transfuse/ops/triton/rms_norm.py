@@ -12,7 +12,7 @@ is a constant, and so are the row strides of contiguous inputs (as in ``act_and_
 The weight is loaded before the row (its latency overlaps the row's instead of following
 the sum of squares) and kept in cache (every program reads it), the row evicted first.
 Launch shapes come from ``benchmarks/sweep_triton_ops.py`` on an H200, hidden 4096, bf16
-(``benchmarks/results/h200_sweep_triton_ops.md``): up to a few waves of programs, two 16-byte
+(``benchmarks/results/h200_sweep_triton_ops_2026-11-29.md``): up to a few waves of programs, two 16-byte
 vectors per thread (8 warps; 4 and 16 are within 0.1 us). In that run one row takes 1.55 us
 against 1.76 us for ``torch.compile``'s kernel (before these changes, in an earlier run: 1.94
 against 1.66 us).
@@ -362,7 +362,7 @@ def _backward_programs(n_rows: int, device) -> int:
     """Enough programs to fill the GPU a few times over, each summing many rows of the weight's
     gradient (fewer partial sums to add at the end). Eight an SM: at 8192 rows of 4096 on an H200,
     80 us against 95 for four, the best of 36 launches for the plain norm and within 2% of the best
-    with the residual's gradient added (``benchmarks/results/h200_train_kernels.md``)."""
+    with the residual's gradient added (``benchmarks/results/h200_train_kernels_sweep_2026-12-02.md``)."""
     if device.type != "cuda":
         return max(1, min(n_rows, 4))
     per_sm = TUNING.get("backward_programs_per_sm", 8)
