@@ -363,8 +363,13 @@ def _grouped_matmul(rows: Tensor, matrix: Tensor, offsets: Tensor) -> Tensor:
         elif rows.dtype == torch.bfloat16:
             return torch._grouped_mm(rows, matrix, offs=offsets)
     if torch.compiler.is_compiling():
-        return torch.ops.transfuse.grouped_matmul(rows, matrix, offsets)
+        return _opaque_grouped_matmul(rows, matrix, offsets)
     return _looped_matmul(rows, matrix, offsets)
+
+
+def _opaque_grouped_matmul(rows: Tensor, matrix: Tensor, offsets: Tensor) -> Tensor:
+    """``_looped_matmul`` as one op that compiled code does not look into (its group sizes are data)."""
+    return torch.ops.transfuse.grouped_matmul(rows, matrix, offsets)
 
 
 def _grouped_mm_takes(rows: Tensor, matrix: Tensor) -> bool:

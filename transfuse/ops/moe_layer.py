@@ -380,16 +380,25 @@ def experts_watched(layer: nn.Module, plan: MoEPlan) -> bool:
 def _block_forward(layer: nn.Module, hidden_states: Tensor, plan: MoEPlan, routing, numbers: ExpertNumbers):
     if plan.assumes:
         _check_assumptions(layer, plan.assumes)
-    graphing = layer.__dict__.get("graph_small_batches", False)  # (an emitted block has none)
-    if graphing and hidden_states.is_cuda and not layer.training and not torch.compiler.is_compiling():
-        graphs = _LAYER_GRAPHS.get(layer)
-        if graphs is None:
-            # The graphs are kept in a table weakly keyed by the layer: they must not hold it.
-            compute = functools.partial(_weakly, weakref.ref(layer), plan=plan, routing=routing, numbers=numbers)
-            graphs = _LAYER_GRAPHS[layer] = SmallBatchGraphs(layer, compute, DECODE_GRAPH_TOKENS)
-        if graphs.graphable(hidden_states):
-            return graphs(hidden_states)
+    graphs = _decode_graphs(layer, hidden_states, plan, routing, numbers)
+    if graphs is not None:
+        return graphs(hidden_states)
     return _block_compute(layer, hidden_states, plan=plan, routing=routing, numbers=numbers)
+
+
+def _decode_graphs(layer: nn.Module, hidden_states: Tensor, plan: MoEPlan, routing, numbers: ExpertNumbers):
+    """The layer's CUDA graphs where this call replays one (asked for by the caller, eager, in eval
+    mode, on a GPU, few enough tokens), else None."""
+    if not layer.__dict__.get("graph_small_batches", False):  # the caller's choice (an emitted block has none)
+        return None
+    if not hidden_states.is_cuda or layer.training or torch.compiler.is_compiling():
+        return None
+    graphs = _LAYER_GRAPHS.get(layer)
+    if graphs is None:
+        # The graphs are kept in a table weakly keyed by the layer: they must not hold it.
+        compute = functools.partial(_weakly, weakref.ref(layer), plan=plan, routing=routing, numbers=numbers)
+        graphs = _LAYER_GRAPHS[layer] = SmallBatchGraphs(layer, compute, DECODE_GRAPH_TOKENS)
+    return graphs if graphs.graphable(hidden_states) else None
 
 
 def _weakly(layer: weakref.ref, hidden_states: Tensor, **plan):

@@ -11,11 +11,15 @@ For each modeling file that holds a fused class, the emitted copy is the origina
   original ``__init__`` is kept, so checkpoints load with their own keys, and the file's
   ``PreTrainedModel`` base merges them once ``from_pretrained`` (or ``_from_config``) has
   built the model;
-* relative imports made absolute (or pointed at a sibling emitted file), the transfuse
-  imports it needs, and a header that says what generated it.
+* relative imports made absolute (or pointed at a sibling emitted file, as are imports of a name an
+  emitted file defines), what it needs from transfuse imported from the runtime beside it
+  (``transfuse_runtime.py``, ``emit_runtime``), and a header that says what generated it.
 
-``emit`` writes those files, ``config.json`` with ``auto_map`` pointing at them, and the
-weights, in the model's dtype, all or nothing (``emit_dir``: staged beside the output, moved in
+A checkpoint's own code (``auto_map``) is emitted the same way, with the modules of it that those
+files import, so that the directory never reads the loader's modules cache (``emit_own_code``).
+
+``emit`` writes those files, the runtime, ``config.json`` with ``auto_map`` pointing at them, and
+the weights, in the model's dtype, all or nothing (``emit_dir``: staged beside the output, moved in
 at the end, never over the checkpoint it copies or links). The weights are in the model's own
 layout wherever transformers would convert a checkpoint on load (MoE experts packed from
 per-expert tensors): it converts for its own classes only, and the emitted ones are custom code.
@@ -36,6 +40,8 @@ from torch import nn
 from ..version import __version__
 from .apply import REPLACED_ATTR, REWRITTEN_ATTR
 from .emit_dir import EmitError, check_destination, link_target, write_directory
+from .emit_own_code import absolute_module, is_own_code, own_modules, redirected
+from .emit_runtime import RUNTIME_MODULE, runtime_source
 from .source import EditContext, MethodRewrite, _identifiers, _parse_file, method_source
 from .syntax import comment_line
 from .tracer import unwrapped_forward
@@ -60,13 +66,15 @@ class _FileEdits:
     methods: list[MethodRewrite] = field(default_factory=list)
     declarations: dict[str, tuple] = field(default_factory=dict)  # class name -> Merge objects
 
-    @property
-    def imports(self) -> dict[str, tuple[str, str]]:
+    def imports(self, loading_hook: bool) -> dict[str, tuple[str, str]]:
+        """What the file's code takes from transfuse: alias -> (module, name)."""
         merged: dict[str, tuple[str, str]] = {}
         for rewrite in self.methods:
             merged.update(rewrite.imports)
         if self.declarations:
             merged.setdefault("Merge", ("transfuse.rewriter.weights", "Merge"))
+        if loading_hook:
+            merged.setdefault("merge_declared", ("transfuse.rewriter.weights", "merge_declared"))
         return merged
 
 
@@ -133,14 +141,6 @@ def emitted_replacement(cls: type, fuser, found) -> MethodRewrite | None:
     return MethodRewrite(cls, source, forward, context.imports, (fuser.kind,), preceding=tuple(context.class_statements))
 
 
-def _absolute_module(module_name: str, relative: cst.ImportFrom) -> str:
-    """The absolute module a relative ``from ...x import y`` in ``module_name`` refers to."""
-    level = len(relative.relative)
-    package = module_name.rsplit(".", level)[0]
-    tail = cst.Module(body=[]).code_for_node(relative.module) if relative.module is not None else ""
-    return f"{package}.{tail}" if tail else package
-
-
 class _FileTransformer(cst.CSTTransformer):
     """Method replacements, merge declarations, the loading hook, and import fixes for one file."""
 
@@ -174,7 +174,7 @@ class _FileTransformer(cst.CSTTransformer):
 
     def leave_ImportFrom(self, original_node, updated_node):
         if original_node.relative:
-            absolute = _absolute_module(self.edits.module_name, original_node)
+            absolute = absolute_module(self.edits.module_name, original_node)
         elif original_node.module is not None:
             absolute = cst.Module(body=[]).code_for_node(original_node.module)
         else:
@@ -182,9 +182,24 @@ class _FileTransformer(cst.CSTTransformer):
         sibling = self.emitted_modules.get(absolute)
         if sibling is not None:
             return updated_node.with_changes(relative=[cst.Dot()], module=cst.Name(sibling))
+        if original_node.relative and is_own_code(absolute):
+            if original_node.module is None:  # ``from . import x``: siblings, emitted beside it
+                return updated_node
+            raise EmitError(
+                f"{self.edits.module_name} imports {absolute}, which was never loaded, so it cannot be emitted "
+                "beside it; load the model so that its code imports it, then emit."
+            )
         if original_node.relative:
             return updated_node.with_changes(relative=[], module=cst.parse_expression(absolute))
         return updated_node
+
+    def leave_SimpleStatementLine(self, original_node, updated_node):
+        # ``from x import A`` where an emitted file defines A: from that file (a subclass of A emitted fused).
+        if len(updated_node.body) != 1 or not m.matches(updated_node.body[0], m.ImportFrom(relative=[])):
+            return updated_node
+        absolute = cst.Module(body=[]).code_for_node(updated_node.body[0].module)
+        lines = redirected(updated_node, absolute, self.emitted_modules)
+        return updated_node if lines is None else cst.FlattenSentinel(lines)
 
 
 def _loading_hooks() -> list[cst.BaseStatement]:
@@ -217,21 +232,21 @@ def _pretrained_bases(module_name: str) -> set[str]:
 def _header(edits: _FileEdits) -> list[cst.EmptyLine]:
     import transformers
 
+    origin = "the checkpoint's own code" if is_own_code(edits.module_name) else edits.module_name
     lines = [
-        f"This file was generated by transfuse {__version__} from {edits.module_name}",
-        f"({os.path.basename(edits.filename)}, transformers {transformers.__version__}).",
-        "It is that file with fused layers: do not edit it; regenerate it with `transfuse emit`.",
+        f"This file was generated by transfuse {__version__} from {origin}",
+        f"({os.path.basename(edits.filename)}, transformers {transformers.__version__}). It is that file with fused layers,",
+        f"which {RUNTIME_MODULE}.py beside it defines: do not edit it; regenerate it with `transfuse emit`.",
     ]
     return [comment_line(line) for line in lines] + [cst.EmptyLine()]
 
 
-def _with_imports(module: cst.Module, imports: dict[str, tuple[str, str]], needs_hook: bool) -> cst.Module:
-    names: dict[str, list[str]] = {}
-    for alias, (mod, name) in sorted(imports.items()):
-        names.setdefault(mod, []).append(name if alias == name else f"{name} as {alias}")
-    if needs_hook:
-        names.setdefault("transfuse.rewriter.weights", []).append("merge_declared")
-    statements = [cst.parse_statement(f"from {mod} import {', '.join(sorted(set(n)))}") for mod, n in names.items()]
+def _with_imports(module: cst.Module, imports: dict[str, tuple[str, str]]) -> cst.Module:
+    """The module importing ``imports`` (alias -> (transfuse module, name)) from the runtime beside it."""
+    if not imports:
+        return module
+    names = sorted(name if alias == name else f"{name} as {alias}" for alias, (_, name) in imports.items())
+    statements = [cst.parse_statement(f"from .{RUNTIME_MODULE} import {', '.join(names)}")]
     body = list(module.body)
     last_import = max(
         (i for i, s in enumerate(body) if m.matches(s, m.SimpleStatementLine([m.Import() | m.ImportFrom()]))),
@@ -241,25 +256,54 @@ def _with_imports(module: cst.Module, imports: dict[str, tuple[str, str]], needs
     return module.with_changes(body=body)
 
 
-def emitted_sources(model: nn.Module) -> tuple[dict[str, str], str, list[str]]:
-    """The emitted files' text by file name, the auto_map entry for the model class, and notes."""
+def _stem(filename: str) -> str:
+    return os.path.splitext(os.path.basename(filename))[0]
+
+
+def _same_text(a: str, b: str) -> bool:
+    with open(a, "rb") as first, open(b, "rb") as second:
+        return first.read() == second.read()
+
+
+def emitted_sources(model: nn.Module) -> tuple[dict[str, str], dict[str, str], list[str]]:
+    """The emitted files' text by file name (the runtime's included), config.json's ``auto_map``, and
+    notes."""
     notes: list[str] = []
     files = _collect(model, notes)
-    stems = {e.module_name: os.path.splitext(os.path.basename(e.filename))[0] for e in files.values()}
-    if len(set(stems.values())) != len(stems):
-        raise EmitError(f"Two modeling files share a name ({sorted(stems.values())}); cannot emit them side by side.")
-    texts = {}
+    config_module = type(model.config).__module__
+    stems = {e.module_name: _stem(e.filename) for e in files.values()}
+    for name in own_modules(list(stems), config_module):
+        filename = sys.modules[name].__file__
+        # transformers may load one file of a checkpoint's code twice, under two hashes (the
+        # configuration alone, and with the modeling file): one file, emitted once.
+        twin = next((e for e in files.values() if _stem(e.filename) == _stem(filename) and _same_text(e.filename, filename)), None)
+        if twin is None or not is_own_code(twin.module_name):
+            files[filename] = _FileEdits(filename, name)
+        stems[name] = _stem(filename)
+    if len(set(map(_stem, files))) != len(files) or RUNTIME_MODULE in stems.values():
+        raise EmitError(f"Two files to emit share a name ({sorted(map(_stem, files))}); cannot emit them side by side.")
+    texts, roots = {}, set()
     for edits in files.values():
         parsed = _parse_file(edits.filename)
         if parsed is None:
             raise EmitError(f"The source of {edits.module_name} ({edits.filename}) cannot be read.")
         bases = _pretrained_bases(edits.module_name)
         tree = parsed.module.visit(_FileTransformer(edits, parsed, stems, bases))
-        tree = _with_imports(tree, edits.imports, needs_hook=bool(bases))
+        imports = edits.imports(loading_hook=bool(bases))
+        roots |= set(imports.values())
+        tree = _with_imports(tree, imports)
         tree = tree.with_changes(header=_header(edits) + list(tree.header))
         texts[f"{stems[edits.module_name]}.py"] = tree.code
-    top_module = type(model).__module__
-    auto_map = f"{stems[top_module]}.{type(model).__name__}"
+    texts[f"{RUNTIME_MODULE}.py"] = runtime_source(roots)
+    auto_map = {"AutoModelForCausalLM": f"{stems[type(model).__module__]}.{type(model).__name__}"}
+    if is_own_code(config_module):
+        auto_map = {"AutoConfig": f"{stems[config_module]}.{type(model.config).__name__}", **auto_map}
+    own_files = [f"{stems[e.module_name]}.py" for e in files.values() if is_own_code(e.module_name)]
+    if own_files:
+        notes.append(
+            f"the checkpoint's own code is emitted into the directory, rewritten where fused: {', '.join(own_files)} "
+            f"(config.json's auto_map names {', '.join(auto_map.values())} there); loading it reads nothing from the modules cache."
+        )
     return texts, auto_map, notes
 
 
@@ -338,10 +382,7 @@ def emit(
 
 
 def _write_files(model, staging, texts, auto_map, checkpoint_dir, link, result: EmitResult) -> None:
-    for name, text in texts.items():
-        with open(os.path.join(staging, name), "w", encoding="utf-8") as f:
-            f.write(text)
-        result.files.append(name)
+    result.files += list(texts)
     converted = _converted_on_load(model)
     if checkpoint_dir is not None:
         skipped = _SKIPPED_FILES | set(texts)
@@ -356,13 +397,18 @@ def _write_files(model, staging, texts, auto_map, checkpoint_dir, link, result: 
         result.files += [n for n in sorted(os.listdir(staging)) if n not in result.files and n != "config.json"]
     _save_config(model, staging, auto_map)
     result.files.append("config.json")
+    # Last: saving the model or config of a checkpoint's own code copies that code from the modules
+    # cache (transformers' ``custom_object_save``); the emitted files take its place.
+    for name, text in texts.items():
+        with open(os.path.join(staging, name), "w", encoding="utf-8") as f:
+            f.write(text)
 
 
-def _save_config(model: nn.Module, staging: str, auto_map: str) -> None:
-    """The model's config (its dtype the model's) with ``auto_map`` pointing at the emitted class."""
+def _save_config(model: nn.Module, staging: str, auto_map: dict[str, str]) -> None:
+    """The model's config (its dtype the model's) with ``auto_map`` pointing at the emitted classes."""
     config = model.config
     previous = getattr(config, "auto_map", None)
-    config.auto_map = {"AutoModelForCausalLM": auto_map}
+    config.auto_map = dict(auto_map)
     try:
         config.save_pretrained(staging)
     finally:
