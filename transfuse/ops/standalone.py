@@ -123,12 +123,11 @@ def use_installed(namespace: dict, names: dict[str, str], emitted_by: str) -> bo
     """Where transfuse is installed with ``emitted_by``'s major and minor numbers, put its own objects
     in ``namespace`` (the runtime's globals) under ``names`` (name -> the transfuse module holding
     it) and return True; else leave the runtime's definitions there. One log line says which."""
-    try:
-        import transfuse
+    try:  # by name: the emitted runtime carries this function, and transfuse may be absent
+        installed = str(getattr(importlib.import_module("transfuse.version"), "__version__", "unknown"))
     except ImportError:
         _log.info(f"transfuse is not installed: {RUNTIME_MODULE}.py runs its native PyTorch definitions (no fused kernels).")
         return False
-    installed = str(getattr(transfuse, "__version__", "unknown"))
     if _major_minor(installed) is None or _major_minor(installed) != _major_minor(emitted_by):
         _log.warning(
             f"transfuse {installed} is installed, but this model was emitted by transfuse {emitted_by}: it runs the "

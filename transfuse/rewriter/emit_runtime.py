@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from .. import __version__
+from ..version import __version__
 from ..ops.standalone import RUNTIME_MODULE
 from .extract import Definition, extract
 
