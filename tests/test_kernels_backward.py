@@ -246,31 +246,36 @@ def _glu_linear_step(linear, x0, dout, activation, fused, x_grad=True):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
 def test_act_and_mul_linear_gives_the_two_calls_numbers_and_keeps_no_product(provider, activation, dtype):
-    from torch import nn
-
     ops.set_priority([provider])
     try:
-        width, outputs = 40, 24
-        for bias in (False, True):
-            linear = nn.Linear(width, outputs, bias=bias, device=DEVICE, dtype=dtype)
-            x0 = (torch.randn(2, 5, 2 * width, device=DEVICE) * 3).to(dtype)
-            dout = torch.randn(2, 5, outputs, device=DEVICE).to(dtype)
-            with ops.trace() as calls:
-                fused = _glu_linear_step(linear, x0, dout, activation, fused=True)
-            assert {c.provider for c in calls} == {provider}, calls
-            plain = _glu_linear_step(linear, x0, dout, activation, fused=False)
-            tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
-            torch.testing.assert_close(fused[0], plain[0], rtol=0, atol=0)  # the same kernels, the same numbers
-            for got, want in zip(fused[1:4], plain[1:4]):
-                if want is None:
-                    assert got is None
-                else:
-                    torch.testing.assert_close(got, want, **tolerance)
-            product = (2 * 5 * width, width)
-            assert product in plain[4], plain[4]  # autograd keeps the product for the weight's gradient ...
-            assert product not in fused[4], fused[4]  # ... act_and_mul_linear does not
+        with conformance.assumed():  # this test judges the kernels itself
+            _act_and_mul_linear_matches(activation, dtype, provider)
     finally:
         ops.set_priority(None)
+
+
+def _act_and_mul_linear_matches(activation, dtype, provider):
+    from torch import nn
+
+    width, outputs = 40, 24
+    for bias in (False, True):
+        linear = nn.Linear(width, outputs, bias=bias, device=DEVICE, dtype=dtype)
+        x0 = (torch.randn(2, 5, 2 * width, device=DEVICE) * 3).to(dtype)
+        dout = torch.randn(2, 5, outputs, device=DEVICE).to(dtype)
+        with ops.trace() as calls:
+            fused = _glu_linear_step(linear, x0, dout, activation, fused=True)
+        assert {c.provider for c in calls} == {provider}, calls
+        plain = _glu_linear_step(linear, x0, dout, activation, fused=False)
+        tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+        torch.testing.assert_close(fused[0], plain[0], rtol=0, atol=0)  # the same kernels, the same numbers
+        for got, want in zip(fused[1:4], plain[1:4]):
+            if want is None:
+                assert got is None
+            else:
+                torch.testing.assert_close(got, want, **tolerance)
+        product = (2 * 5 * width, width)
+        assert product in plain[4], plain[4]  # autograd keeps the product for the weight's gradient ...
+        assert product not in fused[4], fused[4]  # ... act_and_mul_linear does not
 
 
 def test_act_and_mul_linear_recomputes_the_forwards_product_bit_for_bit(triton_first):

@@ -302,7 +302,7 @@ def test_fused_blocks_run_the_triton_kernels_with_the_same_numbers(model_type):
         try:
             for op in ("moe_route", "moe_experts"):
                 transfuse.ops.set_priority(["triton"], op)
-            with transfuse.ops.trace() as calls:
+            with transfuse.ops.trace() as calls, transfuse.ops.conformance.assumed():  # judged here
                 kernels = layer(x)
         finally:
             for op in ("moe_route", "moe_experts"):
