@@ -2,7 +2,7 @@
 
 It holds what the modeling files import from transfuse, extracted from transfuse's own modules
 with all it uses (``extract``: the ops' native definitions, their spec and plan classes, the merged
-projection layers and the loading helper; forms from ``transfuse.ops.standalone`` where the
+projection layers and the loading helper; forms from ``transfuse.rewriter.standalone`` where the
 original needs transfuse), so that the directory runs with torch and transformers alone. Its last
 statement, ``use_installed``, puts transfuse's own objects in their place where a transfuse of the
 same major and minor version is installed: then the model calls transfuse's dispatched kernels.
@@ -13,13 +13,13 @@ from __future__ import annotations
 from typing import Iterable
 
 from ..version import __version__
-from ..ops.standalone import RUNTIME_MODULE
+from .standalone import RUNTIME_MODULE
 from .extract import Definition, extract
 
 __all__ = ["RUNTIME_MODULE", "runtime_source"]
 
 # What the runtime needs besides the modeling files' imports: its last step.
-_HELPERS = {("transfuse.ops.standalone", "use_installed")}
+_HELPERS = {("transfuse.rewriter.standalone", "use_installed")}
 
 
 def _header() -> str:
@@ -53,7 +53,7 @@ def _imports(imports: dict[str, tuple[str, str | None]]) -> str:
 def _section(definition: Definition) -> str:
     path = definition.module.replace(".", "/") + ".py"
     if definition.form:
-        return f"# ---- {path}: its form without transfuse (transfuse/ops/standalone.py) "
+        return f"# ---- {path}: its form without transfuse (transfuse/rewriter/standalone.py) "
     return f"# ---- {path} "
 
 

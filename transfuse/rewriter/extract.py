@@ -5,7 +5,7 @@ annotations: the result is written under ``from __future__ import annotations``)
 definition, through transfuse's own imports, function-local ones included. What it finds:
 
 * a definition, as its source (comments directly above it kept); a function with a form in
-  ``transfuse.ops.standalone`` (``replaces``) is that form instead, without the decorator;
+  ``transfuse.rewriter.standalone`` (``replaces``) is that form instead, without the decorator;
 * an op's declaration ``NAME = Op("name", native, ...)``: ``NAME = native``, the op's native
   definition (no dispatch without transfuse);
 * a name imported from outside transfuse (torch, the standard library): that import.
@@ -28,7 +28,7 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import GlobalScope, ImportAssignment, ParentNodeProvider, PositionProvider, ScopeProvider
 
-from ..ops.standalone import FORMS
+from .standalone import FORMS
 
 __all__ = ["ExtractError", "Extracted", "extract"]
 
@@ -49,7 +49,7 @@ class Definition:
     code: str
     load_refs: set[str]  # names read when the statement runs (not inside function bodies)
     line: int
-    form: bool = False  # a form from transfuse.ops.standalone, in place of the module's own
+    form: bool = False  # a form from transfuse.rewriter.standalone, in place of the module's own
 
 
 @dataclass
@@ -174,7 +174,7 @@ class _Extraction:
         if any(module == f or module.startswith(f + ".") for f in _FORBIDDEN):
             raise ExtractError(
                 f"{' -> '.join(here)}: {module} needs transfuse; give the first function of this path that needs "
-                "it a form in transfuse/ops/standalone.py."
+                "it a form in transfuse/rewriter/standalone.py."
             )
         other = self.by_name.setdefault(name, key)
         if other != key:

@@ -21,10 +21,10 @@ from typing import Callable
 
 import torch.nn.functional as F
 
-from .act_and_mul import act_and_mul
-from .layers import MergedProjection
-from .moe import _looped_matmul
-from .rotary import rotary_native
+from ..ops.act_and_mul import act_and_mul
+from ..ops.layers import MergedProjection
+from ..ops.moe import _looped_matmul
+from ..ops.rotary import rotary_native
 
 __all__ = ["FORMS", "RUNTIME_MODULE", "replaces", "use_installed"]
 
@@ -124,7 +124,7 @@ def use_installed(namespace: dict, names: dict[str, str], emitted_by: str) -> bo
     in ``namespace`` (the runtime's globals) under ``names`` (name -> the transfuse module holding
     it) and return True; else leave the runtime's definitions there. One log line says which."""
     try:  # by name: the emitted runtime carries this function, and transfuse may be absent
-        installed = str(getattr(importlib.import_module("transfuse.version"), "__version__", "unknown"))
+        installed = str(getattr(importlib.import_module("transfuse"), "__version__", "unknown"))
     except ImportError:
         _log.info(f"transfuse is not installed: {RUNTIME_MODULE}.py runs its native PyTorch definitions (no fused kernels).")
         return False
