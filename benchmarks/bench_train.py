@@ -61,7 +61,21 @@ MODELS = {
         vocab_size=32000, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=4096,
         tie_word_embeddings=False, batch=4, seq=1024, liger="apply_liger_kernel_to_qwen3_moe",
     ),
+    # Whole models as users train them on one GPU: batch 1 x 4096 with activation checkpointing.
+    "llama3_8b": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, tie_word_embeddings=False,
+        batch=1, seq=4096, liger="apply_liger_kernel_to_llama", checkpointing=True,
+    ),
+    "qwen3_30b": dict(
+        model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144,
+        vocab_size=151936, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=8192,
+        tie_word_embeddings=False, batch=1, seq=4096, liger="apply_liger_kernel_to_qwen3_moe", checkpointing=True,
+    ),
 }  # fmt: skip
+LAYERS = None  # --layers: fewer layers than the model has (as many as fit)
+CHECKPOINT_CALLS = [0]  # activation-checkpoint calls (torch.utils.checkpoint.checkpoint through transformers)
 SMOKE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              vocab_size=512, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, batch=2, seq=32)  # fmt: skip
 VARIANTS = ["transformers", "transfuse", "transfuse-lce", "liger", "transformers-compiled", "transfuse-compiled",
@@ -86,7 +100,26 @@ def _config(name: str, smoke: bool):
         spec.update({k: v for k, v in SMOKE.items() if k in spec or k in ("batch", "seq")})
     model_type, batch, seq = spec.pop("model_type"), spec.pop("batch"), spec.pop("seq")
     liger = spec.pop("liger")
+    spec.pop("checkpointing", None)
+    if LAYERS:
+        spec["num_hidden_layers"] = LAYERS
     return AutoConfig.for_model(model_type, **spec), batch, seq, liger
+
+
+def _enable_checkpointing(model) -> None:
+    """``gradient_checkpointing_enable`` as a user calls it, with transformers' checkpoint function
+    counted (the calls per step go in the table beside stock's)."""
+    import transformers.modeling_utils as modeling_utils
+
+    original = modeling_utils.checkpoint
+    if not getattr(original, "_counted", False):
+        def counted(*args, **kwargs):
+            CHECKPOINT_CALLS[0] += 1
+            return original(*args, **kwargs)
+
+        counted._counted = True
+        modeling_utils.checkpoint = counted
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _flops(model, config, batch: int, seq: int) -> float:
@@ -144,6 +177,8 @@ def _build(variant: str, name: str, smoke: bool, device: str):
                 kinds.remove("add_rms_norm")
         transfuse.rewrite(model, fusions=kinds)
     rewrite_s = time.perf_counter() - started
+    if MODELS[name].get("checkpointing"):
+        _enable_checkpointing(model)
     if variant.endswith("+peft"):
         from peft import LoraConfig, get_peft_model
 
@@ -473,7 +508,10 @@ def run_variant(
         started = time.perf_counter()
         if "compiled" in variant:
             torch._dynamo.utils.counters.clear()
+        CHECKPOINT_CALLS[0] = 0
         times, peak, loss = _time_steps(model, ids, steps, None, device)
+        if MODELS[name].get("checkpointing"):
+            result["checkpoint_calls_per_step"] = CHECKPOINT_CALLS[0] / (steps + 2)
         if "compiled" in variant:
             result["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
         result.update(step_ms=1000 * statistics.median(times), step_min_ms=1000 * min(times), peak_gib=peak, loss=loss)
@@ -499,6 +537,8 @@ def run_variant(
 
 def _in_own_process(variant: str, name: str, args) -> dict:
     command = [sys.executable, __file__, "--only", variant, "--models", name, "--steps", str(args.steps)]
+    if args.layers:
+        command += ["--layers", str(args.layers)]
     if args.smoke:
         command.append("--smoke")
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)
@@ -537,7 +577,8 @@ def _table(results: list[dict], rate: float) -> list[str]:
             f"| {r['model']} | {r['variant']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {speedup} | {floor} | "
             f"{r['peak_gib']:.2f} | {r['adamw_step_ms']:.1f} | {r['adamw_peak_gib']:.2f} | {r['loss']:.4f} | "
             f"{r.get('fusions', '')}{' graph breaks: %d' % r['graph_breaks'] if 'graph_breaks' in r else ''}"
-            f"{' rounds: ' + ', '.join(map(str, r['round_ms'])) if 'round_ms' in r else ''} |"
+            f"{' rounds: ' + ', '.join(map(str, r['round_ms'])) if 'round_ms' in r else ''}"
+            f"{' checkpoint calls per step: %g' % r['checkpoint_calls_per_step'] if 'checkpoint_calls_per_step' in r else ''} |"
         )
     return lines
 
@@ -557,11 +598,12 @@ def main() -> int:
         help="Python's cyclic collector during the timed steps: on (as a user runs), off, or freeze (everything "
         "alive after the model is built moved out of its reach, as gc.freeze() does): what it costs a host-bound step",
     )  # fmt: skip
+    parser.add_argument("--layers", type=int, default=None, help="fewer layers than the model has (as many as fit)")
     parser.add_argument("--only", help=argparse.SUPPRESS)  # one variant, in this process (Liger's own process)
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
-    global GC_MODE
-    GC_MODE = args.gc
+    global GC_MODE, LAYERS
+    GC_MODE, LAYERS = args.gc, args.layers
     if args.only:
         print(json.dumps(run_variant(args.only, args.models[0], args.steps, args.smoke, device)))
         return 0
@@ -584,7 +626,7 @@ def main() -> int:
     lines = [
         "`python " + " ".join(sys.argv) + "`",
         "",
-        f"torch {torch.__version__}" + (f", {torch.cuda.get_device_name()}, bf16 matmul {rate / 1e12:.0f} TFLOP/s "
+        f"torch {torch.__version__}, transformers {importlib.import_module('transformers').__version__}" + (f", {torch.cuda.get_device_name()}, bf16 matmul {rate / 1e12:.0f} TFLOP/s "
                                           "(8192^3, this run)" if rate else ", CPU smoke run"),
         "",
         *_table(results, rate),
