@@ -231,3 +231,26 @@ def test_nan_where_the_original_has_none_fails_the_rule():
     all_nan = torch.full((4, 8), float("nan"))
     verdict = judge_tensors([all_nan], [all_nan], [all_nan.double()])
     assert not verdict.passed and verdict.tag == "verify.non-finite"  # no finite value: nothing proved
+
+
+def test_a_provider_that_declines_a_form_is_not_warned_about(caplog):
+    """``F.rms_norm`` (the "torch" provider) does not round as Llama's norm does (cast before the
+    weight): its own argument check declines every class, which is no fault and no warning."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 7, 48, generator=g).to(torch.bfloat16)
+    weight = (1 + 0.1 * torch.randn(48, generator=g)).to(torch.bfloat16)
+    args = (x, weight, 1e-6, *ops.RMSNormSpec().flags())
+    # A provider ahead of it that takes the call (an honest one) has every provider judged at once,
+    # as the CUDA and Triton kernels have on a GPU.
+    ops.register_provider("rms_norm", "honest", Fault("rms_norm", "rows >= 65", 0.0).provider(), differentiable=True)
+    ops.set_priority(["honest", "torch"], op="rms_norm")
+    try:
+        with caplog.at_level("WARNING", logger="transfuse"):
+            get_op("rms_norm")(*args)
+            found = {v.provider: v for v in get_op("rms_norm").verdicts((False, get_op("rms_norm").sampler.key(args, {})))}
+    finally:
+        ops.set_priority(None, op="rms_norm")
+        ops.unregister_provider("rms_norm", "honest")
+    assert found["honest"].passed
+    assert not found["torch"].passed and found["torch"].tag == conformance.DECLINED
+    assert not [r for r in caplog.records if "torch" in r.getMessage()], caplog.text

@@ -72,6 +72,9 @@ class ShapeClass:
         return dict(self.sizes).get(dim, default)
 
 
+DECLINED = "verify.declined"  # the tag of a provider whose own argument check takes none of the classes
+
+
 @dataclass(frozen=True)
 class Verdict:
     """A provider's conformance for one op configuration."""
@@ -348,7 +351,7 @@ def check(op: Op, grad: bool, key: Hashable, args: tuple, kwargs: dict) -> dict[
     # thread itself; any other on a thread of its own.
     found = judge_waiting() if getattr(_THREAD, "checking", False) else _isolated(judge_waiting)
     for verdict in found.values():
-        if not verdict.passed:
+        if not verdict.passed and verdict.tag != DECLINED:
             logger.warning("transfuse: %s; the next provider runs instead.", verdict.describe())
     return op._verdicts[key]
 
@@ -385,8 +388,11 @@ def _check(op: Op, grad: bool, args: tuple, kwargs: dict, providers: list[Provid
         elif results[provider.name]:
             verdicts[provider.name] = Verdict(op.name, provider.name, config, grad, tuple(results[provider.name]), True)
         else:
+            # Not a fault: the provider does not compute this form of the op (``F.rms_norm`` and a
+            # norm that rounds otherwise); it is not dispatched here, and nobody is warned.
             verdicts[provider.name] = Verdict(
-                op.name, provider.name, config, grad, (), False, "its argument check accepted none of the classes checked"
+                op.name, provider.name, config, grad, (), False, "its argument check accepted none of the classes checked",
+                tag=DECLINED,
             )
     return verdicts
 
