@@ -223,7 +223,7 @@ def _tolerance(dtype: torch.dtype) -> Tolerance:
 
 
 def _provider(op, module: str, name: str, supports_args, backward_and_output: bool = False, backward: bool = False,
-              thresholds=None) -> None:  # fmt: skip
+              thresholds=None, batch_invariant: bool = False) -> None:  # fmt: skip
     """Register ``name`` of ``module`` as the op's triton provider, with ``name_autograd`` (the same
     kernels with their backward) for calls that need a backward, with ``backward_and_output`` the
     module's ``name_backward_and_output``, and with ``backward`` its ``name_backward``."""
@@ -232,23 +232,34 @@ def _provider(op, module: str, name: str, supports_args, backward_and_output: bo
             "triton", _lazy(module, name), available, supports_args, autograd=_lazy(module, f"{name}_autograd"),
             backward_and_output=_lazy(module, f"{name}_backward_and_output") if backward_and_output else None,
             backward=_lazy(module, f"{name}_backward") if backward else None, thresholds=thresholds,
-            tolerance=_tolerance,
+            tolerance=_tolerance, batch_invariant=batch_invariant,
         )
     )  # fmt: skip
 
 
-_provider(RMS_NORM, "rms_norm", "rms_norm", _rms_norm_args, thresholds=_NORM_ROWS)
-_provider(FUSED_ADD_RMS_NORM, "rms_norm", "fused_add_rms_norm", _fused_add_rms_norm_args, thresholds=_NORM_ROWS)
+# batch_invariant: the norms launch one row a program in that mode (``rms_norm._invariant_launch_shape``);
+# the activations and rotary are elementwise.
+_provider(RMS_NORM, "rms_norm", "rms_norm", _rms_norm_args, thresholds=_NORM_ROWS, batch_invariant=True)
+_provider(
+    FUSED_ADD_RMS_NORM, "rms_norm", "fused_add_rms_norm", _fused_add_rms_norm_args, thresholds=_NORM_ROWS,
+    batch_invariant=True,
+)  # fmt: skip
 # Forward only: under autograd the native definition (differentiable torch ops) runs.
 GATED_RMS_NORM.register(
     Provider(
         "triton", _lazy("rms_norm", "gated_rms_norm"), available, _gated_rms_norm_args, thresholds=_NORM_ROWS,
-        tolerance=_tolerance,
+        tolerance=_tolerance, batch_invariant=True,
     )
 )
-_provider(SILU_AND_MUL, "act_and_mul", "silu_and_mul", _act_and_mul_args, backward_and_output=True, thresholds=_ACT_ROWS)
-_provider(GELU_AND_MUL, "act_and_mul", "gelu_and_mul", _act_and_mul_args, backward_and_output=True, thresholds=_ACT_ROWS)
-_provider(ROTARY, "rotary", "rotary", _rotary_args, backward=True)
+_provider(
+    SILU_AND_MUL, "act_and_mul", "silu_and_mul", _act_and_mul_args, backward_and_output=True, thresholds=_ACT_ROWS,
+    batch_invariant=True,
+)  # fmt: skip
+_provider(
+    GELU_AND_MUL, "act_and_mul", "gelu_and_mul", _act_and_mul_args, backward_and_output=True, thresholds=_ACT_ROWS,
+    batch_invariant=True,
+)  # fmt: skip
+_provider(ROTARY, "rotary", "rotary", _rotary_args, backward=True, batch_invariant=True)
 # Forward only: under autograd the native definition runs.
 DECODE_ATTENTION.register(
     Provider(
