@@ -132,10 +132,10 @@ def _softmax(x: Tensor, dim: int, dtype: torch.dtype | None = None, safe: bool =
     if safe:
         top = torch.where(torch.isinf(top) & (top < 0), torch.zeros_like(top), top)
     shifted = x - top
-    exp = shifted.exp()
+    exp = _lanewise(torch.exp, shifted)
     total = ordered_sum(exp, dim, keepdim=True).to(exp.dtype)
     if log:
-        return (shifted - total.log()).to(out_dtype)
+        return (shifted - _lanewise(torch.log, total)).to(out_dtype)
     out = exp / total
     if safe:
         out = torch.where(total == 0, torch.zeros_like(out), out)
@@ -278,6 +278,32 @@ def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-
     return total if reduction == "sum" else total / keep.sum().to(total.dtype)
 
 
+# A CPU computes a transcendental function in SIMD lanes, and the few elements past the last
+# whole vector one at a time, with other rounding: where an element falls depends on the tensor's
+# size and its place in it. The mode computes them on a copy whose rows are padded to whole vectors.
+_LANES = 64
+
+
+def _lanewise(func: Callable, x: Tensor, *args, **kwargs) -> Tensor:
+    """``func(x)`` with every element of ``x`` through the same (vector) path of a CPU kernel."""
+    if x.device.type != "cpu" or x.dim() == 0 or x.numel() == 0:
+        return func(x, *args, **kwargs)
+    n = x.shape[-1]
+    width = -(-n // _LANES) * _LANES
+    padded = x.new_zeros((*x.shape[:-1], width))
+    padded[..., :n] = x
+    return func(padded, *args, **kwargs)[..., :n]
+
+
+def _elementwise(func: Callable) -> Callable:
+    def compute(input, *args, **kwargs):
+        if kwargs.get("out") is not None or kwargs.get("inplace") or (args and args[0] is True and func in _INPLACE_ARG):
+            return NotImplemented
+        return _lanewise(func, input, *args, **kwargs)
+
+    return compute
+
+
 def _handlers() -> dict[Callable, Callable]:
     t = torch.Tensor
     table = {
@@ -305,7 +331,18 @@ def _handlers() -> dict[Callable, Callable]:
     }
     if hasattr(torch, "_grouped_mm"):
         table[torch._grouped_mm] = _grouped_mm
+    for func in _TRANSCENDENTAL:
+        table[func] = _elementwise(func)
     return table
+
+
+_TRANSCENDENTAL = (
+    F.silu, F.gelu, F.softplus, F.mish, F.elu, F.selu, torch.sigmoid, torch.Tensor.sigmoid, torch.tanh,
+    torch.Tensor.tanh, torch.exp, torch.Tensor.exp, torch.log, torch.Tensor.log, torch.erf, torch.Tensor.erf,
+    torch.sin, torch.Tensor.sin, torch.cos, torch.Tensor.cos, torch.rsqrt, torch.Tensor.rsqrt, torch.sqrt,
+    torch.Tensor.sqrt, torch.pow, torch.Tensor.pow, torch.reciprocal, torch.Tensor.reciprocal,
+)  # fmt: skip
+_INPLACE_ARG = (F.silu, F.elu, F.selu, F.mish)
 
 
 def _grouped_mm(input, mat2, offs=None, bias=None, out_dtype=None):
