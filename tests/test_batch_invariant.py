@@ -19,6 +19,7 @@ from torch import nn
 import transfuse
 from transfuse import ops
 from transfuse.ops import batch_invariant as bi
+from transfuse.ops import conformance
 from transfuse.ops.dispatch import Op, Provider, batch_invariant_mode
 from transfuse.tiny import tiny_model
 
@@ -130,10 +131,55 @@ def test_triton_providers_under_the_interpreter_give_each_row_the_same_bits(op):
     for name in names:
         ops.set_priority(["triton"], op=name)
     try:
-        with ops.trace() as log, mode():
-            fn(torch.randn(2, 48))
+        x = torch.randn(2, 48)
+        with conformance.assumed(), ops.trace() as log:
+            with mode():
+                got = fn(x)
+            _rows_agree(fn, lambda n: torch.randn(n, 48), rows=2, sizes=(1, 3))
         assert {d.provider for d in log} == {"triton"}, log
-        _rows_agree(fn, lambda n: torch.randn(n, 48), rows=2, sizes=(1, 3))
+        for name in names:
+            ops.set_priority(["native"], op=name)
+        with mode():
+            torch.testing.assert_close(got, fn(x), atol=1e-5, rtol=1e-5)
+    finally:
+        for name in names:
+            ops.set_priority(None, op=name)
+
+
+def test_triton_gemm_and_attention_under_the_interpreter_are_invariant_and_match_native():
+    """The GPU kernels of the mode, interpreted: rows alone equal rows in a batch; a query alone
+    equals the query behind left padding; each close to the native ordered form."""
+    names = ("invariant_linear", "invariant_bmm", "invariant_attention")
+    found = ops.get_op("invariant_linear")
+    if not found.is_supported(found.providers["triton"]):
+        pytest.skip("Triton is not installed")
+    for name in names:
+        ops.set_priority(["triton"], op=name)
+    try:
+        torch.manual_seed(0)
+        w, b = torch.randn(24, 40), torch.randn(24)
+        with conformance.assumed(), ops.trace() as log:
+            _rows_agree(lambda x: F.linear(x, w, b), lambda n: torch.randn(n, 40), rows=3, sizes=(1, 3))
+            x = torch.randn(4, 40)
+            with mode():
+                got = F.linear(x, w, b)
+                batched = torch.bmm(torch.randn(2, 5, 16), torch.randn(2, 16, 7))
+            torch.testing.assert_close(got, bi.invariant_linear_native(x, w, b), atol=1e-5, rtol=1e-5)
+            assert batched.shape == (2, 5, 7)
+            q, k, v = (torch.randn(1, 2, 5, 16) for _ in range(3))
+            allowed = torch.ones(5, 5, dtype=torch.bool).tril()
+            with mode():
+                alone = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+                pad = 19
+                batch = [torch.randn(2, 2, 5 + pad, 16) for _ in range(3)]
+                for t, own in zip(batch, (q, k, v)):
+                    t[1, :, pad:] = own[0]
+                mask = torch.ones(5 + pad, 5 + pad, dtype=torch.bool).tril().repeat(2, 1, 1, 1)
+                mask[1, :, :, :pad] = False
+                got = F.scaled_dot_product_attention(*batch, attn_mask=mask)
+            assert torch.equal(got[1, :, pad:], alone[0])
+            torch.testing.assert_close(alone, bi.invariant_attention_native(q, k, v, allowed), atol=1e-5, rtol=1e-5)
+        assert {d.provider for d in log} == {"triton"} and {d.op for d in log} == set(names)
     finally:
         for name in names:
             ops.set_priority(None, op=name)

@@ -46,6 +46,7 @@ __all__ = [
     "disable",
     "enable",
     "invariant_attention",
+    "invariant_bmm_native",
     "invariant_linear",
     "invariant_matmul",
     "is_enabled",
@@ -112,15 +113,30 @@ def invariant_matmul(a: Tensor, b: Tensor) -> Tensor:
         return invariant_linear(a, b.transpose(0, 1))
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     a, b = a.expand(*batch, *a.shape[-2:]), b.expand(*batch, *b.shape[-2:])
-    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    m, n = a.shape[-2], b.shape[-1]
     dtype = torch.result_type(a, b)
-    step = _row_chunks(m, math.prod(batch) * k * n)
+    flat = INVARIANT_BMM(a.reshape(-1, m, a.shape[-1]).to(dtype), b.reshape(-1, *b.shape[-2:]).to(dtype))
+    return flat.reshape(*batch, m, n)
+
+
+def invariant_bmm_native(a: Tensor, b: Tensor) -> Tensor:
+    """``torch.bmm(a, b)`` with each output an ordered sum over the shared dimension."""
+    batch, m, k = a.shape
+    n = b.shape[-1]
+    step = _row_chunks(m, batch * k * n)
     pieces = [
-        ordered_sum(a[..., start : start + step, :, None].float() * b[..., None, :, :].float(), dim=-2)
+        ordered_sum(a[:, start : start + step, :, None].float() * b[:, None, :, :].float(), dim=-2)
         for start in range(0, m, step)
     ]
-    out = torch.cat(pieces, dim=-2) if pieces else a.new_zeros((*batch, 0, n), dtype=torch.float32)
-    return out.to(dtype)
+    out = torch.cat(pieces, dim=-2) if pieces else a.new_zeros((batch, 0, n), dtype=torch.float32)
+    return out.to(a.dtype)
+
+
+def _bmm_fake(a: Tensor, b: Tensor) -> Tensor:
+    return a.new_empty((a.shape[0], a.shape[1], b.shape[-1]))
+
+
+INVARIANT_BMM = Op("invariant_bmm", invariant_bmm_native, library=True, fake=_bmm_fake)
 
 
 def _softmax(x: Tensor, dim: int, dtype: torch.dtype | None = None, safe: bool = False, log: bool = False) -> Tensor:
@@ -203,6 +219,15 @@ def _matmul(input, other, *, out=None):
 
 def _rmatmul(self, other):
     return invariant_matmul(other, self)
+
+
+def _baddbmm(input, batch1, batch2, *, beta=1, alpha=1, out=None):
+    """``beta * input + alpha * (batch1 @ batch2)``, the product's sums ordered."""
+    if out is not None:
+        return NotImplemented
+    product = invariant_matmul(batch1, batch2)
+    scaled = product * alpha if alpha != 1 else product
+    return scaled + (input * beta if beta != 1 else input) if beta != 0 else scaled
 
 
 def _dims(x: Tensor, dim) -> tuple[int, ...]:
@@ -316,6 +341,8 @@ def _handlers() -> dict[Callable, Callable]:
         t.mm: _matmul,
         torch.bmm: _matmul,
         t.bmm: _matmul,
+        torch.baddbmm: _baddbmm,
+        t.baddbmm: _baddbmm,
         torch.sum: _sum,
         t.sum: _sum,
         torch.mean: _mean,
@@ -368,9 +395,7 @@ def _unreplaced() -> dict[Callable, str]:
         F.normalize: "torch.nn.functional.normalize",
         torch.einsum: "torch.einsum",
         torch.addmm: "torch.addmm",
-        torch.baddbmm: "torch.baddbmm",
         t.addmm: "Tensor.addmm",
-        t.baddbmm: "Tensor.baddbmm",
         torch.norm: "torch.norm",
         t.norm: "Tensor.norm",
         torch.linalg.vector_norm: "torch.linalg.vector_norm",

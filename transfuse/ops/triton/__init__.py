@@ -24,6 +24,7 @@ import torch
 
 from ..accuracy import RULE, UNIT_ROUNDOFF, Tolerance
 from ..act_and_mul import GELU_AND_MUL, SILU_AND_MUL
+from ..batch_invariant import INVARIANT_ATTENTION, INVARIANT_BMM, INVARIANT_LINEAR
 from ..checks import KERNEL_DTYPES, rows_fit, same_rows, weight_fits
 from ..decode_attention import DECODE_ATTENTION
 from ..dispatch import Provider
@@ -279,3 +280,37 @@ MOE_EXPERTS.register(
         tolerance=_tolerance,
     )
 )  # fmt: skip
+
+
+def _invariant_linear_args(x, weight, bias=None) -> bool:
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    return on_device(*tensors) and x.dtype in KERNEL_DTYPES and weight.dtype == x.dtype and weight.dim() == 2
+
+
+def _invariant_bmm_args(a, b) -> bool:
+    return on_device(a, b) and a.dtype in KERNEL_DTYPES and b.dtype == a.dtype and a.dim() == 3 and b.dim() == 3
+
+
+def _invariant_attention_args(query, key, value, attn_mask=None, is_causal=False, scale=None) -> bool:
+    tensors = [t for t in (query, key, value, attn_mask) if t is not None]
+    return (
+        on_device(*tensors)
+        and query.dtype in KERNEL_DTYPES
+        and key.dtype == value.dtype == query.dtype
+        and query.dim() == key.dim() == value.dim() == 4
+        and query.shape[1] == key.shape[1] == value.shape[1]
+        and all(t.stride(-1) == 1 for t in (query, key, value))
+        and max(query.shape[-1], value.shape[-1]) <= 256
+    )
+
+
+# Batch-invariant mode's kernels: one tile shape per weight shape, attention walked from each
+# query's first key (``invariant.py``). Forward only.
+for _op, _name, _args in (
+    (INVARIANT_LINEAR, "invariant_linear", _invariant_linear_args),
+    (INVARIANT_BMM, "invariant_bmm", _invariant_bmm_args),
+    (INVARIANT_ATTENTION, "invariant_attention", _invariant_attention_args),
+):
+    _op.register(
+        Provider("triton", _lazy("invariant", _name), available, _args, tolerance=_tolerance, batch_invariant=True)
+    )
