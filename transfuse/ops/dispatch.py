@@ -301,7 +301,7 @@ class Op:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
-            if self.library is not None and (_BATCH_INVARIANT.get() or under_compile_use_library_op(
+            if self.library is not None and (_INVARIANT_CALLS or under_compile_use_library_op(
                 self.name, args, self.compile_default, backward=self.library_backward
             )):
                 # (batch-invariant: the dispatched op as one node, so Inductor does not reorder its sums)
@@ -321,6 +321,12 @@ class Op:
 _BATCH_INVARIANT: contextvars.ContextVar[bool] = contextvars.ContextVar("transfuse_batch_invariant", default=False)
 
 
+# How many batch-invariant forwards are running, in any thread: what compiled code reads (Dynamo
+# guards a module global; it cannot trace a context variable's read). While one runs, code compiled
+# anywhere in the process calls library ops, which compute what inlined code would.
+_INVARIANT_CALLS = 0
+
+
 def batch_invariant_active() -> bool:
     """Whether dispatch is in batch-invariant mode here (see the module docstring)."""
     return _BATCH_INVARIANT.get()
@@ -330,10 +336,13 @@ def batch_invariant_active() -> bool:
 def batch_invariant_mode(on: bool = True) -> Iterator[None]:
     """Dispatch in batch-invariant mode (or, ``on=False``, out of it) inside the block, in this
     thread or task only. A batch-invariant model enters it for its own forward."""
+    global _INVARIANT_CALLS
     token = _BATCH_INVARIANT.set(on)
+    _INVARIANT_CALLS += int(on)
     try:
         yield
     finally:
+        _INVARIANT_CALLS -= int(on)
         _BATCH_INVARIANT.reset(token)
 
 
