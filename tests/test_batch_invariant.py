@@ -185,6 +185,32 @@ def test_triton_gemm_and_attention_under_the_interpreter_are_invariant_and_match
             ops.set_priority(None, op=name)
 
 
+@pytest.mark.parametrize("provider", ["native", "triton"])
+def test_decode_attention_of_a_sequence_ignores_its_padding_and_the_batch(provider):
+    """One query a sequence over buffers: a left-padded sequence among others gives what it gives
+    alone over its own keys (Triton: the mode's walk from the first key, interpreted)."""
+    found = ops.get_op("decode_attention")
+    if provider == "triton" and not found.is_supported(found.providers["triton"]):
+        pytest.skip("Triton is not installed")
+    torch.manual_seed(0)
+    batch, heads, kv_heads, dim, length, pad = 3, 4, 2, 16, 20, 7
+    q, k, v = torch.randn(batch, heads, 1, dim), torch.randn(batch, kv_heads, length, dim), torch.randn(batch, kv_heads, length, dim)
+    bias = torch.zeros(batch * kv_heads, 1, length)
+    bias[kv_heads : 2 * kv_heads, :, :pad] = float("-inf")
+    ops.set_priority([provider], op="decode_attention")
+    try:
+        with conformance.assumed(), ops.trace() as log, mode():
+            together = ops.decode_attention(q, k, v, bias, 0.25)
+            own = [t[1:2, :, pad:].contiguous() for t in (k, v)]
+            alone = ops.decode_attention(q[1:2], *own, torch.zeros(kv_heads, 1, length - pad), 0.25)
+        assert {d.provider for d in log} == {provider}
+        assert torch.equal(together[1], alone[0])
+        ops.set_priority(["native"], op="decode_attention")
+        torch.testing.assert_close(together, ops.decode_attention(q, k, v, bias, 0.25), atol=1e-5, rtol=1e-5)
+    finally:
+        ops.set_priority(None, op="decode_attention")
+
+
 def test_rotary_gives_each_token_the_same_bits():
     torch.manual_seed(0)
     cos, sin = torch.randn(1, 1, 8), torch.randn(1, 1, 8)

@@ -261,11 +261,12 @@ _provider(
     batch_invariant=True,
 )  # fmt: skip
 _provider(ROTARY, "rotary", "rotary", _rotary_args, backward=True, batch_invariant=True)
-# Forward only: under autograd the native definition runs.
+# Forward only: under autograd the native definition runs. In batch-invariant mode it runs one
+# program a query, without splits (``invariant.decode_attention``).
 DECODE_ATTENTION.register(
     Provider(
         "triton", _lazy("decode_attention", "decode_attention"), available, _decode_attention_args,
-        thresholds=_lazy("decode_attention", "thresholds"), tolerance=_tolerance,
+        thresholds=_lazy("decode_attention", "thresholds"), tolerance=_tolerance, batch_invariant=True,
     )
 )  # fmt: skip
 CROSS_ENTROPY_GRAD.register(

@@ -94,15 +94,16 @@ def _attention_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, start_ptr, out_ptr, H, Q, L, scale,
     sqb, sqh, sqq, skb, skh, skl, svb, svh, svl, smb, smh, smq, sml, sob, soh, soq,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     qi = row % Q
-    h = (row // Q) % H
+    hq = (row // Q) % H
     b = row // (Q * H)
+    h = hq // GROUP  # the key/value head (and the mask's head) of query head hq
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(q_ptr + b * sqb + h * sqh + qi * sqq + d, mask=d < D, other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + b * sqb + hq * sqh + qi * sqq + d, mask=d < D, other=0.0).to(tl.float32)
     start = tl.load(start_ptr + row)
     end = L
     if CAUSAL:
@@ -126,36 +127,67 @@ def _attention_kernel(
         acc = acc * alpha + tl.sum(p[:, None] * values.to(tl.float32), axis=0)
         m = top
     out = tl.where(total > 0, acc / tl.where(total > 0, total, 1.0), 0.0)
-    tl.store(out_ptr + b * sob + h * soh + qi * soq + dv, out.to(out_ptr.dtype.element_ty), mask=dv < DV)
+    tl.store(out_ptr + b * sob + hq * soh + qi * soq + dv, out.to(out_ptr.dtype.element_ty), mask=dv < DV)
 
 
 def invariant_attention(query, key, value, attn_mask=None, is_causal=False, scale=None) -> Tensor:
     """The triton provider of ``invariant_attention`` (``[batch, heads, length, dim]``)."""
-    import math
-
-    batch, heads, q_len, dim = query.shape
-    length, dim_v = key.shape[2], value.shape[-1]
-    scale = 1.0 / math.sqrt(dim) if scale is None else scale
-    out = query.new_empty((batch, heads, q_len, dim_v))
-    if out.numel() == 0:
-        return out
+    batch, heads, q_len, _ = query.shape
+    out = query.new_empty((batch, heads, q_len, value.shape[-1]))
     mask = None
     if attn_mask is not None:
         additive = attn_mask if attn_mask.dtype != torch.bool else torch.zeros(
             attn_mask.shape, device=query.device
         ).masked_fill(~attn_mask, float("-inf"))  # fmt: skip
-        mask = additive.float().expand(batch, heads, q_len, length)
+        mask = additive.float().expand(batch, heads, q_len, key.shape[2])
+    return attend(query, key, value, mask, bool(is_causal), scale, out)
+
+
+def attend(query, key, value, mask, is_causal, scale, out) -> Tensor:
+    """Each query ``[batch, heads, q, dim]`` over its key/value head (``heads // kv_heads`` query
+    heads a key/value head) with the additive ``mask`` ``[batch, heads or kv_heads, q, length]``
+    (or None), into ``out`` (``[batch, heads, q, dv]`` by its strides)."""
+    import math
+
+    batch, heads, q_len, dim = query.shape
+    kv_heads, length, dim_v = key.shape[1], key.shape[2], value.shape[-1]
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    if out.numel() == 0:
+        return out
+    if mask is not None:
         # Each query's first key not masked out: where its walk over the keys starts.
-        start = (mask > torch.finfo(torch.float32).min / 2).int().argmax(-1).to(torch.int32).contiguous()
+        start = (mask > torch.finfo(torch.float32).min / 2).int().argmax(-1).to(torch.int32)
+        if start.shape[1] != heads:  # a mask per key/value head: the same start for its query heads
+            start = start.repeat_interleave(heads // start.shape[1], 1)
+        start = start.contiguous()
     else:
         start = torch.zeros((batch, heads, q_len), dtype=torch.int32, device=query.device)
+    group = heads // kv_heads
     strides_m = mask.stride() if mask is not None else (0, 0, 0, 0)
+    if mask is not None and mask.shape[1] == heads and group > 1:
+        raise ValueError("a mask per query head with grouped key/value heads")
     with device_of(query):
         _attention_kernel[(batch * heads * q_len,)](
             query, key, value, mask if mask is not None else query, start, out, heads, q_len, length, scale,
             *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *strides_m, *out.stride()[:3],
             D=dim, DV=dim_v, BLOCK_D=triton.next_power_of_2(dim), BLOCK_DV=triton.next_power_of_2(dim_v),
-            HAS_MASK=mask is not None, CAUSAL=bool(is_causal), BLOCK_N=16 if interpreting() else 64,
+            HAS_MASK=mask is not None, CAUSAL=is_causal, BLOCK_N=16 if interpreting() else 64, GROUP=group,
             num_warps=1 if interpreting() else 4,
         )  # fmt: skip
+    return out
+
+
+def decode_attention(query, keys, values, bias, scaling, key=None, value=None, position=None) -> Tensor:
+    """``decode_attention`` in batch-invariant mode (its triton provider calls this there): the
+    token written, then each query walked over its keys from its first unmasked one, whatever the
+    batch and the buffer's length."""
+    if key is not None:
+        keys.index_copy_(2, position, key.to(keys.dtype))
+        values.index_copy_(2, position, value.to(values.dtype))
+    batch, heads = query.shape[:2]
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    out = query.new_empty((batch, 1, heads, values.shape[-1]))
+    mask = bias.view(batch, kv_heads, 1, length).float()
+    # ``out`` [batch, 1, heads, dv] written as [batch, heads, 1, dv] through its strides.
+    attend(query, keys, values, mask, False, scaling, out.transpose(1, 2))
     return out
