@@ -32,13 +32,14 @@ import math
 import os
 import sys
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Hashable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from .conformance import Sampler, ShapeClass, _like_call, _replace
 from .dispatch import Op, batch_invariant_active, batch_invariant_mode
 
 __all__ = [
@@ -136,7 +137,35 @@ def _bmm_fake(a: Tensor, b: Tensor) -> Tensor:
     return a.new_empty((a.shape[0], a.shape[1], b.shape[-1]))
 
 
-INVARIANT_BMM = Op("invariant_bmm", invariant_bmm_native, library=True, fake=_bmm_fake)
+class _AsCalled(Sampler):
+    """Conformance of the mode's batched matmul and attention: the call as made, with fresh random
+    values (a mask kept as called). The configuration is the dtype, the device, the head sizes and
+    the kinds of the other arguments, never the lengths, which change at every decode step."""
+
+    kept = ("attn_mask",)
+
+    def key(self, args: tuple, kwargs: dict) -> Hashable:
+        parts = []
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, Tensor):
+                parts.append((value.dtype, value.device.type, value.dim(), value.shape[-1] if value.dim() > 2 else None))
+            else:
+                parts.append(value if isinstance(value, (bool, int, float, str, type(None))) else type(value).__name__)
+        return tuple(parts)
+
+    def classes(self, args: tuple, kwargs: dict, thresholds: dict) -> list[ShapeClass]:
+        return [ShapeClass("as called", layout="as called")]
+
+    def make(self, shape_class: ShapeClass, args: tuple, kwargs: dict, generator: torch.Generator) -> tuple[tuple, dict]:
+        makers = {
+            name: (lambda value: _like_call(value, generator, 1.0))
+            for name in self.names
+            if name not in self.kept
+        }
+        return _replace(self, args, kwargs, makers)
+
+
+INVARIANT_BMM = Op("invariant_bmm", invariant_bmm_native, library=True, fake=_bmm_fake, sampler=_AsCalled())
 
 
 def _softmax(x: Tensor, dim: int, dtype: torch.dtype | None = None, safe: bool = False, log: bool = False) -> Tensor:
@@ -195,7 +224,9 @@ def _attention_fake(query, key, value, attn_mask=None, is_causal=False, scale=No
     return query.new_empty((*query.shape[:-1], value.shape[-1]))
 
 
-INVARIANT_ATTENTION = Op("invariant_attention", invariant_attention_native, library=True, fake=_attention_fake)
+INVARIANT_ATTENTION = Op(
+    "invariant_attention", invariant_attention_native, library=True, fake=_attention_fake, sampler=_AsCalled()
+)
 
 
 def invariant_attention(query, key, value, attn_mask=None, is_causal=False, scale=None) -> Tensor:
