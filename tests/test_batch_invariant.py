@@ -326,6 +326,16 @@ def test_the_mode_off_leaves_the_model_and_dispatch_as_they_were(monkeypatch):
     assert not bi.is_enabled(other)
 
 
+def test_the_drop_in_loader_and_compile_take_the_argument():
+    config = tiny_model("llama").config
+    loaded = transfuse.AutoModelForCausalLM.from_config(config, verify=False, batch_invariant=True)
+    assert bi.is_enabled(loaded) and transfuse.report(loaded).batch_invariant is not None
+    transfuse.compile(loaded, batch_invariant=False)
+    assert not bi.is_enabled(loaded)
+    transfuse.compile(loaded, batch_invariant=True)
+    assert bi.is_enabled(loaded)
+
+
 class _LayerNormed(nn.Module):
     """A model-specific module the mode does not replace: torch's layer norm."""
 
