@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from . import settings
+from .ops import batch_invariant as invariance
 from .fusers import FUSERS, fusers_for
 from .rewriter.apply import REPORT_ATTR, ExampleInputsError, RewriteError, rewrite_model, rewrites_of
 from .rewriter.report import RewriteReport
@@ -33,6 +34,7 @@ def rewrite(
     fusions: list[str] | None = None,
     verify: bool = True,
     example_inputs: Any = None,
+    batch_invariant: bool | None = None,
 ) -> M:
     """Rewrite ``model`` in place to call fused kernels, and return the same object.
 
@@ -54,7 +56,36 @@ def rewrite(
     made = rewrite_model(model, chosen, verify=verify, example_inputs=example_inputs, suggest=suggest)
     if callable(getattr(type(model), "generate", None)):
         made.notes.append(DECODE_STEPS_NOTE)
+    if batch_invariant is None:
+        batch_invariant = settings.value("TRANSFUSE_BATCH_INVARIANT")
+    if batch_invariant:
+        made.batch_invariant = invariance.enable(model).found
+        _probe_invariance(model, example_inputs)
+    elif invariance.is_enabled(model):
+        invariance.disable(model)
     return model
+
+
+def _probe_invariance(model: nn.Module, example_inputs: Any) -> None:
+    """One forward in the mode on the probe input, so the report lists from the start what the
+    model calls that the mode does not make invariant (later forwards add what they meet)."""
+    import torch
+
+    from .rewriter.capture import ProbeUnavailable, make_probe
+
+    try:
+        probe = make_probe(model, example_inputs)
+    except ProbeUnavailable:
+        return
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(*probe.args, **probe.kwargs)
+    except Exception:  # the rewrite's own probe said what it could; this one only looks  # noqa: BLE001
+        pass
+    finally:
+        model.train(was_training)
 
 
 def is_rewritten(model: nn.Module) -> bool:

@@ -84,6 +84,7 @@ SWITCHES = {
     s.name: s
     for s in (
         Switch("TRANSFUSE_FORCE_NATIVE", _flag, False, _FLAG, "off"),
+        Switch("TRANSFUSE_BATCH_INVARIANT", _flag, False, _FLAG, "off"),
         Switch(
             "TRANSFUSE_OP_PRIORITY",
             _priority,

@@ -62,6 +62,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..ops import batch_invariant as invariance
 from . import attention, backend, generate, layer_graphs, replay
 from .admission import CompileError, check, latent_cache_growth
 from .calls import DecodeCalls
@@ -149,6 +150,7 @@ def compile(  # noqa: A001 - the name users call, as torch.compile
     kv_store: bool | None = None,
     replay: bool | None = None,
     lean_loop: bool = True,
+    batch_invariant: bool | None = None,
 ) -> nn.Module:
     """Compile ``model`` in place for inference and return it (see the module docstring).
 
@@ -175,8 +177,16 @@ def compile(  # noqa: A001 - the name users call, as torch.compile
     the model's modules and weights are the objects and addresses they were at the capture.
     ``replay`` overrides where steps are replayed: False never (Dynamo at every step), True
     everywhere, with every guard checked outside ``generate`` (which, with the module guards on,
-    measured no faster than Dynamo)."""
+    measured no faster than Dynamo).
+
+    ``batch_invariant``: True puts the model in batch-invariant mode (as ``transfuse.rewrite(model,
+    batch_invariant=True)`` does), False takes it out, None keeps the model's own; in the mode the
+    compiled code calls the dispatched ops as library ops (``docs/batch-invariance.md``)."""
     configs = check(model)
+    if batch_invariant:
+        invariance.enable(model)
+    elif batch_invariant is not None:
+        invariance.disable(model)
     growth = latent_cache_growth(model.config)
     if growth is not None:
         warnings.warn(

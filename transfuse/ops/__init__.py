@@ -5,7 +5,7 @@ plus providers (torch builtins, Triton, CUDA C++, plugins) picked per platform a
 """
 
 # Importing these registers their providers: CUDA C++ (built on first use), Triton (imported on first use).
-from . import conformance, cuda, triton  # noqa: F401
+from . import batch_invariant, conformance, cuda, triton  # noqa: F401
 from .act_and_mul import ACTIVATIONS, act_and_mul, act_and_mul_backward_native, act_and_mul_linear, gelu_and_mul_native, identify_activation, silu_and_mul_native
 from .dispatch import (
     Dispatch,

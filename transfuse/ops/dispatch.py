@@ -22,11 +22,17 @@ takes (``Op.__call__`` inlines the native code, or calls the library op, see
 when it registers. Before a provider runs for a configuration of arguments it has not run before,
 ``conformance`` judges it against the native definition at every shape class the op's sampler and
 the providers' declared ``thresholds`` tell apart; a provider that fails is passed over.
+
+Inside ``batch_invariant_mode()`` (entered by a model that ``transfuse.rewrite(...,
+batch_invariant=True)`` made batch-invariant, for the length of its forward) only providers that
+declare ``batch_invariant`` run, and none defers: the provider an op gets never depends on the
+row count, and each of those computes a row the same way whatever else is in the batch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import inspect
 import os
@@ -56,6 +62,8 @@ __all__ = [
     "trace",
     "set_compile_mode",
     "under_compile_use_library_op",
+    "batch_invariant_active",
+    "batch_invariant_mode",
     "PROVIDER_ENTRY_POINT_GROUP",
 ]
 
@@ -108,6 +116,11 @@ class Provider:
     # where the rule's own would refuse honest work: stated beside the registration, never a
     # silent widening. None: the rule's own.
     tolerance: Callable[[torch.dtype], Any] | None = None
+    # Computes each row with a reduction order that depends on nothing but the row and the op's
+    # other arguments' shapes (not the row count, the other rows, the row's place, or a CUDA-graph
+    # capture), with one launch configuration for every row count, inside ``batch_invariant_mode``:
+    # the only providers, with native, that run there.
+    batch_invariant: bool = False
 
     @property
     def has_backward(self) -> bool:
@@ -250,8 +263,11 @@ class Op:
 
     def _select(self, grad: bool, args: tuple, kwargs: dict) -> Provider:
         deferred, key = None, None
+        invariant = _BATCH_INVARIANT.get()
         for provider in self.order():
             if grad and not provider.has_backward:
+                continue
+            if invariant and not provider.batch_invariant:
                 continue
             if provider is self.native:
                 break
@@ -262,7 +278,7 @@ class Op:
                         conformance.note_consulted(self, grad, key, args, kwargs)
                 if not (conformance._ASSUMED or self._conforms(provider, key, args, kwargs)):
                     continue
-                if deferred is None and provider.defers(*args, **kwargs):
+                if deferred is None and not invariant and provider.defers(*args, **kwargs):
                     deferred = provider
                     continue
                 return provider
@@ -285,9 +301,10 @@ class Op:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
-            if self.library is not None and under_compile_use_library_op(
+            if self.library is not None and (_INVARIANT_CALLS or under_compile_use_library_op(
                 self.name, args, self.compile_default, backward=self.library_backward
-            ):
+            )):
+                # (batch-invariant: the dispatched op as one node, so Inductor does not reorder its sums)
                 return self.library(*args, **kwargs)
             return self.native.impl(*args, **kwargs)  # plain torch ops: Inductor fuses them with their neighbours
         grad = _needs_grad(args, kwargs)
@@ -298,6 +315,35 @@ class Op:
 
     def __repr__(self) -> str:
         return f"Op({self.name!r}, providers={list(self.providers)})"
+
+
+# Whether the code running now is inside a batch-invariant model's forward (``batch_invariant_mode``).
+_BATCH_INVARIANT: contextvars.ContextVar[bool] = contextvars.ContextVar("transfuse_batch_invariant", default=False)
+
+
+# How many batch-invariant forwards are running, in any thread: what compiled code reads (Dynamo
+# guards a module global; it cannot trace a context variable's read). While one runs, code compiled
+# anywhere in the process calls library ops, which compute what inlined code would.
+_INVARIANT_CALLS = 0
+
+
+def batch_invariant_active() -> bool:
+    """Whether dispatch is in batch-invariant mode here (see the module docstring)."""
+    return _BATCH_INVARIANT.get()
+
+
+@contextlib.contextmanager
+def batch_invariant_mode(on: bool = True) -> Iterator[None]:
+    """Dispatch in batch-invariant mode (or, ``on=False``, out of it) inside the block, in this
+    thread or task only. A batch-invariant model enters it for its own forward."""
+    global _INVARIANT_CALLS
+    token = _BATCH_INVARIANT.set(on)
+    _INVARIANT_CALLS += int(on)
+    try:
+        yield
+    finally:
+        _INVARIANT_CALLS -= int(on)
+        _BATCH_INVARIANT.reset(token)
 
 
 def _record(op: str, provider: str, args: tuple, kwargs: dict, grad: bool = False) -> None:

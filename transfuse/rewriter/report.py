@@ -52,6 +52,9 @@ class RewriteReport:
     # The providers of the ops the fused modules call, judged against each op's native definition
     # at every shape class (``transfuse.ops.conformance``); a failed one is not dispatched.
     providers: list[Verdict] = field(default_factory=list)
+    # In batch-invariant mode: the functions the model's forwards called that the mode does not
+    # make invariant (name -> where first called), kept up to date as the model runs; None: off.
+    batch_invariant: dict[str, str] | None = None
 
     def counts(self) -> dict[str, int]:
         """Number of fusions per kind."""
@@ -93,6 +96,14 @@ class RewriteReport:
                 verdict = f"conforms at {len(v.classes)} classes: {', '.join(v.classes)}" if v.passed else f"[{v.tag}] {v.reason}"
                 rows.append((v.op, v.provider, what, verdict))
             lines += _table(rows)
+        if self.batch_invariant is not None:
+            lines += ["", "batch-invariant mode: on"]
+            if self.batch_invariant:
+                lines.append("not invariant (called by the model, computed as the library chooses):")
+                rows = [("function", "called at")] + sorted(self.batch_invariant.items())
+                lines += _table(rows)
+            else:
+                lines.append("every function the model's forward called is computed batch-invariantly")
         if self.notes:
             lines += [""] + [f"note: {n}" for n in self.notes]
         return "\n".join(lines)

@@ -24,6 +24,7 @@ import torch
 
 from ..accuracy import RULE, UNIT_ROUNDOFF, Tolerance
 from ..act_and_mul import GELU_AND_MUL, SILU_AND_MUL
+from ..batch_invariant import INVARIANT_ATTENTION, INVARIANT_BMM, INVARIANT_LINEAR
 from ..checks import KERNEL_DTYPES, rows_fit, same_rows, weight_fits
 from ..decode_attention import DECODE_ATTENTION
 from ..dispatch import Provider
@@ -223,7 +224,7 @@ def _tolerance(dtype: torch.dtype) -> Tolerance:
 
 
 def _provider(op, module: str, name: str, supports_args, backward_and_output: bool = False, backward: bool = False,
-              thresholds=None) -> None:  # fmt: skip
+              thresholds=None, batch_invariant: bool = False) -> None:  # fmt: skip
     """Register ``name`` of ``module`` as the op's triton provider, with ``name_autograd`` (the same
     kernels with their backward) for calls that need a backward, with ``backward_and_output`` the
     module's ``name_backward_and_output``, and with ``backward`` its ``name_backward``."""
@@ -232,28 +233,40 @@ def _provider(op, module: str, name: str, supports_args, backward_and_output: bo
             "triton", _lazy(module, name), available, supports_args, autograd=_lazy(module, f"{name}_autograd"),
             backward_and_output=_lazy(module, f"{name}_backward_and_output") if backward_and_output else None,
             backward=_lazy(module, f"{name}_backward") if backward else None, thresholds=thresholds,
-            tolerance=_tolerance,
+            tolerance=_tolerance, batch_invariant=batch_invariant,
         )
     )  # fmt: skip
 
 
-_provider(RMS_NORM, "rms_norm", "rms_norm", _rms_norm_args, thresholds=_NORM_ROWS)
-_provider(FUSED_ADD_RMS_NORM, "rms_norm", "fused_add_rms_norm", _fused_add_rms_norm_args, thresholds=_NORM_ROWS)
+# batch_invariant: the norms launch one row a program in that mode (``rms_norm._invariant_launch_shape``);
+# the activations and rotary are elementwise.
+_provider(RMS_NORM, "rms_norm", "rms_norm", _rms_norm_args, thresholds=_NORM_ROWS, batch_invariant=True)
+_provider(
+    FUSED_ADD_RMS_NORM, "rms_norm", "fused_add_rms_norm", _fused_add_rms_norm_args, thresholds=_NORM_ROWS,
+    batch_invariant=True,
+)  # fmt: skip
 # Forward only: under autograd the native definition (differentiable torch ops) runs.
 GATED_RMS_NORM.register(
     Provider(
         "triton", _lazy("rms_norm", "gated_rms_norm"), available, _gated_rms_norm_args, thresholds=_NORM_ROWS,
-        tolerance=_tolerance,
+        tolerance=_tolerance, batch_invariant=True,
     )
 )
-_provider(SILU_AND_MUL, "act_and_mul", "silu_and_mul", _act_and_mul_args, backward_and_output=True, thresholds=_ACT_ROWS)
-_provider(GELU_AND_MUL, "act_and_mul", "gelu_and_mul", _act_and_mul_args, backward_and_output=True, thresholds=_ACT_ROWS)
-_provider(ROTARY, "rotary", "rotary", _rotary_args, backward=True)
-# Forward only: under autograd the native definition runs.
+_provider(
+    SILU_AND_MUL, "act_and_mul", "silu_and_mul", _act_and_mul_args, backward_and_output=True, thresholds=_ACT_ROWS,
+    batch_invariant=True,
+)  # fmt: skip
+_provider(
+    GELU_AND_MUL, "act_and_mul", "gelu_and_mul", _act_and_mul_args, backward_and_output=True, thresholds=_ACT_ROWS,
+    batch_invariant=True,
+)  # fmt: skip
+_provider(ROTARY, "rotary", "rotary", _rotary_args, backward=True, batch_invariant=True)
+# Forward only: under autograd the native definition runs. In batch-invariant mode it runs one
+# program a query, without splits (``invariant.decode_attention``).
 DECODE_ATTENTION.register(
     Provider(
         "triton", _lazy("decode_attention", "decode_attention"), available, _decode_attention_args,
-        thresholds=_lazy("decode_attention", "thresholds"), tolerance=_tolerance,
+        thresholds=_lazy("decode_attention", "thresholds"), tolerance=_tolerance, batch_invariant=True,
     )
 )  # fmt: skip
 CROSS_ENTROPY_GRAD.register(
@@ -268,3 +281,37 @@ MOE_EXPERTS.register(
         tolerance=_tolerance,
     )
 )  # fmt: skip
+
+
+def _invariant_linear_args(x, weight, bias=None) -> bool:
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    return on_device(*tensors) and x.dtype in KERNEL_DTYPES and weight.dtype == x.dtype and weight.dim() == 2
+
+
+def _invariant_bmm_args(a, b) -> bool:
+    return on_device(a, b) and a.dtype in KERNEL_DTYPES and b.dtype == a.dtype and a.dim() == 3 and b.dim() == 3
+
+
+def _invariant_attention_args(query, key, value, attn_mask=None, is_causal=False, scale=None) -> bool:
+    tensors = [t for t in (query, key, value, attn_mask) if t is not None]
+    return (
+        on_device(*tensors)
+        and query.dtype in KERNEL_DTYPES
+        and key.dtype == value.dtype == query.dtype
+        and query.dim() == key.dim() == value.dim() == 4
+        and query.shape[1] == key.shape[1] == value.shape[1]
+        and all(t.stride(-1) == 1 for t in (query, key, value))
+        and max(query.shape[-1], value.shape[-1]) <= 256
+    )
+
+
+# Batch-invariant mode's kernels: one tile shape per weight shape, attention walked from each
+# query's first key (``invariant.py``). Forward only.
+for _op, _name, _args in (
+    (INVARIANT_LINEAR, "invariant_linear", _invariant_linear_args),
+    (INVARIANT_BMM, "invariant_bmm", _invariant_bmm_args),
+    (INVARIANT_ATTENTION, "invariant_attention", _invariant_attention_args),
+):
+    _op.register(
+        Provider("triton", _lazy("invariant", _name), available, _args, tolerance=_tolerance, batch_invariant=True)
+    )

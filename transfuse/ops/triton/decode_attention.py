@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..dispatch import batch_invariant_active
+
 from . import device_of, interpreting
 from .launch import Kernel
 
@@ -177,7 +179,12 @@ def decode_attention(
     value: Tensor | None = None,
     position: Tensor | None = None,
 ) -> Tensor:
-    """The triton provider of ``decode_attention``: ``[batch, 1, heads, dim]``."""
+    """The triton provider of ``decode_attention``: ``[batch, 1, heads, dim]``; in batch-invariant
+    mode, one program a query with no splits (``invariant.decode_attention``)."""
+    if batch_invariant_active():
+        from .invariant import decode_attention as invariant
+
+        return invariant(query, keys, values, bias, scaling, key, value, position)
     batch, heads, _, dim = query.shape
     kv_heads, length, value_dim = keys.shape[1], keys.shape[2], values.shape[-1]
     groups = heads // kv_heads

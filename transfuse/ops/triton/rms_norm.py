@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..dispatch import batch_invariant_active
 from ..rms_norm import rms_norm_out_dtype
 from . import device_of
 from .launch import Kernel
@@ -147,6 +148,14 @@ def _launch_shape(n_rows: int, n_cols: int, element_size: int) -> tuple[int, int
     return block_n, rows, num_warps
 
 
+def _invariant_launch_shape(n_cols: int) -> tuple[int, int, int]:
+    """(BLOCK_N, ROWS, num_warps) in batch-invariant mode: one row a program and a warp count set by
+    the row's length alone, so a row's sum of squares is reduced by the same threads in the same
+    order at every row count."""
+    block_n = triton.next_power_of_2(n_cols)
+    return block_n, 1, 4 if block_n <= 4096 else 8 if block_n <= 16384 else 16
+
+
 def row_levels(x: Tensor) -> tuple[int, int, int] | None:
     """``x``'s rows (all but its unit-stride last dimension) as at most two levels of strides:
     ``(inner, outer_stride, row_stride)``, the row ``r`` starting at ``(r // inner) * outer_stride
@@ -220,8 +229,11 @@ def _normalise(
         and (residual is None or residual2.stride(0) == n_cols)
         and (gate is None or gate2.stride(0) == n_cols)
     )
-    block_n, rows, num_warps = _launch_shape(n_rows, n_cols, x.element_size())
-    rows, num_warps = TUNING.get("rows", rows), TUNING.get("num_warps", num_warps)
+    if batch_invariant_active():
+        block_n, rows, num_warps = _invariant_launch_shape(n_cols)
+    else:
+        block_n, rows, num_warps = _launch_shape(n_rows, n_cols, x.element_size())
+        rows, num_warps = TUNING.get("rows", rows), TUNING.get("num_warps", num_warps)
     with device_of(x):
         _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
             x,

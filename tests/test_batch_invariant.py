@@ -1,0 +1,356 @@
+"""Batch-invariant mode: each row's numbers are the same bits alone, in batches of other sizes, at
+other positions, and behind left padding; for every op the mode dispatches and for whole models.
+
+Row-wise checks: a random batch; every row computed alone, then inside batches of other sizes
+holding other random rows, at another position; compared with ``torch.equal``. Whole models:
+the logits of a prompt alone and in a left-padded batch of 5, eagerly; each sample's loss in a
+training-mode forward alone and in a batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import transfuse
+from transfuse import ops
+from transfuse.ops import batch_invariant as bi
+from transfuse.ops import conformance
+from transfuse.ops.dispatch import Op, Provider, batch_invariant_mode
+from transfuse.tiny import tiny_model
+
+
+@contextlib.contextmanager
+def mode():
+    with batch_invariant_mode(), bi.InvariantFunctions():
+        yield
+
+
+def _rows_agree(fn, make, rows: int = 5, sizes=(1, 3, 8)) -> None:
+    """``fn`` of each row of ``make(rows)`` equals ``fn`` of that row placed inside batches of the
+    other ``sizes`` (other random rows around it, the row last, then first)."""
+    torch.manual_seed(0)
+    batch = make(rows)
+    with mode():
+        full = fn(batch)
+        for i in range(rows):
+            one = batch[i : i + 1]
+            for size in sizes:
+                company = make(max(size - 1, 0))
+                for at in (0, company.shape[0]):
+                    mixed = torch.cat([company[:at], one, company[at:]])
+                    got = fn(mixed)[at]
+                    assert torch.equal(got, full[i]), f"row {i} in a batch of {size} at {at}"
+
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_and_matmul_give_each_row_the_same_bits_at_every_batch_size(dtype):
+    w, b = torch.randn(24, 40).to(dtype), torch.randn(24).to(dtype)
+    _rows_agree(lambda x: F.linear(x, w, b), lambda n: torch.randn(n, 40).to(dtype))
+    _rows_agree(lambda x: x @ w.T, lambda n: torch.randn(n, 40).to(dtype))
+    _rows_agree(lambda x: torch.matmul(x, w.T.unsqueeze(0)), lambda n: torch.randn(n, 3, 40).to(dtype))
+    with mode():  # close to torch's own
+        x = torch.randn(7, 40).to(dtype)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(F.linear(x, w, b).float(), F.linear(x.float(), w.float(), b.float()), atol=tol * 10, rtol=tol)
+
+
+def test_sums_means_softmax_and_cross_entropy_are_row_invariant():
+    _rows_agree(lambda x: x.sum(-1), lambda n: torch.randn(n, 77))
+    _rows_agree(lambda x: x.pow(2).mean(-1, keepdim=True), lambda n: torch.randn(n, 33))
+    _rows_agree(lambda x: F.softmax(x, dim=-1), lambda n: torch.randn(n, 50))
+    _rows_agree(lambda x: torch.log_softmax(x, -1), lambda n: torch.randn(n, 50))
+    # (each row's label from the row itself: its smallest logit's class)
+    _rows_agree(lambda x: F.cross_entropy(x, x.argmin(-1), reduction="none"), lambda n: torch.randn(n, 50))
+    with mode():
+        x = torch.randn(4, 50)
+        torch.testing.assert_close(F.softmax(x, -1), torch.softmax(x.clone(), -1).clone())
+
+
+def test_attention_of_a_query_ignores_left_padding_and_the_batch():
+    """A sequence's attention output alone equals its output behind any amount of left padding,
+    among other sequences, with GQA and a boolean or additive causal mask."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim, length = 4, 2, 16, 6
+    q, k, v = (torch.randn(1, h, length, dim) for h in (heads, kv_heads, kv_heads))
+
+    def causal(length: int, pad: int) -> torch.Tensor:
+        allowed = torch.ones(length, length, dtype=torch.bool).tril()
+        allowed[:, :pad] = False
+        return allowed
+
+    with mode():
+        alone = F.scaled_dot_product_attention(q, k, v, attn_mask=causal(length, 0), enable_gqa=True)
+        for pad, others in ((3, 2), (7, 4)):
+            total = length + pad
+            batch = [torch.randn(others + 1, h, total, dim) for h in (heads, kv_heads, kv_heads)]
+            for t, own in zip(batch, (q, k, v)):
+                t[others, :, pad:] = own[0]
+            mask = torch.stack([causal(total, 0)] * others + [causal(total, pad)])[:, None]
+            got = F.scaled_dot_product_attention(*batch, attn_mask=mask, enable_gqa=True)
+            assert torch.equal(got[others, :, pad:], alone[0])
+            additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+            got = F.scaled_dot_product_attention(*batch, attn_mask=additive, enable_gqa=True)
+            assert torch.equal(got[others, :, pad:], alone[0])
+        reference = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    torch.testing.assert_close(alone, reference, atol=1e-5, rtol=1e-5)
+
+
+def _norm_ops():
+    spec = ops.RMSNormSpec()
+    w = torch.randn(48)
+    return {
+        "rms_norm": lambda x: ops.rms_norm(x, w, 1e-6, spec),
+        "fused_add_rms_norm": lambda x: torch.cat(ops.fused_add_rms_norm(x, x * 0.5 + 1, w, 1e-6, spec), -1),
+        "gated_rms_norm": lambda x: ops.gated_rms_norm(x, x.flip(-1), w, 1e-6, spec, "silu"),
+        "act_and_mul": lambda x: ops.act_and_mul(x, "silu"),
+    }
+
+
+@pytest.mark.parametrize("op", list(_norm_ops()))
+def test_dispatched_ops_native_give_each_row_the_same_bits(op):
+    fn = _norm_ops()[op]
+    _rows_agree(fn, lambda n: torch.randn(n, 48))
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "gated_rms_norm", "act_and_mul"])
+def test_triton_providers_under_the_interpreter_give_each_row_the_same_bits(op):
+    names = {"act_and_mul": ["silu_and_mul"]}.get(op, [op])
+    for name in names:
+        found = ops.get_op(name)
+        if not found.is_supported(found.providers["triton"]):
+            pytest.skip("Triton is not installed")
+    fn = _norm_ops()[op]
+    for name in names:
+        ops.set_priority(["triton"], op=name)
+    try:
+        x = torch.randn(2, 48)
+        with conformance.assumed(), ops.trace() as log:
+            with mode():
+                got = fn(x)
+            _rows_agree(fn, lambda n: torch.randn(n, 48), rows=2, sizes=(1, 3))
+        assert {d.provider for d in log} == {"triton"}, log
+        for name in names:
+            ops.set_priority(["native"], op=name)
+        with mode():
+            torch.testing.assert_close(got, fn(x), atol=1e-5, rtol=1e-5)
+    finally:
+        for name in names:
+            ops.set_priority(None, op=name)
+
+
+def test_triton_gemm_and_attention_under_the_interpreter_are_invariant_and_match_native():
+    """The GPU kernels of the mode, interpreted: rows alone equal rows in a batch; a query alone
+    equals the query behind left padding; each close to the native ordered form."""
+    names = ("invariant_linear", "invariant_bmm", "invariant_attention")
+    found = ops.get_op("invariant_linear")
+    if not found.is_supported(found.providers["triton"]):
+        pytest.skip("Triton is not installed")
+    for name in names:
+        ops.set_priority(["triton"], op=name)
+    try:
+        torch.manual_seed(0)
+        w, b = torch.randn(24, 40), torch.randn(24)
+        with conformance.assumed(), ops.trace() as log:
+            _rows_agree(lambda x: F.linear(x, w, b), lambda n: torch.randn(n, 40), rows=3, sizes=(1, 3))
+            x = torch.randn(4, 40)
+            with mode():
+                got = F.linear(x, w, b)
+                batched = torch.bmm(torch.randn(2, 5, 16), torch.randn(2, 16, 7))
+            torch.testing.assert_close(got, bi.invariant_linear_native(x, w, b), atol=1e-5, rtol=1e-5)
+            assert batched.shape == (2, 5, 7)
+            q, k, v = (torch.randn(1, 2, 5, 16) for _ in range(3))
+            allowed = torch.ones(5, 5, dtype=torch.bool).tril()
+            with mode():
+                alone = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+                pad = 19
+                batch = [torch.randn(2, 2, 5 + pad, 16) for _ in range(3)]
+                for t, own in zip(batch, (q, k, v)):
+                    t[1, :, pad:] = own[0]
+                mask = torch.ones(5 + pad, 5 + pad, dtype=torch.bool).tril().repeat(2, 1, 1, 1)
+                mask[1, :, :, :pad] = False
+                got = F.scaled_dot_product_attention(*batch, attn_mask=mask)
+            assert torch.equal(got[1, :, pad:], alone[0])
+            torch.testing.assert_close(alone, bi.invariant_attention_native(q, k, v, allowed), atol=1e-5, rtol=1e-5)
+        assert {d.provider for d in log} == {"triton"} and {d.op for d in log} == set(names)
+    finally:
+        for name in names:
+            ops.set_priority(None, op=name)
+
+
+@pytest.mark.parametrize("provider", ["native", "triton"])
+def test_decode_attention_of_a_sequence_ignores_its_padding_and_the_batch(provider):
+    """One query a sequence over buffers: a left-padded sequence among others gives what it gives
+    alone over its own keys (Triton: the mode's walk from the first key, interpreted)."""
+    found = ops.get_op("decode_attention")
+    if provider == "triton" and not found.is_supported(found.providers["triton"]):
+        pytest.skip("Triton is not installed")
+    torch.manual_seed(0)
+    batch, heads, kv_heads, dim, length, pad = 3, 4, 2, 16, 20, 7
+    q, k, v = torch.randn(batch, heads, 1, dim), torch.randn(batch, kv_heads, length, dim), torch.randn(batch, kv_heads, length, dim)
+    bias = torch.zeros(batch * kv_heads, 1, length)
+    bias[kv_heads : 2 * kv_heads, :, :pad] = float("-inf")
+    ops.set_priority([provider], op="decode_attention")
+    try:
+        with conformance.assumed(), ops.trace() as log, mode():
+            together = ops.decode_attention(q, k, v, bias, 0.25)
+            own = [t[1:2, :, pad:].contiguous() for t in (k, v)]
+            alone = ops.decode_attention(q[1:2], *own, torch.zeros(kv_heads, 1, length - pad), 0.25)
+        assert {d.provider for d in log} == {provider}
+        assert torch.equal(together[1], alone[0])
+        ops.set_priority(["native"], op="decode_attention")
+        torch.testing.assert_close(together, ops.decode_attention(q, k, v, bias, 0.25), atol=1e-5, rtol=1e-5)
+    finally:
+        ops.set_priority(None, op="decode_attention")
+
+
+def test_rotary_gives_each_token_the_same_bits():
+    torch.manual_seed(0)
+    cos, sin = torch.randn(1, 1, 8), torch.randn(1, 1, 8)
+
+    def fn(x):
+        q, k = ops.rotary(x, x * 2, cos, sin, 1)
+        return torch.cat([q, k], -1)
+
+    _rows_agree(fn, lambda n: torch.randn(n, 3, 1, 8))
+
+
+def test_moe_experts_give_each_token_the_same_bits_whatever_the_token_count():
+    torch.manual_seed(0)
+    experts, hidden, inner, top_k = 4, 16, 8, 2
+    w13, w2 = torch.randn(experts, 2 * inner, hidden) / 4, torch.randn(experts, hidden, inner) / 4
+    router = torch.randn(experts, hidden)
+
+    def fn(x):
+        logits = F.linear(x, router)
+        weights, ids = torch.softmax(logits, -1).topk(top_k, -1)
+        return ops.moe_experts(x, weights, ids, w13, w2)
+
+    _rows_agree(fn, lambda n: torch.randn(n, hidden), sizes=(1, 3, 40))
+
+
+def test_the_mode_takes_only_providers_declared_invariant_and_ignores_deferral():
+    def native(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    op = Op("test_batch_invariant_pick", native)
+    op.register(Provider("plain", lambda x: x + 1, defers=lambda x: x.shape[0] >= 4, thresholds={"rows": (4,)}))
+    op.register(Provider("steady", lambda x: x + 1, defers=lambda x: x.shape[0] < 4, batch_invariant=True))
+    ops.set_priority(["plain", "steady"], op=op.name)
+    try:
+        assert op.select(torch.ones(2, 3)).name == "plain"
+        assert op.select(torch.ones(8, 3)).name == "steady"
+        with batch_invariant_mode():
+            assert {op.select(torch.ones(n, 3)).name for n in (1, 2, 8, 5000)} == {"steady"}
+    finally:
+        ops.set_priority(None, op=op.name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole models.
+
+
+def _left_padded(prompt: torch.Tensor, vocab: int, row: int = 2, lengths=(8, 11, 0, 10, 5)):
+    """A batch of 5 left-padded sequences of other random tokens, ``prompt`` as row ``row``."""
+    g = torch.Generator().manual_seed(1)
+    width = max(max(lengths), prompt.shape[1])
+    ids = torch.randint(0, vocab, (5, width), generator=g)
+    mask = torch.zeros(5, width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        n = prompt.shape[1] if i == row else n
+        mask[i, width - n :] = 1
+    ids[row, width - prompt.shape[1] :] = prompt[0]
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_moe", "gemma2"])
+def invariant_model(request):
+    model = tiny_model(request.param).eval()
+    transfuse.rewrite(model, batch_invariant=True, verify=False)
+    return model
+
+
+def test_a_prompts_logits_are_the_same_bits_alone_and_in_a_left_padded_batch(invariant_model):
+    model = invariant_model
+    vocab = model.config.vocab_size
+    prompt = torch.randint(0, vocab, (1, 7), generator=torch.Generator().manual_seed(2))
+    ids, mask, positions = _left_padded(prompt, vocab)
+    with torch.no_grad():
+        alone = model(prompt, attention_mask=torch.ones_like(prompt), position_ids=torch.arange(7)[None]).logits[0]
+        batch = model(ids, attention_mask=mask, position_ids=positions).logits[2, -7:]
+    assert torch.equal(alone, batch)
+    report = str(transfuse.report(model))
+    assert "batch-invariant mode: on" in report
+
+
+def test_each_samples_training_loss_is_the_same_bits_alone_and_in_a_batch(invariant_model):
+    model = invariant_model
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(3)
+    batch = torch.randint(0, vocab, (4, 9), generator=g)
+    model.train()
+    try:
+
+        def losses(ids):
+            logits = model(ids).logits
+            with bi.InvariantFunctions():
+                per_token = F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), ids[:, 1:], reduction="none")
+                return per_token.mean(-1)
+
+        together = losses(batch)
+        for i in (0, 3):
+            assert torch.equal(losses(batch[i : i + 1])[0], together[i])
+        together.sum().backward()  # the mode's forms differentiate
+    finally:
+        model.eval()
+        model.zero_grad(set_to_none=True)
+
+
+def test_the_mode_off_leaves_the_model_and_dispatch_as_they_were(monkeypatch):
+    model = tiny_model("llama").eval()
+    transfuse.rewrite(model, verify=False)
+    assert "forward" not in model.__dict__ and not bi.is_enabled(model)
+    assert transfuse.report(model).batch_invariant is None
+    monkeypatch.setenv("TRANSFUSE_BATCH_INVARIANT", "1")
+    other = tiny_model("llama").eval()
+    transfuse.rewrite(other, verify=False)
+    assert bi.is_enabled(other) and not bi.is_enabled(model)
+    transfuse.rewrite(other, verify=False, batch_invariant=False)
+    assert not bi.is_enabled(other)
+
+
+def test_the_drop_in_loader_and_compile_take_the_argument():
+    config = tiny_model("llama").config
+    loaded = transfuse.AutoModelForCausalLM.from_config(config, verify=False, batch_invariant=True)
+    assert bi.is_enabled(loaded) and transfuse.report(loaded).batch_invariant is not None
+    transfuse.compile(loaded, batch_invariant=False)
+    assert not bi.is_enabled(loaded)
+    transfuse.compile(loaded, batch_invariant=True)
+    assert bi.is_enabled(loaded)
+
+
+class _LayerNormed(nn.Module):
+    """A model-specific module the mode does not replace: torch's layer norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.norm(self.proj(x))
+
+
+def test_the_report_lists_what_the_mode_cannot_make_invariant():
+    model = _LayerNormed()
+    transfuse.rewrite(model, batch_invariant=True, verify=False, example_inputs=(torch.randn(2, 8),))
+    found = transfuse.report(model).batch_invariant
+    assert "torch.nn.functional.layer_norm" in found
+    assert "layer_norm" in str(transfuse.report(model))

@@ -1,0 +1,193 @@
+"""Triton kernels of batch-invariant mode: a batched GEMM and attention with fixed reduction orders.
+
+GEMM: one tile shape (``BLOCK_M x BLOCK_N``), one reduction tile ``BLOCK_K`` and one warp count
+for a given weight shape, whatever the row count: each output element is reduced over the same
+``BLOCK_K`` steps by the same instructions, in every batch and at every place in a tile (no
+split-K, no choice by row count).
+
+Attention: one program per query row, its keys walked in blocks of ``BLOCK_N`` from its first
+unmasked key (an online softmax), so a left-padded sequence's keys fall in the same blocks at the
+same places as the sequence alone; blocks past the last unmasked key add exact zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from . import device_of, interpreting
+
+
+@triton.jit
+def _bmm_kernel(
+    a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K,
+    stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn, stride_cb, stride_cm, stride_cn,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    a_base = a_ptr + batch.to(tl.int64) * stride_ab
+    b_base = b_ptr + batch.to(tl.int64) * stride_bb
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + rk
+        a = tl.load(a_base + rm[:, None] * stride_am + ks[None, :] * stride_ak, mask=(rm[:, None] < M) & (ks[None, :] < K), other=0.0)
+        b = tl.load(b_base + ks[:, None] * stride_bk + rn[None, :] * stride_bn, mask=(ks[:, None] < K) & (rn[None, :] < N), other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    c = c_ptr + batch.to(tl.int64) * stride_cb + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def _gemm_tiles(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) from the weight's shape alone."""
+    if interpreting():
+        return 16, 16, 16, 1
+    block_n = 128 if n >= 128 else max(16, triton.next_power_of_2(n))
+    block_k = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
+    return 64, block_n, block_k, 4
+
+
+def bmm(a: Tensor, b: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    """``a @ b (+ bias)`` for ``a [batch, M, K]``, ``b [batch, K, N]`` (any strides)."""
+    batch, m, k = a.shape
+    n = b.shape[-1]
+    out = a.new_empty((batch, m, n), dtype=out_dtype)
+    if out.numel() == 0:
+        return out
+    block_m, block_n, block_k, warps = _gemm_tiles(n, k)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), batch)
+    with device_of(a):
+        _bmm_kernel[grid](
+            a, b, bias if bias is not None else a, out, m, n, k,
+            a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        )  # fmt: skip
+    return out
+
+
+def invariant_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """The triton provider of ``invariant_linear``."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = bmm(rows[None], weight.t()[None], bias, x.dtype)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def invariant_bmm(a: Tensor, b: Tensor) -> Tensor:
+    """The triton provider of ``invariant_bmm``."""
+    return bmm(a, b, None, a.dtype)
+
+
+@triton.jit
+def _attention_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, start_ptr, out_ptr, H, Q, L, scale,
+    sqb, sqh, sqq, skb, skh, skl, svb, svh, svl, smb, smh, smq, sml, sob, soh, soq,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    qi = row % Q
+    hq = (row // Q) % H
+    b = row // (Q * H)
+    h = hq // GROUP  # the key/value head (and the mask's head) of query head hq
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + b * sqb + hq * sqh + qi * sqq + d, mask=d < D, other=0.0).to(tl.float32)
+    start = tl.load(start_ptr + row)
+    end = L
+    if CAUSAL:
+        end = tl.minimum(L, qi + 1 + L - Q)
+    m = tl.full((), -1.0e30, tl.float32)
+    total = tl.zeros((), tl.float32)
+    acc = tl.zeros((BLOCK_DV,), tl.float32)
+    for j0 in range(start, end, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        valid = j < end
+        keys = tl.load(k_ptr + b * skb + h * skh + j[:, None] * skl + d[None, :], mask=valid[:, None] & (d[None, :] < D), other=0.0)
+        scores = tl.sum(keys.to(tl.float32) * q[None, :], axis=1) * scale
+        if HAS_MASK:
+            scores += tl.load(mask_ptr + b * smb + h * smh + qi * smq + j * sml, mask=valid, other=0.0)
+        scores = tl.where(valid, scores, float("-inf"))
+        top = tl.maximum(m, tl.max(scores, axis=0))
+        alpha = tl.exp(m - top)
+        p = tl.exp(scores - top)
+        values = tl.load(v_ptr + b * svb + h * svh + j[:, None] * svl + dv[None, :], mask=valid[:, None] & (dv[None, :] < DV), other=0.0)
+        total = total * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * values.to(tl.float32), axis=0)
+        m = top
+    out = tl.where(total > 0, acc / tl.where(total > 0, total, 1.0), 0.0)
+    tl.store(out_ptr + b * sob + hq * soh + qi * soq + dv, out.to(out_ptr.dtype.element_ty), mask=dv < DV)
+
+
+def invariant_attention(query, key, value, attn_mask=None, is_causal=False, scale=None) -> Tensor:
+    """The triton provider of ``invariant_attention`` (``[batch, heads, length, dim]``)."""
+    batch, heads, q_len, _ = query.shape
+    out = query.new_empty((batch, heads, q_len, value.shape[-1]))
+    mask = None
+    if attn_mask is not None:
+        additive = attn_mask if attn_mask.dtype != torch.bool else torch.zeros(
+            attn_mask.shape, device=query.device
+        ).masked_fill(~attn_mask, float("-inf"))  # fmt: skip
+        mask = additive.float().expand(batch, heads, q_len, key.shape[2])
+    return attend(query, key, value, mask, bool(is_causal), scale, out)
+
+
+def attend(query, key, value, mask, is_causal, scale, out) -> Tensor:
+    """Each query ``[batch, heads, q, dim]`` over its key/value head (``heads // kv_heads`` query
+    heads a key/value head) with the additive ``mask`` ``[batch, heads or kv_heads, q, length]``
+    (or None), into ``out`` (``[batch, heads, q, dv]`` by its strides)."""
+    import math
+
+    batch, heads, q_len, dim = query.shape
+    kv_heads, length, dim_v = key.shape[1], key.shape[2], value.shape[-1]
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    if out.numel() == 0:
+        return out
+    if mask is not None:
+        # Each query's first key not masked out: where its walk over the keys starts.
+        start = (mask > torch.finfo(torch.float32).min / 2).int().argmax(-1).to(torch.int32)
+        if start.shape[1] != heads:  # a mask per key/value head: the same start for its query heads
+            start = start.repeat_interleave(heads // start.shape[1], 1)
+        start = start.contiguous()
+    else:
+        start = torch.zeros((batch, heads, q_len), dtype=torch.int32, device=query.device)
+    group = heads // kv_heads
+    strides_m = mask.stride() if mask is not None else (0, 0, 0, 0)
+    if mask is not None and mask.shape[1] == heads and group > 1:
+        raise ValueError("a mask per query head with grouped key/value heads")
+    with device_of(query):
+        _attention_kernel[(batch * heads * q_len,)](
+            query, key, value, mask if mask is not None else query, start, out, heads, q_len, length, scale,
+            *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *strides_m, *out.stride()[:3],
+            D=dim, DV=dim_v, BLOCK_D=triton.next_power_of_2(dim), BLOCK_DV=triton.next_power_of_2(dim_v),
+            HAS_MASK=mask is not None, CAUSAL=is_causal, BLOCK_N=16 if interpreting() else 64, GROUP=group,
+            num_warps=1 if interpreting() else 4,
+        )  # fmt: skip
+    return out
+
+
+def decode_attention(query, keys, values, bias, scaling, key=None, value=None, position=None) -> Tensor:
+    """``decode_attention`` in batch-invariant mode (its triton provider calls this there): the
+    token written, then each query walked over its keys from its first unmasked one, whatever the
+    batch and the buffer's length."""
+    if key is not None:
+        keys.index_copy_(2, position, key.to(keys.dtype))
+        values.index_copy_(2, position, value.to(values.dtype))
+    batch, heads = query.shape[:2]
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    out = query.new_empty((batch, 1, heads, values.shape[-1]))
+    mask = bias.view(batch, kv_heads, 1, length).float()
+    # ``out`` [batch, 1, heads, dv] written as [batch, heads, 1, dv] through its strides.
+    attend(query, keys, values, mask, False, scaling, out.transpose(1, 2))
+    return out
