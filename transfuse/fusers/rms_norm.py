@@ -338,9 +338,9 @@ def _match_result(result: fx.Node, x: fx.Node, matched: set[fx.Node]) -> RMSNorm
     cast_before_weight = _casts_to_input(middle, x, "the normalised value")
     if weight is None and cast_before_weight:
         cast_output, cast_before_weight = True, False  # one cast at the end either way
-    upcast, eps_attr = _match_normalisation(normed, x, matched)
+    form, eps_attr = _match_normalisation(normed, x, matched)
     name, offset, weight_fp32 = weight or (None, False, False)
-    spec = RMSNormSpec(upcast, cast_before_weight, offset, weight_fp32, cast_output)
+    spec = RMSNormSpec(form.upcast, cast_before_weight, offset, weight_fp32, cast_output, form.promote, form.divide)
     return RMSNormMatch(spec, name, eps_attr, x.target)
 
 
@@ -398,7 +398,13 @@ def _match_input_gated(
     if weight is None and cast_before_weight:
         cast_output, cast_before_weight = True, False  # one cast at the end either way
     normed, grouped = _ungroup(normed, matched)
-    value_normed, eps_attr = _normalised_value(normed, matched)
+    value_normed, eps_attr, form = _normalised_value(normed, matched)
+    if form.promote or form.divide:
+        raise NoMatch(
+            "rms_norm.gate-form",
+            "a norm gated before it is normalised as v * rsqrt(mean(v²) + eps), with v squared as it is multiplied.",
+            normed,
+        )
     group_attr = None
     if grouped:
         value_normed, group_attr = _grouped_view(value_normed, matched)
@@ -586,38 +592,67 @@ def _mark_chain(top: fx.Node, bottom: fx.Node, matched: set[fx.Node]) -> None:
     matched.add(bottom)
 
 
-def _match_normalisation(node: fx.Node, x: fx.Node, matched: set[fx.Node]) -> tuple[bool, str]:
-    """``xc * rsqrt(mean(xc², -1, keepdim=True) + eps)`` with ``xc`` the (cast) input → (upcast, eps attr)."""
-    xc, eps_attr = _normalised_value(node, matched)
+@dataclass(frozen=True)
+class _Form:
+    """How the value is normalised: in float32 (``upcast``); the uncast input times the float32
+    inverse root (``promote``); divided by the square root (``divide``)."""
+
+    upcast: bool
+    promote: bool = False
+    divide: bool = False
+
+
+def _match_normalisation(node: fx.Node, x: fx.Node, matched: set[fx.Node]) -> tuple[_Form, str]:
+    """``xc * rsqrt(mean(xc², -1, keepdim=True) + eps)`` (or ``xc / sqrt(...)``) with ``xc`` the (cast)
+    input, or the uncast input times the inverse root of its float32 copy's mean square → (form, eps attr)."""
+    xc, eps_attr, form = _normalised_value(node, matched)
     base, casts = peel_casts(xc)
     if base is not x:
         raise NoMatch("rms_norm.form", "the normalised value is not the module's input.", xc)
     if any(c.dtype != torch.float32 for c in casts):
         raise NoMatch("rms_norm.cast", f"the input is cast to {casts[0].describe()} before normalising.", xc)
     _mark_chain(xc, base, matched)
-    return bool(casts), eps_attr
+    promote = form.promote and not casts  # squared in float32 and multiplied as float32 already: plain upcast
+    return dataclasses.replace(form, upcast=bool(casts) or form.promote, promote=promote), eps_attr
 
 
-def _normalised_value(node: fx.Node, matched: set[fx.Node]) -> tuple[fx.Node, str]:
-    """``v * rsqrt(mean(v², -1, keepdim=True) + eps)`` → (v, eps attr)."""
-    if is_op(node, "sub", "div"):
+def _normalised_value(node: fx.Node, matched: set[fx.Node]) -> tuple[fx.Node, str, _Form]:
+    """``v * rsqrt(mean(s², -1, keepdim=True) + eps)`` or ``v / sqrt(...)``, ``s`` either ``v`` or ``v``
+    cast to float32 → (v, eps attr, the form)."""
+    divide = is_op(node, "div") and _is_root(operand(node, 1))
+    if is_op(node, "sub") or (is_op(node, "div") and not divide):
         raise NoMatch("rms_norm.form", f"the norm is computed with {op_name(node)}, not as x * rsqrt(...).", node)
-    if not is_op(node, "mul"):
+    if not is_op(node, "mul") and not divide:
         raise NoMatch("rms_norm.form", f"the result is {op_name(node) or node.op}, not x * rsqrt(mean(x²) + eps).", node)
     a, b = operands(node)[:2]
-    inv, xc = (b, a) if _is_inverse_root(b) else (a, b)
-    if not _is_inverse_root(inv):
+    inv, xc = (b, a) if divide or _is_inverse_root(b) else (a, b)
+    if not divide and not _is_inverse_root(inv):
         raise NoMatch("rms_norm.form", "neither factor of the final product is rsqrt(...) or (...) ** -0.5.", node)
     total = operand(inv, 0)
     eps_attr, mean = _split_eps(total)
     square_of = _match_mean_square(mean, xc)
     if is_op(xc, "sub") or is_op(square_of, "sub"):
         raise NoMatch("rms_norm.mean-subtracted", "the input has its mean subtracted: this is LayerNorm, not RMSNorm.", xc)
-    if square_of is not xc:
-        raise NoMatch("rms_norm.form", "the value squared is not the value normalised.", node)
+    promote = _is_float32_copy(square_of, xc)
+    if square_of is not xc and not promote:
+        raise NoMatch("rms_norm.form", "the value squared is not the value normalised, nor its float32 copy.", node)
+    if promote:
+        _mark_chain(square_of, xc, matched)
     matched.update({node, inv, total, mean})
     matched.add(mean.args[0])
-    return xc, eps_attr
+    return xc, eps_attr, _Form(upcast=False, promote=promote, divide=divide)
+
+
+def _is_float32_copy(node, of: fx.Node) -> bool:
+    """``of`` cast to float32, once (``of.to(torch.float32)``, ``of.float()``)."""
+    if not isinstance(node, fx.Node):
+        return False
+    base, casts = peel_casts(node)
+    return base is of and len(casts) == 1 and casts[0].dtype == torch.float32
+
+
+def _is_root(node) -> bool:
+    return is_op(node, "sqrt") or (is_op(node, "pow") and operand(node, 1, "exponent") == 0.5)
 
 
 def _is_norm_product(node) -> bool:
