@@ -19,9 +19,13 @@ from transfuse.rewriter.tracer import trace_module
 HIDDEN, HEADS = 32, 4
 
 
-@torch.jit.script
-def scripted_silu(x: torch.Tensor) -> torch.Tensor:
+def _silu(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x)
+
+
+with warnings.catch_warnings():  # torch.jit.script is deprecated; remote code still uses it
+    warnings.simplefilter("ignore", DeprecationWarning)
+    scripted_silu = torch.jit.script(_silu)
 
 
 class EinopsAttention(nn.Module):

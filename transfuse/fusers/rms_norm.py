@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from dataclasses import dataclass
 
 import libcst as cst
@@ -67,6 +68,8 @@ class RMSNormMatch:
     gate_first: bool = False  # the gate multiplies the upcast input before the norm (Mamba-2) ...
     group_attr: str | None = None  # ... normalised in groups of this attribute's size (None: whole rows)
     optional_gate: bool = False  # ... and without a gate the norm of the input alone (proved on the source)
+    # Globals of the model's module a branch read, None when traced: (module, name); checked per call.
+    globals_none: tuple[tuple[str, str], ...] = ()
 
 
 class RMSNormFuser(Fuser[RMSNormMatch]):
@@ -89,7 +92,24 @@ class RMSNormFuser(Fuser[RMSNormMatch]):
             if not _looks_like_a_norm(analysis):
                 return None
             return Refusal(refusal.tag, refusal.reason, analysis.where(refusal.node))
-        return dataclasses.replace(found, assumes=tuple(path.assumes[name] for name in sorted(path.assumes)))
+        globals_none = tuple(sorted(path.globals_none.values()))
+        unread = [name for namespace, name in globals_none if _reader(analysis.cls, namespace) is None]
+        if unread:
+            return Refusal(
+                "rms_norm.control-flow",
+                f"a helper branches on the global {unread[0]} of a module none of {analysis.cls.__name__}'s "
+                "methods is defined in, which the fused layer cannot check per call.",
+                analysis.where(),
+            )
+        if globals_none and found.gate is not None:
+            return Refusal(
+                "rms_norm.control-flow",
+                f"the forward branches on the module global {globals_none[0][1]}; only an ungated norm runs its "
+                "original code when such a global changes.",
+                analysis.where(),
+            )
+        assumes = tuple(path.assumes[name] for name in sorted(path.assumes))
+        return dataclasses.replace(found, assumes=assumes, globals_none=globals_none)
 
     def validate(self, module: nn.Module, found: RMSNormMatch) -> Refusal | None:
         for assumption in found.assumes:
@@ -140,7 +160,7 @@ class RMSNormFuser(Fuser[RMSNormMatch]):
         else:
             op = context.require("transfuse.ops", "rms_norm")
             call = f"{op}({found.input}, {weight}, self.{found.eps_attr}, {spec_cls}({flags}))"
-            if not found.assumes:
+            if not found.assumes and not found.globals_none:
                 # What ``ops.add_rms_norm`` needs to run this norm fused with the add before it.
                 described = cst.parse_statement(
                     f"_transfuse_rms_norm = ({found.weight!r}, {found.eps_attr!r}, {spec_cls}({flags}))"
@@ -164,6 +184,12 @@ class RMSNormFuser(Fuser[RMSNormMatch]):
         node = context.source.node
         first = node.body.body[0] if node.body.body else None
         docstring = [first] if first is not None and m.matches(first, m.SimpleStatementLine([m.Expr(m.SimpleString())])) else []
+        if found.globals_none:
+            # The fused op for the path traced (those globals None); the original body otherwise.
+            test = " and ".join(f"{name} is None" for _, name in found.globals_none)
+            guarded = cst.If(test=cst.parse_expression(test), body=cst.IndentedBlock(body=body))
+            rest = [s for s in node.body.body if s not in docstring]
+            return node.with_changes(body=node.body.with_changes(body=[*docstring, guarded, *rest]))
         return node.with_changes(body=node.body.with_changes(body=[*docstring, *body]))
 
     def fuse(self, module: nn.Module, found: RMSNormMatch) -> Fused:
@@ -179,8 +205,25 @@ class RMSNormFuser(Fuser[RMSNormMatch]):
             )  # fmt: skip
         else:
             fused = layer("RMSNorm")(weight, eps, found.spec, weight_name=name, assumes=assumes, eps_name=found.eps_attr)
+        into = type(fused).__name__
+        if found.globals_none:
+            readers = tuple((_reader(type(module), namespace), name) for namespace, name in found.globals_none)
+            fused.run_original_unless_none(readers, module)
+            names = ", ".join(f"{mod}.{glob}" for mod, glob in found.globals_none)
+            into += f" (branch taken for {names} None; the original forward runs if that changes)"
         _keep_scalars(module, fused)
-        return Fused(replaced=("",), into=type(fused).__name__, replacement=fused)
+        return Fused(replaced=("",), into=into, replacement=fused)
+
+
+def _reader(cls: type, namespace: str):
+    """A function of ``cls`` (or a base) whose globals are those of the module ``namespace``, or None:
+    the fused layer reads the globals it checks through it."""
+    for klass in cls.__mro__:
+        for attr in vars(klass).values():
+            function = inspect.unwrap(attr) if callable(attr) else None
+            if getattr(function, "__globals__", {}).get("__name__") == namespace:
+                return function
+    return None
 
 
 def _keep_scalars(module: nn.Module, fused: nn.Module) -> None:
