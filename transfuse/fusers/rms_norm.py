@@ -44,7 +44,7 @@ from ..rewriter.analysis import ClassAnalysis
 from ..rewriter.branches import traced_path
 from ..rewriter.fusion import Fused, Fuser, Refusal
 from ..rewriter.graph import (
-    Cast, NoMatch, ancestors, calls_fused_op, is_op, op_name, operand, operands, peel_casts, value,
+    Cast, NoMatch, ancestors, calls_fused_op, cast_of, is_op, op_name, operand, operands, peel_casts, value,
 )  # fmt: skip
 from ..rewriter.source import EditContext
 from ..rewriter.syntax import comment_line
@@ -687,11 +687,14 @@ def _normalised_value(node: fx.Node, matched: set[fx.Node]) -> tuple[fx.Node, st
 
 
 def _is_float32_copy(node, of: fx.Node) -> bool:
-    """``of`` cast to float32, once (``of.to(torch.float32)``, ``of.float()``)."""
-    if not isinstance(node, fx.Node):
-        return False
-    base, casts = peel_casts(node)
-    return base is of and len(casts) == 1 and casts[0].dtype == torch.float32
+    """``of`` cast to float32 (``of.to(torch.float32)``, ``of.float()``), once or more."""
+    walk, casts = node, 0
+    while isinstance(walk, fx.Node) and walk is not of:
+        cast = cast_of(walk)
+        if cast is None or cast.dtype != torch.float32:
+            return False
+        walk, casts = walk.args[0], casts + 1
+    return walk is of and casts > 0
 
 
 def _is_root(node) -> bool:
