@@ -14,7 +14,10 @@ differs from ``fx.Tracer`` in these ways:
   a normalisation flag) become ``get_attr`` nodes, so a fuser knows which attribute
   supplied a constant and can read it per instance; control flow that reads one is a
   guard, and ``Trace.specialisation`` names the attributes the graph is specialised on;
-* the attention interface and declared leaf callables become single nodes;
+* the attention interface and declared leaf callables become single nodes, and so do calls the
+  forward makes that a proxy cannot enter (``einops`` functions, TorchScript functions without their
+  Python: ``_as_leaf``), valued by running them on meta tensors; a ``@torch.jit.script`` function
+  whose Python torch kept is traced through that Python;
 * sizes read off a traced tensor (``x.shape``, ``x.size(1)``, ``x.dim()``, ``x.numel()``) are
   ints that remember where they came from (``sizes``): when Python control flow tests one (``if x.dim()
   == 2``, in the forward or in any helper it calls), the trace records a ``ShapeGuard`` with
