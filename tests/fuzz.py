@@ -97,6 +97,10 @@ _SQUARES = ["{x}.pow(2)", "{x} ** 2", "{x} * {x}", "torch.square({x})", "{x}.squ
 _MEANS = ["({sq}).mean(-1, keepdim=True)", "({sq}).mean(dim=-1, keepdim=True)", "torch.mean({sq}, dim=-1, keepdim=True)",
           "({sq}).mean(-1, True)"]  # fmt: skip
 _ROOTS = ["torch.rsqrt({v})", "({v}).rsqrt()", "({v}) ** -0.5", "torch.pow({v}, -0.5)"]
+# How the value is normalised: times the inverse root (three in six), older Llama/T5's uncast value
+# times the inverse root of its float32 copy's mean square, divided by the root, behind a branch on an
+# absent optional kernel.
+_NORM_FORMS = ["rsqrt", "rsqrt", "rsqrt", "promote", "divide", "global-branch"]
 _NORM_MISSES = ["layer-norm", "other-dim", "literal-eps", "global-eps", "gated", "branch", "shape-branch",
                 "trailing", "no-keepdim", "division-root"]  # fmt: skip
 
@@ -116,6 +120,7 @@ def norm_examples(draw) -> Example:
     mean = draw(st.sampled_from(_MEANS))
     root = draw(st.sampled_from(_ROOTS))
     miss = draw(st.sampled_from([None] * len(_NORM_MISSES) + _NORM_MISSES))
+    form = draw(st.sampled_from(_NORM_FORMS)) if miss is None else "rsqrt"
     init = [f"self.{eps} = 1e-6"]
     if weight is not None:
         init.append(f"self.{weight} = nn.Parameter(torch.randn(hidden) * {'0.1' if offset else '1.0'})")
@@ -144,8 +149,14 @@ def norm_examples(draw) -> Example:
             return t
         """
         body.append(f"{x} = _flat_scale({x})")
+    if form == "global-branch":  # an optional kernel whose import failed, and a device test
+        helpers = "_KERNEL = None\n"
+        body.append(f"if _KERNEL is not None and {x}.is_cuda:\n            return _KERNEL({x})")
     centred = f"({x} - {x}.mean(-1, keepdim=True))" if miss == "layer-norm" else x
     sq = square.format(x=centred)
+    if form == "promote":  # older Llama / T5: the float32 copy squared, the uncast value normalised
+        body.append(f"squared_from = {centred}.to(torch.float32)")
+        sq = square.format(x="squared_from")
     variance = mean.format(sq=sq)
     if miss == "other-dim":
         variance = f"({sq}).mean(1, keepdim=True)"
@@ -154,7 +165,10 @@ def norm_examples(draw) -> Example:
     body.append(f"variance = {variance}")
     total = f"{eps_term} + variance" if eps_first else f"variance + {eps_term}"
     inverse = f"1.0 / torch.sqrt({total})" if miss == "division-root" else root.format(v=total)
-    body.append(f"{h} = {centred} * {inverse}")
+    if form == "divide":
+        body.append(f"{h} = {centred} / torch.sqrt({total})")
+    else:
+        body.append(f"{h} = {centred} * {inverse}")
     back = cast_form.format(x0=f"{x}0")
     if cast_back == "before-weight":
         body.append(f"{h} = {h}{back}")
@@ -167,7 +181,8 @@ def norm_examples(draw) -> Example:
         body.append(f"{h} = {h} + 0.5")
     body.append(f"return {h}")
     expect = "fuse" if miss is None else ("either" if miss in ("no-keepdim", "division-root") else "refuse")
-    return Example("rms_norm", miss or "spelling", _module(init, signature, body, helpers), expect, draw(_DTYPES),
+    variant = miss or ("spelling" if form == "rsqrt" else form)
+    return Example("rms_norm", variant, _module(init, signature, body, helpers), expect, draw(_DTYPES),
                    two_inputs=miss == "gated")  # fmt: skip
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from dataclasses import dataclass
 
 import libcst as cst
@@ -43,7 +44,7 @@ from ..rewriter.analysis import ClassAnalysis
 from ..rewriter.branches import traced_path
 from ..rewriter.fusion import Fused, Fuser, Refusal
 from ..rewriter.graph import (
-    Cast, NoMatch, ancestors, calls_fused_op, is_op, op_name, operand, operands, peel_casts, value,
+    Cast, NoMatch, ancestors, calls_fused_op, cast_of, is_op, op_name, operand, operands, peel_casts, value,
 )  # fmt: skip
 from ..rewriter.source import EditContext
 from ..rewriter.syntax import comment_line
@@ -67,6 +68,8 @@ class RMSNormMatch:
     gate_first: bool = False  # the gate multiplies the upcast input before the norm (Mamba-2) ...
     group_attr: str | None = None  # ... normalised in groups of this attribute's size (None: whole rows)
     optional_gate: bool = False  # ... and without a gate the norm of the input alone (proved on the source)
+    # Globals of the model's module a branch read, None when traced: (module, name); checked per call.
+    globals_none: tuple[tuple[str, str], ...] = ()
 
 
 class RMSNormFuser(Fuser[RMSNormMatch]):
@@ -89,7 +92,24 @@ class RMSNormFuser(Fuser[RMSNormMatch]):
             if not _looks_like_a_norm(analysis):
                 return None
             return Refusal(refusal.tag, refusal.reason, analysis.where(refusal.node))
-        return dataclasses.replace(found, assumes=tuple(path.assumes[name] for name in sorted(path.assumes)))
+        globals_none = tuple(sorted(path.globals_none.values()))
+        unread = [name for namespace, name in globals_none if _reader(analysis.cls, namespace) is None]
+        if unread:
+            return Refusal(
+                "rms_norm.control-flow",
+                f"a helper branches on the global {unread[0]} of a module none of {analysis.cls.__name__}'s "
+                "methods is defined in, which the fused layer cannot check per call.",
+                analysis.where(),
+            )
+        if globals_none and found.gate is not None:
+            return Refusal(
+                "rms_norm.control-flow",
+                f"the forward branches on the module global {globals_none[0][1]}; only an ungated norm runs its "
+                "original code when such a global changes.",
+                analysis.where(),
+            )
+        assumes = tuple(path.assumes[name] for name in sorted(path.assumes))
+        return dataclasses.replace(found, assumes=assumes, globals_none=globals_none)
 
     def validate(self, module: nn.Module, found: RMSNormMatch) -> Refusal | None:
         for assumption in found.assumes:
@@ -140,7 +160,7 @@ class RMSNormFuser(Fuser[RMSNormMatch]):
         else:
             op = context.require("transfuse.ops", "rms_norm")
             call = f"{op}({found.input}, {weight}, self.{found.eps_attr}, {spec_cls}({flags}))"
-            if not found.assumes:
+            if not found.assumes and not found.globals_none:
                 # What ``ops.add_rms_norm`` needs to run this norm fused with the add before it.
                 described = cst.parse_statement(
                     f"_transfuse_rms_norm = ({found.weight!r}, {found.eps_attr!r}, {spec_cls}({flags}))"
@@ -164,6 +184,12 @@ class RMSNormFuser(Fuser[RMSNormMatch]):
         node = context.source.node
         first = node.body.body[0] if node.body.body else None
         docstring = [first] if first is not None and m.matches(first, m.SimpleStatementLine([m.Expr(m.SimpleString())])) else []
+        if found.globals_none:
+            # The fused op for the path traced (those globals None); the original body otherwise.
+            test = " and ".join(f"{name} is None" for _, name in found.globals_none)
+            guarded = cst.If(test=cst.parse_expression(test), body=cst.IndentedBlock(body=body))
+            rest = [s for s in node.body.body if s not in docstring]
+            return node.with_changes(body=node.body.with_changes(body=[*docstring, guarded, *rest]))
         return node.with_changes(body=node.body.with_changes(body=[*docstring, *body]))
 
     def fuse(self, module: nn.Module, found: RMSNormMatch) -> Fused:
@@ -179,8 +205,25 @@ class RMSNormFuser(Fuser[RMSNormMatch]):
             )  # fmt: skip
         else:
             fused = layer("RMSNorm")(weight, eps, found.spec, weight_name=name, assumes=assumes, eps_name=found.eps_attr)
+        into = type(fused).__name__
+        if found.globals_none:
+            readers = tuple((_reader(type(module), namespace), name) for namespace, name in found.globals_none)
+            fused.run_original_unless_none(readers, module)
+            names = ", ".join(f"{mod}.{glob}" for mod, glob in found.globals_none)
+            into += f" (branch taken for {names} None; the original forward runs if that changes)"
         _keep_scalars(module, fused)
-        return Fused(replaced=("",), into=type(fused).__name__, replacement=fused)
+        return Fused(replaced=("",), into=into, replacement=fused)
+
+
+def _reader(cls: type, namespace: str):
+    """A function of ``cls`` (or a base) whose globals are those of the module ``namespace``, or None:
+    the fused layer reads the globals it checks through it."""
+    for klass in cls.__mro__:
+        for attr in vars(klass).values():
+            function = inspect.unwrap(attr) if callable(attr) else None
+            if getattr(function, "__globals__", {}).get("__name__") == namespace:
+                return function
+    return None
 
 
 def _keep_scalars(module: nn.Module, fused: nn.Module) -> None:
@@ -338,9 +381,9 @@ def _match_result(result: fx.Node, x: fx.Node, matched: set[fx.Node]) -> RMSNorm
     cast_before_weight = _casts_to_input(middle, x, "the normalised value")
     if weight is None and cast_before_weight:
         cast_output, cast_before_weight = True, False  # one cast at the end either way
-    upcast, eps_attr = _match_normalisation(normed, x, matched)
+    form, eps_attr = _match_normalisation(normed, x, matched)
     name, offset, weight_fp32 = weight or (None, False, False)
-    spec = RMSNormSpec(upcast, cast_before_weight, offset, weight_fp32, cast_output)
+    spec = RMSNormSpec(form.upcast, cast_before_weight, offset, weight_fp32, cast_output, form.promote, form.divide)
     return RMSNormMatch(spec, name, eps_attr, x.target)
 
 
@@ -398,7 +441,13 @@ def _match_input_gated(
     if weight is None and cast_before_weight:
         cast_output, cast_before_weight = True, False  # one cast at the end either way
     normed, grouped = _ungroup(normed, matched)
-    value_normed, eps_attr = _normalised_value(normed, matched)
+    value_normed, eps_attr, form = _normalised_value(normed, matched)
+    if form.promote or form.divide:
+        raise NoMatch(
+            "rms_norm.gate-form",
+            "a norm gated before it is normalised as v * rsqrt(mean(v²) + eps), with v squared as it is multiplied.",
+            normed,
+        )
     group_attr = None
     if grouped:
         value_normed, group_attr = _grouped_view(value_normed, matched)
@@ -586,38 +635,70 @@ def _mark_chain(top: fx.Node, bottom: fx.Node, matched: set[fx.Node]) -> None:
     matched.add(bottom)
 
 
-def _match_normalisation(node: fx.Node, x: fx.Node, matched: set[fx.Node]) -> tuple[bool, str]:
-    """``xc * rsqrt(mean(xc², -1, keepdim=True) + eps)`` with ``xc`` the (cast) input → (upcast, eps attr)."""
-    xc, eps_attr = _normalised_value(node, matched)
+@dataclass(frozen=True)
+class _Form:
+    """How the value is normalised: in float32 (``upcast``); the uncast input times the float32
+    inverse root (``promote``); divided by the square root (``divide``)."""
+
+    upcast: bool
+    promote: bool = False
+    divide: bool = False
+
+
+def _match_normalisation(node: fx.Node, x: fx.Node, matched: set[fx.Node]) -> tuple[_Form, str]:
+    """``xc * rsqrt(mean(xc², -1, keepdim=True) + eps)`` (or ``xc / sqrt(...)``) with ``xc`` the (cast)
+    input, or the uncast input times the inverse root of its float32 copy's mean square → (form, eps attr)."""
+    xc, eps_attr, form = _normalised_value(node, matched)
     base, casts = peel_casts(xc)
     if base is not x:
         raise NoMatch("rms_norm.form", "the normalised value is not the module's input.", xc)
     if any(c.dtype != torch.float32 for c in casts):
         raise NoMatch("rms_norm.cast", f"the input is cast to {casts[0].describe()} before normalising.", xc)
     _mark_chain(xc, base, matched)
-    return bool(casts), eps_attr
+    promote = form.promote and not casts  # squared in float32 and multiplied as float32 already: plain upcast
+    return dataclasses.replace(form, upcast=bool(casts) or form.promote, promote=promote), eps_attr
 
 
-def _normalised_value(node: fx.Node, matched: set[fx.Node]) -> tuple[fx.Node, str]:
-    """``v * rsqrt(mean(v², -1, keepdim=True) + eps)`` → (v, eps attr)."""
-    if is_op(node, "sub", "div"):
+def _normalised_value(node: fx.Node, matched: set[fx.Node]) -> tuple[fx.Node, str, _Form]:
+    """``v * rsqrt(mean(s², -1, keepdim=True) + eps)`` or ``v / sqrt(...)``, ``s`` either ``v`` or ``v``
+    cast to float32 → (v, eps attr, the form)."""
+    divide = is_op(node, "div") and _is_root(operand(node, 1))
+    if is_op(node, "sub") or (is_op(node, "div") and not divide):
         raise NoMatch("rms_norm.form", f"the norm is computed with {op_name(node)}, not as x * rsqrt(...).", node)
-    if not is_op(node, "mul"):
+    if not is_op(node, "mul") and not divide:
         raise NoMatch("rms_norm.form", f"the result is {op_name(node) or node.op}, not x * rsqrt(mean(x²) + eps).", node)
     a, b = operands(node)[:2]
-    inv, xc = (b, a) if _is_inverse_root(b) else (a, b)
-    if not _is_inverse_root(inv):
+    inv, xc = (b, a) if divide or _is_inverse_root(b) else (a, b)
+    if not divide and not _is_inverse_root(inv):
         raise NoMatch("rms_norm.form", "neither factor of the final product is rsqrt(...) or (...) ** -0.5.", node)
     total = operand(inv, 0)
     eps_attr, mean = _split_eps(total)
     square_of = _match_mean_square(mean, xc)
     if is_op(xc, "sub") or is_op(square_of, "sub"):
         raise NoMatch("rms_norm.mean-subtracted", "the input has its mean subtracted: this is LayerNorm, not RMSNorm.", xc)
-    if square_of is not xc:
-        raise NoMatch("rms_norm.form", "the value squared is not the value normalised.", node)
+    promote = _is_float32_copy(square_of, xc)
+    if square_of is not xc and not promote:
+        raise NoMatch("rms_norm.form", "the value squared is not the value normalised, nor its float32 copy.", node)
+    if promote:
+        _mark_chain(square_of, xc, matched)
     matched.update({node, inv, total, mean})
     matched.add(mean.args[0])
-    return xc, eps_attr
+    return xc, eps_attr, _Form(upcast=False, promote=promote, divide=divide)
+
+
+def _is_float32_copy(node, of: fx.Node) -> bool:
+    """``of`` cast to float32 (``of.to(torch.float32)``, ``of.float()``), once or more."""
+    walk, casts = node, 0
+    while isinstance(walk, fx.Node) and walk is not of:
+        cast = cast_of(walk)
+        if cast is None or cast.dtype != torch.float32:
+            return False
+        walk, casts = walk.args[0], casts + 1
+    return walk is of and casts > 0
+
+
+def _is_root(node) -> bool:
+    return is_op(node, "sqrt") or (is_op(node, "pow") and operand(node, 1, "exponent") == 0.5)
 
 
 def _is_norm_product(node) -> bool:

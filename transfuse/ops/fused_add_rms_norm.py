@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .conformance import Rows
 from .dispatch import Op, Provider
-from .rms_norm import RMSNormSpec, builtin_rounds_alike, rms_norm_native
+from .rms_norm import RMSNormSpec, builtin_rounds_alike, rms_norm_as_written, rms_norm_native
 
 __all__ = ["FUSED_ADD_RMS_NORM", "fused_add_rms_norm", "fused_add_rms_norm_native"]
 
@@ -60,4 +60,7 @@ def fused_add_rms_norm(
     x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, spec: RMSNormSpec = RMSNormSpec()
 ) -> tuple[Tensor, Tensor]:
     """``(rms_norm(residual + x), residual + x)`` over the last dimension with the rounding of ``spec``."""
+    if spec.as_written(x):
+        residual = residual + x
+        return rms_norm_as_written(residual, weight, eps, spec), residual
     return FUSED_ADD_RMS_NORM(x, residual, weight, eps, *spec.flags())

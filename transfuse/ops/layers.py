@@ -374,9 +374,21 @@ class RMSNorm(nn.Module):
         if alias != "eps" and name in ("eps", alias):
             self.__dict__[alias if name == "eps" else "eps"] = value  # the epsilon under both names
 
+    def run_original_unless_none(self, globals_none: tuple[tuple[object, str], ...], original: nn.Module) -> None:
+        """The original module's code branched on these globals being None, each given as ``(a function
+        of the module that holds it, its name)``: while one is not None, ``original`` runs instead
+        (held as a plain attribute: no state-dict keys)."""
+        self.globals_none = tuple(globals_none)
+        self.__dict__["_original"] = (original,)
+
+    def _globals_hold(self) -> bool:
+        return all(reader.__globals__.get(name) is None for reader, name in self.__dict__.get("globals_none", ()))
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.assumes:
             check_assumptions(self, self.assumes)
+        if "_original" in self.__dict__ and not self._globals_hold():
+            return self.__dict__["_original"][0](hidden_states)
         return rms_norm(hidden_states, getattr(self, self.weight_name), self.eps, self.spec)
 
     def extra_repr(self) -> str:
@@ -405,7 +417,7 @@ def add_rms_norm(norm: nn.Module, a: torch.Tensor, b: torch.Tensor) -> tuple[tor
         and a.shape == b.shape
         and not watched(norm)
     ):
-        if type(norm) is RMSNorm:
+        if type(norm) is RMSNorm and norm._globals_hold():
             if norm.assumes:
                 check_assumptions(norm, norm.assumes)
             return fused_add_rms_norm(b, a, getattr(norm, norm.weight_name), norm.eps, norm.spec)

@@ -22,6 +22,7 @@ __all__ = [
     "GATE_ACTIVATIONS",
     "GATED_RMS_NORM",
     "RMSNormSpec",
+    "PROMOTED_EXACTLY",
     "RMS_NORM",
     "INPUT_GATED_RMS_NORM",
     "gated_rms_norm",
@@ -29,6 +30,7 @@ __all__ = [
     "input_gated_rms_norm",
     "input_gated_rms_norm_native",
     "rms_norm",
+    "rms_norm_as_written",
     "rms_norm_native",
     "rms_norm_out_dtype",
 ]
@@ -44,6 +46,13 @@ class RMSNormSpec:
     offset: multiply by ``1 + weight`` (zero-centred weight, Gemma).
     weight_fp32: the weight is cast to float32 before use (and before the offset).
     cast_output: cast the result to the input dtype (Gemma, OLMo 2, ``F.rms_norm``).
+    promote: the mean of squares is taken of the input in float32, and the *uncast* input is
+        multiplied by its inverse root (older Llama, T5): the product is computed in the wider of
+        the input's dtype and float32. For float32, bfloat16 and float16 inputs that is exactly
+        ``upcast`` (widening to float32 is exact), which the op's providers compute; a wider input
+        (float64) runs ``rms_norm_as_written``. Not one of the op's flags.
+    divide: the value is divided by ``sqrt(mean + eps)`` instead of multiplied by its ``rsqrt``,
+        which rounds differently: no provider computes it, ``rms_norm_as_written`` does.
     """
 
     upcast: bool = True
@@ -51,12 +60,23 @@ class RMSNormSpec:
     offset: bool = False
     weight_fp32: bool = False
     cast_output: bool = False
+    promote: bool = False
+    divide: bool = False
 
     def flags(self) -> tuple[bool, bool, bool, bool, bool]:
         return (self.upcast, self.cast_before_weight, self.offset, self.weight_fp32, self.cast_output)
 
+    def as_written(self, x: Tensor) -> bool:
+        """Whether ``x`` must run ``rms_norm_as_written``: a divided norm, or a promoting norm of an input
+        wider than float32."""
+        return self.divide or (self.promote and x.dtype not in PROMOTED_EXACTLY)
+
     def describe(self) -> str:
         parts = ["float32" if self.upcast else "input dtype"]
+        if self.promote:
+            parts.append("uncast input times the float32 inverse root")
+        if self.divide:
+            parts.append("divided by the square root")
         if self.cast_before_weight:
             parts.append("cast back before weight")
         parts.append("(1 + weight)" if self.offset else "weight")
@@ -81,6 +101,22 @@ def rms_norm_native(
     h = x.to(torch.float32) if upcast else x
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return _weighted(h, dtype, weight, cast_before_weight, offset, weight_fp32, cast_output)
+
+
+# Input dtypes whose product with a float32 tensor is the product of their float32 copies, bit for bit.
+PROMOTED_EXACTLY = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def rms_norm_as_written(x: Tensor, weight: Tensor | None, eps: float, spec: RMSNormSpec) -> Tensor:
+    """The norm step by step as the model writes it, for the forms no provider computes
+    (``RMSNormSpec.as_written``): the mean of squares (of the float32 copy where ``upcast`` or
+    ``promote``), the value (the uncast input where ``promote``) times its inverse root or divided by
+    its square root, then the weight."""
+    h = x.to(torch.float32) if spec.upcast and not spec.promote else x
+    squared = x.to(torch.float32) if spec.promote else h
+    total = squared.pow(2).mean(-1, keepdim=True) + eps
+    h = h / torch.sqrt(total) if spec.divide else h * torch.rsqrt(total)
+    return _weighted(h, x.dtype, weight, spec.cast_before_weight, spec.offset, spec.weight_fp32, spec.cast_output)
 
 
 def _weighted(
@@ -143,6 +179,8 @@ RMS_NORM.register(Provider("torch", _torch_rms_norm, supports_args=builtin_round
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float, spec: RMSNormSpec = RMSNormSpec()) -> Tensor:
     """RMSNorm of ``x`` over its last dimension with the rounding of ``spec``."""
+    if spec.as_written(x):
+        return rms_norm_as_written(x, weight, eps, spec)
     return RMS_NORM(x, weight, eps, *spec.flags())
 
 
@@ -188,6 +226,9 @@ def gated_rms_norm(
     gate that broadcasts against ``x`` runs the native definition, as the model's own product would."""
     if activation not in GATE_ACTIVATIONS:
         raise ValueError(f"gated_rms_norm has no activation {activation!r}; it has: {', '.join(GATE_ACTIVATIONS)}.")
+    if spec.as_written(x):
+        normed = rms_norm_as_written(x, weight, eps, spec)
+        return (normed.to(torch.float32) * _gate_activation(gate.to(torch.float32), activation)).to(x.dtype)
     return GATED_RMS_NORM(x, gate, weight, eps, *spec.flags(), activation)
 
 

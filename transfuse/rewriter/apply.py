@@ -17,6 +17,10 @@ The steps, in order:
    own output; an instance that fails has all its fusions undone and reported. No copy of the
    model is made: only the probe's inputs and outputs of the fused modules are kept. An error
    part-way undoes every fusion before it is raised.
+
+Steps 1 to 3 and 5 run the model's own Python, which may assign attributes, caches, counters,
+globals and the random state: the model's state is captured first (``state``) and put back after
+each, leaving only what the fusions themselves changed; after an error, all of it.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from .fusion import Fused, Fuser, Refusal, SourceFuser
 from .report import FusionRecord, RewriteReport, SkipRecord
 from .sharing import Sharing
 from .source import MethodRewrite, bind, rewrite_method, unbind
+from .state import ModelState
 from .tracer import unwrapped_forward
 
 __all__ = ["REPLACED_ATTR", "REPORT_ATTR", "REWRITTEN_ATTR", "is_fused", "rewrite_model", "rewrites_of"]
@@ -306,7 +311,8 @@ def _verified(
 
 
 class RewriteError(RuntimeError):
-    """A rewrite failed part-way (a fused model that raised, say); every fusion was undone."""
+    """A rewrite failed part-way (a fused model that raised, say); every fusion was undone and the
+    model's state put back (the message names anything that is not as it was)."""
 
 
 class ExampleInputsError(ValueError):
@@ -386,21 +392,28 @@ def rewrite_model(
     previous: RewriteReport | None = getattr(model, REPORT_ATTR, None)
     report = RewriteReport(fusions=list(previous.fusions) if previous else [])
     meta = is_meta_model(model)
-    probe, failure = _probe(model, example_inputs, report)
+    state = ModelState.capture(model)
+    # The probe, the traces and the reference runs run the model's own code: each is followed by
+    # the state as it was (a trace leaves meta tensors where a forward assigns what it computed).
+    with _put_back(state):
+        probe, failure = _probe(model, example_inputs, report)
     if failure is not None and verify and not meta:
         return _not_rewritten(model, failure, report)
     if failure is not None:
         report.notes.append(f"the probe forward stopped early ({failure}); classes it did not reach were traced without inputs")
-    with eval_mode(model):  # traced as the probe ran: fusions reproduce inference (see each fuser for training)
+    with _put_back(state), eval_mode(model):  # traced as the probe ran: fusions reproduce inference
         planned = _plan(model, fusers, probe, report, suggest)
     checking = verify and not meta and bool(planned)
     if checking:
-        planned, training, checks = _prepare_checks(model, planned, probe, report)
+        with _put_back(state):
+            planned, training, checks = _prepare_checks(model, planned, probe, report)
     elif planned:
         _unverified(report, "the caller passed verify=False" if not verify else _META)
-    applied = _apply_all(model, planned)
+    applied = _apply_all(model, planned, state)
     if checking:
-        applied = _checked(model, applied, training, checks, probe, report)
+        fused_state = ModelState.capture(model, copies=False, also=state)
+        applied = _checked(model, applied, training, checks, probe, report, state)
+        state.restore(keep=fused_state)  # what the checks' forwards changed; the fusions stay
     _record(model, applied, report)
     logger.info("transfuse: %d fusions in %.2f s", sum(len(i.plans) for i in applied), time.perf_counter() - start)
     object.__setattr__(model, REPORT_ATTR, report)
@@ -461,32 +474,53 @@ def _unverified(report: RewriteReport, why: str) -> None:
 
 
 @contextlib.contextmanager
-def _all_or_nothing(model: nn.Module, applied: list[_Instance]):
-    """An error inside undoes every instance in ``applied`` and raises ``RewriteError``."""
+def _put_back(state: ModelState):
+    """The model's state as captured in ``state`` again when the block ends, however it ends."""
+    try:
+        yield
+    finally:
+        state.restore()
+
+
+@contextlib.contextmanager
+def _all_or_nothing(model: nn.Module, applied: list[_Instance], state: ModelState):
+    """An error inside undoes every instance in ``applied``, puts the model's state back as captured in
+    ``state`` and raises ``RewriteError``, which says what, if anything, is not as it was."""
     try:
         yield
     except BaseException as exc:
         _undo_all(model, applied)
+        state.restore()
         if not isinstance(exc, Exception):
             raise
         raise RewriteError(
             f"transfuse could not finish rewriting {type(model).__name__} ({type(exc).__name__}: {exc}); "
-            "every fusion was undone and the model is as it was."
+            f"every fusion was undone and {_as_it_was(state)}."
         ) from exc
 
 
-def _apply_all(model: nn.Module, planned: list[_Instance]) -> list[_Instance]:
+def _as_it_was(state: ModelState) -> str:
+    differences = state.differences()
+    if not differences:
+        return "the model is as it was"
+    shown = "; ".join(differences[:8]) + (f"; and {len(differences) - 8} more" if len(differences) > 8 else "")
+    return f"the model is as it was except: {shown}"
+
+
+def _apply_all(model: nn.Module, planned: list[_Instance], state: ModelState) -> list[_Instance]:
     applied: list[_Instance] = []
-    with _all_or_nothing(model, applied):
+    with _all_or_nothing(model, applied, state):
         for instance in planned:
             applied.append(instance)
             _apply(model, instance)
     return applied
 
 
-def _checked(model, applied: list[_Instance], training, checks, probe: Probe, report: RewriteReport) -> list[_Instance]:
+def _checked(
+    model, applied: list[_Instance], training, checks, probe: Probe, report: RewriteReport, state: ModelState
+) -> list[_Instance]:
     """The applied instances that pass their checks, with the providers the checks consulted."""
-    with _all_or_nothing(model, list(applied)), conformance.watching() as consulted:
+    with _all_or_nothing(model, list(applied), state), conformance.watching() as consulted:
         passed = _verified(model, applied, training, checks, probe, report)
         report.providers = provider_checks(model, consulted) if passed else []
     return passed

@@ -4,7 +4,9 @@ A trace shows one path. A fuser that replaces a whole module must know no other 
 branch, loop, ``with``, ``try`` or early return in the forward and the helpers it calls is refused,
 except a branch whose test reads only ``self``'s attributes and constants (``if self.with_scale``,
 ``if self.weight is not None``), which is decided as the traced instance decided it; the attributes
-it read, with their values, are what the match assumes of every other instance.
+it read, with their values, are what the match assumes of every other instance. A global of the
+model's module that is None (``if fused_kernel is not None and x.is_cuda``, the kernel's import having
+failed) is decided as None too; the fused code checks it per call and runs the original otherwise.
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ class TracedPath(cst.CSTVisitor):
         self.analysis = analysis
         self.kind = kind
         self.assumes: dict[str, Assumption] = {}
+        # Globals of the model's module a test read, None when traced: (module name, global name).
+        self.globals_none: dict[str, tuple[str, str]] = {}
         self.optional: list[tuple[str, cst.If, MethodSource]] = []
         self._source: MethodSource | None = None
         self._params: dict[str, cst.Param] = {}
@@ -171,6 +175,8 @@ class TracedPath(cst.CSTVisitor):
             return node.evaluated_value
         if m.matches(node, m.Attribute(value=m.Name("self"))):
             return self._attribute(node.attr.value)
+        if isinstance(node, cst.Name):
+            return self._global_none(node.value)
         if isinstance(node, cst.UnaryOperation) and isinstance(node.operator, cst.Not):
             return not self._truth(self._evaluate(node.expression))
         if isinstance(node, cst.BooleanOperation):
@@ -220,6 +226,27 @@ class TracedPath(cst.CSTVisitor):
             assumption = Assumption(name, found)
         self.assumes[name] = assumption
         return found
+
+
+    def _global_none(self, name: str) -> None:
+        """A global of the method's module that is None now (an optional kernel whose import failed),
+        never rebound in the method nor a parameter of it: decided as None, and kept in
+        ``globals_none`` for the fused code to check per call."""
+        function = self._source.function
+        namespace = getattr(function, "__globals__", {})
+        local = self._local_names()
+        if name not in namespace or namespace[name] is not None or name in local or "*" in local:
+            raise _Undecidable
+        self.globals_none[name] = (namespace.get("__name__", ""), name)
+        return None
+
+    def _local_names(self) -> set[str]:
+        node = self._source.node
+        names = {p.name.value for p in [*node.params.params, *node.params.kwonly_params, *node.params.posonly_params]}
+        names |= {t.target.value for t in m.findall(node, m.AssignTarget(target=m.Name())) if isinstance(t, cst.AssignTarget)}
+        if m.findall(node, m.Global()) or m.findall(node, m.Nonlocal()):
+            names.add("*")
+        return names
 
 
 class _Undecidable(Exception):

@@ -14,7 +14,10 @@ differs from ``fx.Tracer`` in these ways:
   a normalisation flag) become ``get_attr`` nodes, so a fuser knows which attribute
   supplied a constant and can read it per instance; control flow that reads one is a
   guard, and ``Trace.specialisation`` names the attributes the graph is specialised on;
-* the attention interface and declared leaf callables become single nodes;
+* the attention interface and declared leaf callables become single nodes, and so do calls the
+  forward makes that a proxy cannot enter (``einops`` functions, TorchScript functions without their
+  Python: ``_as_leaf``), valued by running them on meta tensors; a ``@torch.jit.script`` function
+  whose Python torch kept is traced through that Python;
 * sizes read off a traced tensor (``x.shape``, ``x.size(1)``, ``x.dim()``, ``x.numel()``) are
   ints that remember where they came from (``sizes``): when Python control flow tests one (``if x.dim()
   == 2``, in the forward or in any helper it calls), the trace records a ``ShapeGuard`` with
@@ -562,16 +565,47 @@ def _attention_interface_as_leaf():
                 setattr(AttentionInterface, name, entry)
 
 
+# Libraries whose functions take a tensor of any framework and look at its type (a proxy has none
+# they know): their calls are leaves, valued by running them on meta tensors.
+_OPAQUE_LIBRARIES = ("einops",)
+
+
+def _is_opaque_library(value: Any) -> bool:
+    name = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None) or ""
+    return name.split(".")[0] in _OPAQUE_LIBRARIES
+
+
+def _leaf_namespace(module: types.ModuleType) -> types.ModuleType:
+    """A stand-in for an opaque library module whose functions are leaves (``einops.rearrange(...)``)."""
+    stand_in = types.ModuleType(module.__name__)
+    stand_in.__dict__.update({k: leaf_callable(v) if callable(v) and not isinstance(v, type) else v for k, v in vars(module).items()})
+    return stand_in
+
+
+def _as_leaf(value: Any) -> Any:
+    """What a global of the forward's module is replaced by while tracing, or None: transfuse's own
+    ops (emitted files call them: their dispatch code is not the model's), TorchScript functions
+    (``@torch.jit.script``: no Python to follow) and opaque libraries' functions become leaves."""
+    if isinstance(value, types.ModuleType):
+        return _leaf_namespace(value) if _is_opaque_library(value) else None
+    if not callable(value) or isinstance(value, type):
+        return None
+    if isinstance(value, torch.jit.ScriptFunction):
+        python = getattr(value, "_torchdynamo_inline", None)  # the function as written, kept by torch
+        return python if isinstance(python, types.FunctionType) else leaf_callable(value)
+    if _is_opaque_library(value):
+        return leaf_callable(value)
+    if (getattr(value, "__module__", None) or "").startswith("transfuse.ops"):
+        return leaf_callable(value)
+    return None
+
+
 def _with_fused_ops_as_leaves(fn: Callable) -> Callable:
-    """``fn``, or a copy of it whose globals make transfuse's own ops (emitted files call them)
-    single leaf nodes, so their dispatch code is never traced as if it were the model's. The copy
-    has globals of its own: the module's are never changed."""
+    """``fn``, or a copy of it whose globals make calls the tracer must not enter single leaf nodes
+    (``_as_leaf``), valued on meta tensors. The copy has globals of its own: the module's are never
+    changed."""
     namespace = fn.__globals__
-    ops = {
-        name: leaf_callable(value)
-        for name, value in namespace.items()
-        if callable(value) and (getattr(value, "__module__", None) or "").startswith("transfuse.ops")
-    }
+    ops = {name: leaf for name, value in namespace.items() if (leaf := _as_leaf(value)) is not None}
     if not ops:
         return fn
     copy = types.FunctionType(fn.__code__, {**namespace, **ops}, fn.__name__, fn.__defaults__, fn.__closure__)

@@ -53,6 +53,10 @@ class _Merge:
     parts: tuple[str, ...]
     sizes: tuple[int, ...]
     originals: tuple[nn.Linear, ...]  # the original modules, emptied of their tensors
+    # Each original's own Parameter objects, holding no memory while merged: an unmerge gives them
+    # back their pieces, so the model holds the very objects it held before (an optimiser's, a
+    # caller's references stay valid). Empty where a tensor subclass cannot be emptied.
+    parameters: tuple[dict[str, nn.Parameter], ...] = ()
 
 
 def merges_of(parent: nn.Module) -> dict[str, _Merge]:
@@ -130,6 +134,7 @@ def merge_linears(
                     data = torch.cat([p.detach() for p in pieces])
                 setattr(merged, tensor, nn.Parameter(data, requires_grad=pieces[0].requires_grad))
     views = tuple(LinearPart(merged, i) for i in range(len(parts)))
+    kept = tuple(_emptied(lin) for lin in linears)
     for name, lin, view in zip(parts, linears, views):
         if shards is None:
             share_hooks(lin, view)
@@ -139,9 +144,21 @@ def merge_linears(
                 setattr(lin, tensor, None)  # the merged module holds the only copy
     setattr(parent, into, merged)
     merged.attach(parent, views, activation_module)
-    parent.__dict__.setdefault(_MERGES, {})[into] = _Merge(tuple(parts), merged.split_sizes, tuple(linears))
+    parent.__dict__.setdefault(_MERGES, {})[into] = _Merge(tuple(parts), merged.split_sizes, tuple(linears), kept)
     _ensure_hooks(parent)
     return merged
+
+
+def _emptied(lin: nn.Module) -> dict[str, nn.Parameter]:
+    """``lin``'s plain Parameters, their memory given up (the merged copy is the only one); a tensor
+    subclass (a quantized or sharded weight) is left as it is and not kept."""
+    kept = {}
+    for tensor in _TENSORS:
+        p = lin._parameters.get(tensor)
+        if isinstance(p, nn.Parameter) and type(p.data) is torch.Tensor:
+            p.data = p.data.new_empty(0)
+            kept[tensor] = p
+    return kept
 
 
 def unmerge_linears(parent: nn.Module, into: str) -> None:
@@ -152,8 +169,15 @@ def unmerge_linears(parent: nn.Module, into: str) -> None:
         joined = getattr(merged, tensor)
         if joined is None:
             continue
-        for lin, piece in zip(record.originals, _pieces(merged, joined.detach(), record.sizes, alone=True)):
-            setattr(lin, tensor, nn.Parameter(piece, requires_grad=joined.requires_grad))
+        pieces = _pieces(merged, joined.detach(), record.sizes, alone=True)
+        for i, (lin, piece) in enumerate(zip(record.originals, pieces)):
+            original = record.parameters[i].get(tensor) if record.parameters else None
+            if original is None:
+                setattr(lin, tensor, nn.Parameter(piece, requires_grad=joined.requires_grad))
+                continue
+            original.data = piece
+            original.requires_grad_(joined.requires_grad)
+            setattr(lin, tensor, original)
     delattr(parent, into)
     for name, lin in zip(record.parts, record.originals):
         setattr(parent, name, lin)
