@@ -12,11 +12,12 @@ from torch import nn
 from .base import Scheme, SchemeError
 from .bitsandbytes import BitsAndBytes4bit, BitsAndBytes8bit
 from .layer import QuantizedProjection
+from .quanto import Quanto
 from .torchao import TorchAO
 
 __all__ = ["QuantizedProjection", "Scheme", "SchemeError", "register_scheme", "scheme_of", "schemes"]
 
-_SCHEMES: list[Scheme] = [TorchAO(), BitsAndBytes8bit(), BitsAndBytes4bit()]
+_SCHEMES: list[Scheme] = [TorchAO(), BitsAndBytes8bit(), BitsAndBytes4bit(), Quanto()]
 
 
 def schemes() -> tuple[Scheme, ...]:

@@ -143,6 +143,12 @@ class BitsAndBytes4bit(Scheme):
                         f"{name} ({self.describe(module)}, repacked for bitsandbytes' CPU kernel) has "
                         f"{module.out_features} outputs, not a multiple of its {_TILE}-row tiles."
                     )
+            elif state.absmax.dim() != 1:
+                raise SchemeError(
+                    f"{name} ({self.describe(module)}) holds its absmax as {tuple(state.absmax.shape)}, the layout "
+                    "bitsandbytes' CPU unpacking leaves after a state_dict() of a repacked layer: not one absmax per "
+                    "block of the flattened weight."
+                )
             elif state.nested:
                 raise SchemeError(
                     f"{name} is {self.describe(module)} with double quantisation (its absmax quantized again, with a "
