@@ -189,3 +189,16 @@ def test_a_rewritten_quantized_model_saves_the_stock_checkpoint(checkpoint, sche
     assert configs[0] == configs[1]
     loaded = [AutoModelForCausalLM.from_pretrained(tmp_path / d, device_map="cpu") for d in ("stock", "rewritten")]
     assert _same_bits(loaded[0].state_dict(), loaded[1].state_dict()) == []
+
+
+def test_quanto_int4_is_refused_naming_its_packing():
+    if importlib.util.find_spec("optimum") is None or importlib.util.find_spec("optimum.quanto") is None:
+        pytest.skip("optimum-quanto is not installed")
+    from optimum.quanto import freeze, qint4, quantize
+
+    module = torch.nn.Module()
+    module.a, module.b = torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 32, bias=False)
+    quantize(module, weights=qint4)
+    freeze(module)
+    with pytest.raises(MergeError, match=r"optimum-quanto: a is optimum-quanto qint4 WeightQBitsTensor: its PackedTensor"):
+        merge_linears(module, "ab", ["a", "b"])
