@@ -202,3 +202,43 @@ def test_quanto_int4_is_refused_naming_its_packing():
     freeze(module)
     with pytest.raises(MergeError, match=r"optimum-quanto: a is optimum-quanto qint4 WeightQBitsTensor: its PackedTensor"):
         merge_linears(module, "ab", ["a", "b"])
+
+
+def _fp8_attention(widths, block=(32, 32), in_features=64):
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    generator = torch.Generator().manual_seed(3)
+    module = torch.nn.Module()
+    for name, width in zip(("q_proj", "k_proj", "v_proj"), widths):
+        layer = FP8Linear(in_features, width, block_size=block)
+        layer.weight.data = (torch.randn(width, in_features, generator=generator) * 8).to(torch.float8_e4m3fn)
+        layer.weight_scale_inv.data = torch.rand(layer.weight_scale_inv.shape, generator=generator) / 64 + 1e-3
+        setattr(module, name, layer)
+    return module
+
+
+def test_block_fp8_parts_merge_and_compute_as_transformers_dequantises_them():
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    module = _fp8_attention((64, 32, 32))
+    names = ["q_proj", "k_proj", "v_proj"]
+    parts = [getattr(module, n) for n in names]
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(4), dtype=torch.bfloat16)
+    want = [
+        torch.nn.functional.linear(x, _dequantize_fp8_weight(p.weight.clone(), p.weight_scale_inv, p.block_size, x.dtype))
+        for p in parts
+    ]
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    merged = merge_linears(module, "qkv_proj", names)
+    assert merged.storage == "block FP8 torch.float8_e4m3fn (32x32 scales)"
+    for got, w in zip(merged(x).split(merged.split_sizes, dim=-1), want):
+        assert torch.equal(got, w)
+    assert _same_bits(module.state_dict(), before) == []
+    stored = merged.scheme.tensors(merged.kernel)
+    assert all(_inside(t, stored) for p in parts for t in merged.scheme.tensors(p))
+
+
+def test_block_fp8_parts_whose_width_splits_a_block_are_refused():
+    module = _fp8_attention((64, 48, 48))
+    with pytest.raises(MergeError, match=r"block FP8: k_proj .* 48 outputs, not a multiple of the block's 32 rows"):
+        merge_linears(module, "qkv_proj", ["q_proj", "k_proj", "v_proj"])

@@ -11,13 +11,14 @@ from torch import nn
 
 from .base import Scheme, SchemeError
 from .bitsandbytes import BitsAndBytes4bit, BitsAndBytes8bit
+from .fp8_blocks import FP8Blocks
 from .layer import QuantizedProjection
 from .quanto import Quanto
 from .torchao import TorchAO
 
 __all__ = ["QuantizedProjection", "Scheme", "SchemeError", "register_scheme", "scheme_of", "schemes"]
 
-_SCHEMES: list[Scheme] = [TorchAO(), BitsAndBytes8bit(), BitsAndBytes4bit(), Quanto()]
+_SCHEMES: list[Scheme] = [TorchAO(), BitsAndBytes8bit(), BitsAndBytes4bit(), Quanto(), FP8Blocks()]
 
 
 def schemes() -> tuple[Scheme, ...]:
