@@ -10,7 +10,8 @@ Models of Llama-3-8B layer shapes (8 layers, vocab 32000) and with ``--moe`` Qwe
               experts are modules) replaced by transformers' ``FP8Linear``: e4m3 weights with one
               float32 scale per 128 x 128 block, dynamic activation quantization (transformers'
               DeepGEMM or Triton block-FP8 kernel on CUDA)
-  int4-wo     torchao ``Int4WeightOnlyConfig`` (group 128): needs torchao and CUDA
+  int4-wo     torchao ``Int4WeightOnlyConfig`` (group 128, tile-packed for ``aten._weight_int4pack_mm``,
+              which needs no kernel package beside torch): needs torchao and CUDA
   int8-wo     torchao ``Int8WeightOnlyConfig``, runs on CPU (the dry run's)
   nf4         bitsandbytes 4-bit NF4 through ``BitsAndBytesConfig``, runs on CPU
 
@@ -23,8 +24,10 @@ subclasses) over the copy bandwidth measured in the same run. Tokens are compare
 (the fraction of positions equal before the first difference). A variant that fails is reported
 with its error, and the others still run.
 
-Packages: torch, transformers (FineGrainedFP8 needs nothing else on CUDA besides triton); torchao for
-int4-wo and int8-wo, bitsandbytes for nf4. ``--tiny``: small shapes (block 128 kept), 2 layers, for
+Packages: torch, transformers; for fp8-block, transformers' FP8 kernel (recent transformers load it
+from the Hub through the ``kernels`` package: offline, the stock FP8 rows fail with transformers'
+ImportError and so does the rewrite, whose analysis runs the stock layers); torchao for int4-wo and
+int8-wo, bitsandbytes for nf4. ``--tiny``: small shapes (block 128 kept), 2 layers, for
 a dry run on CPU (``--schemes int8-wo nf4``; FP8 and int4 have no CPU kernel in transformers or torchao).
 Writes DIR/quantized.md and DIR/quantized.json.
 """
@@ -77,12 +80,14 @@ def fp8_blocks(model: nn.Module) -> nn.Module:
     """Every ``nn.Linear`` of the decoder layers as transformers' ``FP8Linear`` with 128 x 128 blocks."""
     from transformers.integrations.finegrained_fp8 import FP8Linear
 
+    from transfuse.ops.quantized.fp8_blocks import new_fp8_linear
+
     for layer in model.model.layers:
         for name, child in list(layer.named_modules()):
             if type(child) is not nn.Linear:
                 continue
             owner, _, attr = name.rpartition(".")
-            fp8 = FP8Linear(child.in_features, child.out_features, block_size=BLOCK, has_bias=child.bias is not None)
+            fp8 = new_fp8_linear(FP8Linear, child.in_features, child.out_features, BLOCK, child.bias is not None)
             w = child.weight.detach().float()
             rows, cols = w.shape
             blocks = w.reshape(rows // BLOCK[0], BLOCK[0], cols // BLOCK[1], BLOCK[1])
@@ -105,7 +110,7 @@ def build(scheme: str, config, device: str, path: Path) -> nn.Module:
     if scheme in ("int4-wo", "int8-wo"):
         from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig
 
-        quantization = TorchAoConfig(Int4WeightOnlyConfig(group_size=128) if scheme == "int4-wo" else Int8WeightOnlyConfig())
+        quantization = TorchAoConfig(Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d") if scheme == "int4-wo" else Int8WeightOnlyConfig())
     elif scheme == "nf4":
         quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
     else:

@@ -11,6 +11,7 @@ static activation scales (one per layer: the merged layer would need one for all
 
 from __future__ import annotations
 
+import inspect
 from typing import Sequence
 
 import torch
@@ -19,7 +20,15 @@ from torch import nn
 
 from .base import Scheme, SchemeError, alone, cat_rows, merged_bias, point_bias, split_points
 
-__all__ = ["FP8Blocks", "dequantize_blocks"]
+__all__ = ["FP8Blocks", "dequantize_blocks", "new_fp8_linear"]
+
+
+def new_fp8_linear(cls: type, in_features: int, out_features: int, block_size, bias: bool, activation_scheme="dynamic"):
+    """An empty ``FP8Linear`` (transformers' releases name its bias argument ``has_bias`` or ``bias``)."""
+    accepted = inspect.signature(cls.__init__).parameters
+    kwargs = {"block_size": block_size, "activation_scheme": activation_scheme}
+    kwargs["has_bias" if "has_bias" in accepted else "bias"] = bias
+    return cls(in_features, out_features, **{k: v for k, v in kwargs.items() if k in accepted})
 
 
 def _is_fp8_linear(module: nn.Module) -> bool:
@@ -50,7 +59,7 @@ class FP8Blocks(Scheme):
             block = module.block_size
             if block is None:
                 raise SchemeError(f"{name} ({self.describe(module)}) has one scale for the whole tensor.")
-            if module.activation_scale is not None or module.activation_scheme != "dynamic":
+            if getattr(module, "activation_scale", None) is not None or module.activation_scheme != "dynamic":
                 raise SchemeError(
                     f"{name} ({self.describe(module)}) quantizes its input with a static per-layer activation scale: "
                     "the merged layer would need one for all parts."
@@ -69,12 +78,9 @@ class FP8Blocks(Scheme):
         first = modules[0]
         weight = cat_rows([m.weight for m in modules])
         with torch.device("meta"):
-            kernel = type(first)(
-                first.in_features,
-                weight.shape[0],
-                block_size=first.block_size,
-                activation_scheme=first.activation_scheme,
-                has_bias=first.bias is not None,
+            kernel = new_fp8_linear(
+                type(first), first.in_features, weight.shape[0], first.block_size, first.bias is not None,
+                first.activation_scheme,
             )
         kernel.weight = nn.Parameter(weight, requires_grad=False)
         kernel.weight_scale_inv = nn.Parameter(cat_rows([m.weight_scale_inv for m in modules]), requires_grad=False)
