@@ -242,3 +242,32 @@ def test_block_fp8_parts_whose_width_splits_a_block_are_refused():
     module = _fp8_attention((64, 48, 48))
     with pytest.raises(MergeError, match=r"block FP8: k_proj .* 48 outputs, not a multiple of the block's 32 rows"):
         merge_linears(module, "qkv_proj", ["q_proj", "k_proj", "v_proj"])
+
+
+def test_qlora_on_a_rewritten_4bit_model_matches_stock_peft(checkpoint):
+    if importlib.util.find_spec("peft") is None:
+        pytest.skip("peft is not installed")
+    from peft import LoraConfig, get_peft_model
+
+    stock, model = _load(checkpoint, "bnb-nf4"), _load(checkpoint, "bnb-nf4")
+    ids = torch.randint(0, 200, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        stock(ids)  # the rewrite runs the model too (bitsandbytes repacks on CPUs with AVX512-BF16)
+    transfuse.rewrite(model)
+    assert transfuse.report(model).counts()["qkv"] == 2
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    results = []
+    for each in (stock, model):
+        torch.manual_seed(5)  # the same adapter weights (non-zero B) on both
+        peft_model = get_peft_model(each, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+        peft_model.train()
+        out = peft_model(ids, labels=ids)
+        out.loss.backward()
+        grads = {n: p.grad for n, p in peft_model.named_parameters() if p.requires_grad}
+        results.append((out.logits.detach(), grads))
+    (want, want_grads), (got, got_grads) = results
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, QuantizedProjection)
+    assert torch.equal(got, want)
+    assert want_grads.keys() == got_grads.keys() and len(want_grads) == 2 * len(targets) * 2
+    for name, grad in want_grads.items():
+        assert torch.equal(got_grads[name], grad), name

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..hooks import global_hooks, hooked
@@ -107,14 +108,14 @@ class QuantizedProjection(MergedProjection):
 
 
 def _add_adapters(out: torch.Tensor, x: torch.Tensor, adapters: list[Adapter]) -> torch.Tensor:
-    """Each adapter's output added to its part's columns, as PEFT adds it to its layer's output."""
+    """Each adapter's output added to its part's columns, as PEFT's LoRA layers on quantized layers
+    add it: ``lora_B(lora_A(x in the adapter's dtype)) * scaling``, cast to the output's dtype."""
     pieces, start = [], 0
     for adapter in sorted(adapters, key=lambda a: a.start):
         inputs = adapter.inputs if adapter.inputs is not None else x.to(adapter.a.dtype)
-        delta = (inputs @ adapter.a.t()) @ adapter.b.t()
-        if adapter.b_bias is not None:
-            delta = delta + adapter.b_bias
-        pieces += [out[..., start : adapter.start], out[..., adapter.start : adapter.start + adapter.size] + delta * adapter.scale]
+        delta = F.linear(F.linear(inputs, adapter.a), adapter.b, adapter.b_bias) * adapter.scale
+        columns = out[..., adapter.start : adapter.start + adapter.size]
+        pieces += [out[..., start : adapter.start], columns + delta.to(out.dtype)]
         start = adapter.start + adapter.size
     pieces.append(out[..., start:])
-    return torch.cat([p.to(out.dtype) for p in pieces], dim=-1)
+    return torch.cat(pieces, dim=-1)
