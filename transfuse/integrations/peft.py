@@ -26,12 +26,20 @@ from ..ops.low_rank import Adapter
 __all__ = ["lora_adapters"]
 
 
-def _lora_linear_class() -> type | None:
+def _lora_linear_class() -> tuple[type, ...] | None:
+    """PEFT's LoRA layers whose forward adds ``lora_B(lora_A(dropout(x))) * scaling`` to the base
+    layer's output: on linear layers, and on bitsandbytes' quantized ones (QLoRA)."""
     try:
         from peft.tuners.lora.layer import Linear
     except ImportError:
         return None
-    return Linear
+    classes = [Linear]
+    try:
+        from peft.tuners.lora import bnb
+    except ImportError:
+        return tuple(classes)
+    classes += [getattr(bnb, name) for name in ("Linear8bitLt", "Linear4bit") if hasattr(bnb, name)]
+    return tuple(classes)
 
 
 def _passes_through(dropout) -> bool:

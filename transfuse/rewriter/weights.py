@@ -17,6 +17,11 @@ lives at the load/save boundary, never in ``forward``:
 ``unmerge_linears`` undoes a merge with the merged tensors' rows (each over a storage of its
 own, the same memory), so neither direction keeps a second copy of the weights.
 
+Quantized parts (a scheme ``transfuse.ops.quantized`` has an adapter for) merge into a
+``QuantizedProjection`` that holds their quantized storage concatenated and runs the scheme's kernel;
+the parts stay the original modules, their quantized tensors views of that storage, so their
+``state_dict`` is the original's without any hook.
+
 Under tensor parallelism (``tp_plan``), column-parallel parts (DTensors ``Shard(0)``) merge
 from this rank's shards (``transfuse.ops.sharding``): the parts, their state-dict entries and
 their checkpoints stay DTensors of the full originals, which transformers gathers when it saves.
@@ -32,6 +37,7 @@ from torch import nn
 
 from ..ops import LinearPart, identify_activation, layer
 from ..ops.hooks import share_hooks
+from ..ops.quantized import QuantizedProjection, SchemeError, scheme_of
 from ..ops.sharding import ColwiseShards, colwise_shards, is_sharded
 
 __all__ = ["ActivationError", "Merge", "MergeError", "merge_declared", "merge_linears", "merges_of", "unmerge_linears"]
@@ -69,9 +75,15 @@ def _check_mergeable(parent: nn.Module, into: str, parts: Sequence[str]) -> tupl
         raise MergeError(f"Merging needs at least two linears, got {list(parts)}.")
     if hasattr(parent, into):
         raise MergeError(f"{type(parent).__name__} already has an attribute {into!r}.")
+    children = [parent._modules.get(name) for name in parts]
+    scheme = scheme_of(children[0]) if isinstance(children[0], nn.Module) else None
+    if scheme is not None:
+        return _check_quantized(scheme, parts, children), None
     linears = []
     for name in parts:
         child = parent._modules.get(name)
+        if isinstance(child, nn.Module) and scheme_of(child) is not None:
+            raise MergeError(f"{name!r} is {scheme_of(child).describe(child)}, {parts[0]!r} is not quantized.")
         if not isinstance(child, nn.Linear) or type(child).forward is not nn.Linear.forward:
             raise MergeError(f"{name!r} is a {type(child).__name__}, not an nn.Linear with Linear's own forward.")
         if type(child.weight) is not nn.Parameter and not is_sharded(child.weight):
@@ -97,6 +109,22 @@ def _check_mergeable(parent: nn.Module, into: str, parts: Sequence[str]) -> tupl
     return linears, shards
 
 
+def _check_quantized(scheme, parts: Sequence[str], children: list) -> list[nn.Module]:
+    for name, child in zip(parts, children):
+        if not isinstance(child, nn.Module) or scheme_of(child) is not scheme:
+            what = scheme_of(child).describe(child) if isinstance(child, nn.Module) and scheme_of(child) else type(child).__name__
+            raise MergeError(f"{name!r} is {what}, {parts[0]!r} is {scheme.describe(children[0])}.")
+        if child.in_features != children[0].in_features:
+            raise MergeError(f"{name} reads {child.in_features} features, {parts[0]} reads {children[0].in_features}.")
+        if (child.bias is None) != (children[0].bias is None):
+            raise MergeError(f"{name} and {parts[0]} differ in having a bias.")
+    try:
+        scheme.check(parts, children)
+    except SchemeError as exc:
+        raise MergeError(f"{scheme.name}: {exc}") from None
+    return children
+
+
 def merge_linears(
     parent: nn.Module,
     into: str,
@@ -113,6 +141,9 @@ def merge_linears(
     hooked part as a module). Tensor-parallel parts keep theirs on the originals: the merged sharded
     matmul stands for the originals' own transforms."""
     linears, shards = _check_mergeable(parent, into, parts)
+    scheme = scheme_of(linears[0])
+    if scheme is not None:
+        return _merge_quantized(parent, into, parts, scheme, linears, activation, activation_module)
     first = linears[0]
     with torch.device("meta"):
         merged = layer("MergedProjection")(
@@ -161,10 +192,25 @@ def _emptied(lin: nn.Module) -> dict[str, nn.Parameter]:
     return kept
 
 
+def _merge_quantized(parent, into, parts, scheme, modules, activation, activation_module) -> nn.Module:
+    """The parts stay in place (their hooks are theirs); their tensors become views of the merged storage."""
+    merged = QuantizedProjection(scheme, modules, tuple(parts), activation=activation)
+    setattr(parent, into, merged)
+    merged.attach(parent, tuple(modules), activation_module)
+    parent.__dict__.setdefault(_MERGES, {})[into] = _Merge(tuple(parts), merged.split_sizes, tuple(modules))
+    return merged
+
+
 def unmerge_linears(parent: nn.Module, into: str) -> None:
     """Put back the original linears of a merge, over the merged tensors' memory (no copies)."""
     record = merges_of(parent).pop(into)
     merged = parent._modules[into]
+    if isinstance(merged, QuantizedProjection):  # the parts never left; their views keep the memory
+        delattr(parent, into)
+        if not merges_of(parent):
+            _remove_hooks(parent)
+            del parent.__dict__[_MERGES]
+        return
     for tensor in _TENSORS:
         joined = getattr(merged, tensor)
         if joined is None:

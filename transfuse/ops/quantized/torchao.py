@@ -1,0 +1,106 @@
+"""torchao weight tensor subclasses (``Int8Tensor``, ``Int4Tensor``, ``Float8Tensor``, ...) on
+``nn.Linear``: ``F.linear`` dispatches to the subclass's own matmul.
+
+A subclass's inner tensors (``__tensor_flatten__``) that have one row per output (int data,
+per-channel and per-group scales and zero points) concatenate exactly along the output dimension,
+and the merged weight is rebuilt with the subclass's own ``__tensor_unflatten__``. An inner tensor
+without one row per output (a per-tensor scale) cannot: the merge is refused, naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import Scheme, SchemeError, alone, merged_bias, point_bias, split_points
+
+__all__ = ["TorchAO"]
+
+
+def _is_torchao(tensor) -> bool:
+    return type(tensor).__module__.startswith("torchao.") and hasattr(type(tensor), "__tensor_flatten__")
+
+
+def _inner(weight) -> tuple[dict[str, torch.Tensor | None], object]:
+    names, context = weight.__tensor_flatten__()
+    optional = getattr(type(weight), "optional_tensor_data_names", ()) or ()
+    inner = {name: getattr(weight, name) for name in names}
+    for name in optional:
+        inner.setdefault(name, getattr(weight, name, None))
+    return inner, context
+
+
+class TorchAO(Scheme):
+    name = "torchao"
+
+    def claims(self, module: nn.Module) -> bool:
+        return (
+            isinstance(module, nn.Linear)
+            and type(module).forward is nn.Linear.forward
+            and _is_torchao(getattr(module, "weight", None))
+        )
+
+    def describe(self, module: nn.Module) -> str:
+        return f"torchao {type(module.weight).__name__}"
+
+    def check(self, names: Sequence[str], modules: Sequence[nn.Module]) -> None:
+        first, (inner0, context0) = modules[0].weight, _inner(modules[0].weight)
+        for name, module in zip(names, modules):
+            weight = module.weight
+            if type(weight) is not type(first):
+                raise SchemeError(f"{name}.weight is a {type(weight).__name__}, {names[0]}.weight a {type(first).__name__}.")
+            if weight.dim() != 2:
+                raise SchemeError(f"{name}.weight of {self.describe(module)} is not a 2-d weight.")
+            inner, context = _inner(weight)
+            if context != context0 or inner.keys() != inner0.keys():
+                raise SchemeError(
+                    f"{name}.weight and {names[0]}.weight are {self.describe(module)}s quantized differently "
+                    f"({context} vs {context0})."
+                )
+            for key, tensor in inner.items():
+                if (tensor is None) != (inner0[key] is None):
+                    raise SchemeError(f"{name}.weight has {key} and {names[0]}.weight has not, or the reverse.")
+                if tensor is not None and (tensor.dim() == 0 or tensor.shape[0] != weight.shape[0]):
+                    raise SchemeError(
+                        f"{name}.weight is a {self.describe(module)} whose {key} {tuple(tensor.shape)} is not one row "
+                        f"per output ({weight.shape[0]}): one {key} for the whole tensor cannot be concatenated."
+                    )
+                if tensor is not None and tensor.shape[1:] != inner0[key].shape[1:]:
+                    raise SchemeError(f"{name}.weight's {key} is {tuple(tensor.shape)}, {names[0]}'s {tuple(inner0[key].shape)}.")
+
+    def merge(self, modules: Sequence[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        weights = [m.weight for m in modules]
+        inner0, context = _inner(weights[0])
+        parts = [_inner(w)[0] for w in weights]
+        merged = {
+            key: (torch.cat([p[key] for p in parts]) if inner0[key] is not None else None) for key in inner0
+        }
+        rows = sum(w.shape[0] for w in weights)
+        size = torch.Size([rows, weights[0].shape[1]])
+        flat = {k: v for k, v in merged.items() if v is not None}
+        weight = type(weights[0]).__tensor_unflatten__(flat, context, size, (size[1], 1))
+        for key, value in merged.items():
+            if value is None and getattr(weight, key, None) is not None:
+                setattr(weight, key, None)
+        return weight, merged_bias(modules)
+
+    def point_parts(self, kernel, modules: Sequence[nn.Module], sizes: Sequence[int]) -> None:
+        weight, bias = kernel
+        merged, _ = _inner(weight)
+        for module, (start, end) in zip(modules, split_points(sizes)):
+            for key, tensor in merged.items():
+                if tensor is not None:
+                    setattr(module.weight, key, alone(tensor[start:end]))
+        point_bias(bias, modules, sizes)
+
+    def tensors(self, module: nn.Module) -> list[torch.Tensor]:
+        inner, _ = _inner(module.weight)
+        found = [t for t in inner.values() if t is not None]
+        return found + ([module.bias] if module.bias is not None else [])
+
+    def forward(self, kernel, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = kernel
+        return F.linear(x, weight, bias)
