@@ -134,11 +134,92 @@ def _check_expert_parallel(root: str, family: str) -> None:
         print(f"ok {family} {report.counts()} (fused - stock EP logits: {error:.1e})", flush=True)
 
 
+def _distribute(model, **config):
+    """transformers' own distribution of a model already loaded: what ``from_pretrained`` does to a new
+    model before it loads the weights (the plan's styles shard each parameter's rows in place)."""
+    from transformers.distributed.configuration_utils import DistributedConfig
+
+    config, _, meshes = type(model).prepare_distribute_model(DistributedConfig(**config))
+    return type(model).maybe_distribute_model(model, config, meshes)
+
+
+def _within_fp32_rule(actual, expected) -> float:
+    """The largest difference relative to the expected values' scale (at least 1): at most 1e-5."""
+    error = (actual - expected).abs().max().item() / max(1.0, expected.abs().max().item())
+    assert error <= 1e-5, error
+    return error
+
+
+def _check_rewritten_first(root: str, family: str) -> None:
+    """A model rewritten in one process and distributed afterwards (the merged projections sharded by
+    the plan's ``transfuse_merged_colwise`` entries) holds on each rank bitwise the weights of a model
+    distributed first and merged from its shards; its logits, a training step's loss and gradients and
+    its checkpoint are one process's."""
+    from transformers import AutoModelForCausalLM
+
+    path = f"{root}/{family}"
+    single = AutoModelForCausalLM.from_pretrained(path).eval()
+    later = transfuse.rewrite(AutoModelForCausalLM.from_pretrained(path, tp_plan="auto").eval())
+    first = transfuse.rewrite(AutoModelForCausalLM.from_pretrained(path).eval())
+    plan = first.tp_plan
+    first = _distribute(first, tp_plan="auto")
+    counts = transfuse.report(first).counts()
+    assert counts == transfuse.report(later).counts(), (family, counts, transfuse.report(later).counts())
+    merged = {n: m for n, m in first.named_modules() if isinstance(m, MergedProjection)}
+    later_modules = dict(later.named_modules())
+    assert merged and any(style == "transfuse_merged_colwise" for style in plan.values()), (family, plan)
+    for name, module in merged.items():
+        other = later_modules[name]
+        assert module.shards is not None and other.shards is not None, (family, name)
+        assert module.split_sizes == other.split_sizes and module.shards.full_sizes == other.shards.full_sizes
+        for tensor in ("weight", "bias"):
+            mine, theirs = getattr(module, tensor), getattr(other, tensor)
+            assert (mine is None) == (theirs is None), (family, name, tensor)
+            if mine is not None:  # the same rows on this rank, bit for bit
+                assert torch.equal(mine.to_local(), theirs.to_local()), (family, name, tensor)
+
+    ids = torch.randint(0, single.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(3))
+    logits_error = _within_fp32_rule(_logits(first, ids), _logits(single, ids))
+
+    # A training step: the loss, and every parameter's gradient (a merged one's as this rank's rows of the
+    # parts' gradients in one process) within the rule of one process's.
+    for model in (single, first):
+        model.train()
+        model.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+    single_grads = {n: p.grad for n, p in single.named_parameters()}
+    for name, param in first.named_parameters():
+        owner, _, tensor = name.rpartition(".")
+        module = merged.get(owner)
+        if module is None:
+            _within_fp32_rule(_full(param.grad), single_grads[name])
+            continue
+        parent = owner.rpartition(".")[0]
+        parts = [single_grads[f"{parent}.{part}.{tensor}"] for part in module.parts]
+        expected = torch.cat([module.shards.local(grad) for grad in parts])
+        _within_fp32_rule(param.grad.to_local(), expected)
+    for model in (single, first):
+        model.eval()
+
+    first.zero_grad(set_to_none=True)
+    first.save_pretrained(f"{root}/{family}-saved-rewritten-first")
+    dist.barrier()
+    reloaded = AutoModelForCausalLM.from_pretrained(f"{root}/{family}-saved-rewritten-first").eval()
+    assert reloaded.state_dict().keys() == single.state_dict().keys(), family
+    for key, value in single.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[key], value), (family, key)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        print(f"ok {family} {counts} (logits - one process: {logits_error:.1e})", flush=True)
+
+
 def main() -> int:
     root, families = sys.argv[1], sys.argv[2:]
     check = _check
     if families[:1] == ["--ep"]:
         check, families = _check_expert_parallel, families[1:]
+    elif families[:1] == ["--rewritten-first"]:
+        check, families = _check_rewritten_first, families[1:]
     for family in families:
         check(root, family)
     return 0
