@@ -41,10 +41,10 @@ EXPERT_PARALLEL_FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss"]
 
 
 @pytest.mark.slow
-def test_expert_parallelism_over_two_processes_refuses_the_fused_moe_and_keeps_stock_numbers(tmp_path):
-    """Under ``ep_size=2`` each rank holds half of the experts, and transformers dispatches tokens to
-    them: the fused MoE layer, which computes every expert itself, is refused, and the answers stay
-    stock EP's."""
+def test_expert_parallelism_over_two_processes_keeps_the_fused_moe_with_one_process_numbers(tmp_path):
+    """Under ``ep_size=2`` each rank holds half of the experts: every MoE block is fused, its layer
+    computes this rank's experts with the grouped kernels and sums the ranks' outputs; the logits and
+    a training step's gradients are one process's (within the fp32 rule)."""
     for family in EXPERT_PARALLEL_FAMILIES:
         tiny_model(family).save_pretrained(tmp_path / family)
     worker = os.path.join(os.path.dirname(__file__), "tp_worker.py")
@@ -57,6 +57,29 @@ def test_expert_parallelism_over_two_processes_refuses_the_fused_moe_and_keeps_s
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     passed = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("ok ")]
     assert passed == EXPERT_PARALLEL_FAMILIES, done.stdout
+
+
+REWRITTEN_FIRST_FAMILIES = ["llama", "qwen3"]
+
+
+@pytest.mark.slow
+def test_a_model_rewritten_first_and_distributed_afterwards_is_sharded_like_one_merged_from_shards(tmp_path):
+    """The plan's ``transfuse_merged_colwise`` entries shard the merged projections of a model rewritten
+    in one process, each rank keeping its q and k/v heads (its gate and up rows): bitwise the weights a
+    model distributed first and merged from its shards holds; logits, gradients and the checkpoint
+    are one process's."""
+    for family in REWRITTEN_FIRST_FAMILIES:
+        tiny_model(family).save_pretrained(tmp_path / family)
+    worker = os.path.join(os.path.dirname(__file__), "tp_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFUSE_PROGRESS": "0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", worker,
+         str(tmp_path), "--rewritten-first", *REWRITTEN_FIRST_FAMILIES],
+        capture_output=True, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    passed = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("ok ")]
+    assert passed == REWRITTEN_FIRST_FAMILIES, done.stdout
 
 
 def test_merging_refuses_row_parallel_parts_and_mixed_parts_with_reasons(monkeypatch):

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from .graphs import SmallBatchGraphs
 from .hooks import watched
 from .moe import ExpertsSpec, RoutingSpec, moe_experts, moe_route
-from .sharding import is_sharded
+from .sharding import ExpertShards, expert_shards, is_sharded
 
 __all__ = [
     "ExpertNumbers", "ExpertsPlan", "LogitsPlan", "MoE", "MoEPlan", "RouterPlan", "RoutingNumbers", "SharedPlan",
@@ -274,6 +274,9 @@ class MoE(nn.Module):
         self.experts_implementation = None
         self._kernels = kernels
         self.graph_small_batches = False
+        # Whether the ranks sharing out the experts hold the same tokens (expert parallelism), as the fuser
+        # read it from the model's distributed configuration; None: unknown (``ExpertShards``).
+        self.shared_batch: bool | None = None
         self.__dict__["_block"] = None  # the block this layer took the place of (``keep_block``)
         for child in children.values():
             implementation = getattr(getattr(child, "config", None), "_experts_implementation", None)
@@ -293,7 +296,7 @@ class MoE(nn.Module):
                     f"{self.experts_implementation!r} when the model was rewritten. Set it back, or rewrite "
                     "the model without the 'moe' fusion to choose the experts implementation."
                 )
-        if experts_watched(self, self.plan):
+        if experts_watched(self, self.plan) or not _computable(self, self.plan):
             return self._as_written(hidden_states, *unused, **unused_kwargs)
         return _block_forward(self, hidden_states, self.plan, self.routing, self.expert_numbers)
 
@@ -365,6 +368,27 @@ def moe_block_applies(layer: nn.Module, plan: MoEPlan) -> bool:
     return not any(is_sharded(_tensor(layer, path)) for path in (e.w13, e.w2)) and not experts_watched(layer, plan)
 
 
+def layer_expert_shards(layer: nn.Module, plan: MoEPlan) -> ExpertShards | None:
+    """How the layer's experts are shared out over ranks (None: whole on each); raises ValueError
+    where the layer cannot compute them (``sharding.expert_shards``)."""
+    e = plan.experts
+    tensors = [_tensor(layer, path) if path is not None else None for path in (e.w13, e.w2, e.b13, e.b2)]
+    if not any(is_sharded(t) for t in tensors if t is not None):
+        return None
+    return expert_shards(tensors, layer.__dict__.get("shared_batch"))
+
+
+def _computable(layer: nn.Module, plan: MoEPlan) -> bool:
+    """Whether the layer computes its block: its experts whole, or whole experts per rank over ranks
+    holding the same tokens. Otherwise (a model rewritten and then distributed with its experts sharded
+    another way) the block runs as written, through the plan's own dispatch."""
+    try:
+        layer_expert_shards(layer, plan)
+    except ValueError:
+        return False
+    return True
+
+
 def experts_watched(layer: nn.Module, plan: MoEPlan) -> bool:
     """Whether the child holding the packed experts, which the fused layer does not call, has hooks
     (its own or global ones) that the block's forward as written would run."""
@@ -381,7 +405,7 @@ def _block_forward(layer: nn.Module, hidden_states: Tensor, plan: MoEPlan, routi
     if plan.assumes:
         _check_assumptions(layer, plan.assumes)
     graphs = _decode_graphs(layer, hidden_states, plan, routing, numbers)
-    if graphs is not None:
+    if graphs is not None and not is_sharded(_tensor(layer, plan.experts.w13)):
         return graphs(hidden_states)
     return _block_compute(layer, hidden_states, plan=plan, routing=routing, numbers=numbers)
 
@@ -432,14 +456,19 @@ def _block_compute(layer: nn.Module, hidden_states: Tensor, *, plan: MoEPlan, ro
         # output counts once: the pairs' outputs of a token are then summed in the token dtype.
         rows = (tokens.unsqueeze(1) * weights.unsqueeze(-1)).reshape(-1, tokens.shape[-1])
         row_weights, row_ids = rows.new_ones((rows.shape[0], 1)), ids.reshape(-1, 1)
+    shards = layer_expert_shards(layer, plan)
+    if shards is not None:  # this rank's experts only; the ranks' outputs are summed below
+        rows, row_weights, row_ids = shards.local_routes(rows, row_weights, row_ids)
     out = moe_experts(
-        rows, row_weights, row_ids, _tensor(layer, e.w13), _tensor(layer, e.w2), e.spec,
-        b13=_tensor(layer, e.b13) if e.b13 is not None else None,
-        b2=_tensor(layer, e.b2) if e.b2 is not None else None,
+        rows, row_weights, row_ids, _local(_tensor(layer, e.w13)), _local(_tensor(layer, e.w2)), e.spec,
+        b13=_local(_tensor(layer, e.b13)) if e.b13 is not None else None,
+        b2=_local(_tensor(layer, e.b2)) if e.b2 is not None else None,
         alpha=numbers.alpha, limit=numbers.limit,
     )  # fmt: skip
     if e.weights_on_input:
         out = out.view(ids.shape[0], ids.shape[1], -1).sum(dim=1)
+    if shards is not None:
+        out = shards.combine(out)
     if plan.routed_scaled:
         out = out * numbers.routed_scale
     if plan.combine_fp32:
@@ -551,3 +580,7 @@ class StackedExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return ", ".join(f"{name}={tuple(getattr(self, name).shape)}" for name in self.keys)
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if is_sharded(tensor) else tensor

@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["ColwiseShards", "colwise_shards", "is_sharded"]
+__all__ = ["ColwiseShards", "ExpertShards", "colwise_shards", "expert_shards", "is_sharded"]
 
 
 def is_sharded(tensor) -> bool:
@@ -117,6 +117,93 @@ def colwise_shards(names: Sequence[str], linears: Sequence[torch.nn.Module]) -> 
                 "shards are uneven."
             )
     return ColwiseShards(mesh, tuple(int(lin.weight.shape[0]) for lin in linears))
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertShards:
+    """Whole experts per rank (expert parallelism: the experts' tensors ``Shard(0)`` over one mesh
+    dimension), every rank holding the same tokens.
+
+    A fused mixture-of-experts layer then routes every token on every rank, computes the routes to
+    this rank's experts with its grouped kernels (the others masked: weight 0, a local id in range),
+    and sums the ranks' outputs: the all-reduce form of expert parallelism, in which no token moves.
+    """
+
+    mesh: object
+    experts: int  # the global number of experts
+
+    @property
+    def local_experts(self) -> int:
+        return self.experts // self.mesh.size()
+
+    def local_routes(self, rows: Tensor, weights: Tensor, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(rows, weights, local ids) for this rank's experts. In training, the rows' and the weights'
+        gradients are summed over the ranks: each rank's backward reaches only its experts' routes."""
+        group = self.mesh.get_group()
+        if torch.is_grad_enabled():
+            if rows.requires_grad:
+                rows = _SumGradient.apply(rows, group)
+            if weights.requires_grad:
+                weights = _SumGradient.apply(weights, group)
+        first = self.mesh.get_local_rank() * self.local_experts
+        local = ids - first
+        off = (local < 0) | (local >= self.local_experts)
+        return rows, weights.masked_fill(off, 0), local.masked_fill(off, 0)
+
+    def combine(self, out: Tensor) -> Tensor:
+        """The sum of the ranks' partial outputs, on every rank (its backward: the identity, every rank
+        holding the same loss)."""
+        return _SumForward.apply(out, self.mesh.get_group())
+
+
+def expert_shards(tensors: Sequence[Tensor | None], shared_batch: bool | None) -> ExpertShards | None:
+    """The expert sharding of a layer's packed expert tensors (``None`` entries are absent ones): None
+    if none is sharded; raises ValueError (with the reason) unless every one is a DTensor ``Shard(0)``
+    over one mesh dimension, the experts split evenly, and the ranks hold the same tokens
+    (``shared_batch``: None when the caller cannot tell)."""
+    present = [t for t in tensors if t is not None]
+    if not any(is_sharded(t) for t in present):
+        return None
+    from torch.distributed.tensor import Shard
+
+    mesh = None
+    for tensor in present:
+        placements = getattr(tensor, "placements", "a plain tensor")
+        if not is_sharded(tensor) or tuple(placements) != (Shard(0),) or tensor.device_mesh.ndim != 1:
+            raise ValueError(
+                f"an expert tensor is sharded as {placements}: only whole experts per rank (Shard(0) over one mesh "
+                "dimension, expert parallelism) are computed by the fused layer."
+            )
+        if mesh is None:
+            mesh = tensor.device_mesh
+        elif tensor.device_mesh != mesh:
+            raise ValueError("the expert tensors are on different device meshes.")
+    experts = int(present[0].shape[0])
+    if experts % mesh.size():
+        raise ValueError(f"{experts} experts do not split evenly over {mesh.size()} ranks.")
+    if not shared_batch:
+        raise ValueError(
+            "the ranks of the expert-parallel group may hold different tokens (expert parallelism over data-parallel "
+            "ranks), which need the tokens moved between ranks; the fused layer computes the all-reduce form only "
+            "(ep_size equal to tp_size)."
+            if shared_batch is not None
+            else "the expert-parallel configuration is unknown (no distributed_config on the model's configuration)."
+        )
+    return ExpertShards(mesh, experts)
+
+
+class _SumForward(torch.autograd.Function):
+    """The sum over the process group forward; the identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        torch.distributed.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 class _SumGradient(torch.autograd.Function):
