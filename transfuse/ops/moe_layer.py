@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from .graphs import SmallBatchGraphs
 from .hooks import watched
 from .moe import ExpertsSpec, RoutingSpec, moe_experts, moe_route
-from .sharding import ExpertShards, expert_shards, is_sharded
+from .sharding import ExpertShards, expert_shards, is_sharded, local_tensor
 
 __all__ = [
     "ExpertNumbers", "ExpertsPlan", "LogitsPlan", "MoE", "MoEPlan", "RouterPlan", "RoutingNumbers", "SharedPlan",
@@ -460,9 +460,9 @@ def _block_compute(layer: nn.Module, hidden_states: Tensor, *, plan: MoEPlan, ro
     if shards is not None:  # this rank's experts only; the ranks' outputs are summed below
         rows, row_weights, row_ids = shards.local_routes(rows, row_weights, row_ids)
     out = moe_experts(
-        rows, row_weights, row_ids, _local(_tensor(layer, e.w13)), _local(_tensor(layer, e.w2)), e.spec,
-        b13=_local(_tensor(layer, e.b13)) if e.b13 is not None else None,
-        b2=_local(_tensor(layer, e.b2)) if e.b2 is not None else None,
+        rows, row_weights, row_ids, local_tensor(_tensor(layer, e.w13)), local_tensor(_tensor(layer, e.w2)), e.spec,
+        b13=local_tensor(_tensor(layer, e.b13)) if e.b13 is not None else None,
+        b2=local_tensor(_tensor(layer, e.b2)) if e.b2 is not None else None,
         alpha=numbers.alpha, limit=numbers.limit,
     )  # fmt: skip
     if e.weights_on_input:
@@ -580,7 +580,3 @@ class StackedExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return ", ".join(f"{name}={tuple(getattr(self, name).shape)}" for name in self.keys)
-
-
-def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if is_sharded(tensor) else tensor

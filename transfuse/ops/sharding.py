@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["ColwiseShards", "ExpertShards", "colwise_shards", "expert_shards", "is_sharded"]
+__all__ = ["ColwiseShards", "ExpertShards", "colwise_shards", "expert_shards", "is_sharded", "local_tensor"]
 
 
 def is_sharded(tensor) -> bool:
@@ -32,6 +32,11 @@ def is_sharded(tensor) -> bool:
     except ImportError:  # a build without torch.distributed
         return False
     return isinstance(tensor, DTensor)
+
+
+def local_tensor(tensor: Tensor) -> Tensor:
+    """This rank's local tensor of a DTensor; any other tensor as it is."""
+    return tensor.to_local() if is_sharded(tensor) else tensor
 
 
 @dataclass(frozen=True, eq=False)
