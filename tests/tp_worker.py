@@ -207,7 +207,10 @@ def _check_rewritten_first(root: str, family: str) -> None:
     plan = first.tp_plan
     first = _distribute(first, tp_plan="auto")
     counts = transfuse.report(first).counts()
-    assert counts == transfuse.report(later).counts(), (family, counts, transfuse.report(later).counts())
+    # The same merges (a norm the plan wraps is fused only where the rewrite came first: the plan then
+    # wraps the fused norm).
+    merges = {k: v for k, v in transfuse.report(later).counts().items() if k in ("qkv", "gate_up")}
+    assert merges and all(counts.get(k) == v for k, v in merges.items()), (family, counts, merges)
     merged = {n: m for n, m in first.named_modules() if isinstance(m, MergedProjection)}
     later_modules = dict(later.named_modules())
     assert merged and any(style == "transfuse_merged_colwise" for style in plan.values()), (family, plan)
@@ -246,6 +249,50 @@ def _check_rewritten_first(root: str, family: str) -> None:
         print(f"ok {family} {counts} (logits - one process: {logits_error:.1e})", flush=True)
 
 
+def _check_fully_sharded(root: str, family: str) -> None:
+    """FSDP2 (``fully_shard`` of each decoder layer and of the model) of a model rewritten in each
+    process, one sequence per rank: the loss averaged over the ranks and every gradient (gathered)
+    within the fp32 rule of one process's on both sequences."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    path = f"{root}/{family}"
+    single = AutoModelForCausalLM.from_pretrained(path)
+    model = transfuse.rewrite(AutoModelForCausalLM.from_pretrained(path).eval())
+    counts = transfuse.report(model).counts()
+    assert counts.get("qkv") and counts.get("gate_up"), (family, counts)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    ids = torch.randint(0, single.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(3))
+    mine = ids[dist.get_rank() : dist.get_rank() + 1]
+    single.train()
+    model.train()
+    expected_loss = single(input_ids=ids, labels=ids).loss
+    expected_loss.backward()
+    loss = model(input_ids=mine, labels=mine).loss
+    loss.backward()
+    averaged = loss.detach().clone()
+    dist.all_reduce(averaged)
+    _within_fp32_rule(averaged / dist.get_world_size(), expected_loss.detach())
+    single_grads = {n: p.grad for n, p in single.named_parameters()}
+    modules = dict(model.named_modules())
+    for name, param in model.named_parameters():
+        owner, _, tensor = name.rpartition(".")
+        module = modules[owner]
+        if isinstance(module, MergedProjection):
+            parent = owner.rpartition(".")[0]
+            expected = torch.cat([single_grads[f"{parent}.{part}.{tensor}"] for part in module.parts])
+        else:
+            expected = single_grads[name]
+        _within_fp32_rule(_full(param.grad), expected, name)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        print(f"ok {family} {counts} (FSDP2 loss {averaged.item() / dist.get_world_size():.6f})", flush=True)
+
+
 def main() -> int:
     root, families = sys.argv[1], sys.argv[2:]
     check = _check
@@ -253,6 +300,8 @@ def main() -> int:
         check, families = _check_expert_parallel, families[1:]
     elif families[:1] == ["--rewritten-first"]:
         check, families = _check_rewritten_first, families[1:]
+    elif families[:1] == ["--fully-sharded"]:
+        check, families = _check_fully_sharded, families[1:]
     for family in families:
         check(root, family)
     return 0
