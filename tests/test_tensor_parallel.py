@@ -82,6 +82,22 @@ def test_a_model_rewritten_first_and_distributed_afterwards_is_sharded_like_one_
     assert passed == REWRITTEN_FIRST_FAMILIES, done.stdout
 
 
+@pytest.mark.slow
+def test_fully_sharded_training_of_a_rewritten_model_over_two_processes(tmp_path):
+    """FSDP2's ``fully_shard`` of a rewritten llama's layers and of the model, one sequence per rank: the
+    loss and every gradient are one process's on both sequences (within the fp32 rule)."""
+    tiny_model("llama").save_pretrained(tmp_path / "llama")
+    worker = os.path.join(os.path.dirname(__file__), "tp_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFUSE_PROGRESS": "0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", worker,
+         str(tmp_path), "--fully-sharded", "llama"],
+        capture_output=True, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    assert [line.split()[1] for line in done.stdout.splitlines() if line.startswith("ok ")] == ["llama"], done.stdout
+
+
 def test_merging_refuses_row_parallel_parts_and_mixed_parts_with_reasons(monkeypatch):
     """The rules, on a one-rank gloo mesh in this process: column-parallel parts merge; a row-parallel
     (Shard(1)) part or a plain part among DTensors is refused with its reason."""

@@ -257,6 +257,8 @@ def _check_fully_sharded(root: str, family: str) -> None:
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
     path = f"{root}/{family}"
     single = AutoModelForCausalLM.from_pretrained(path)
     model = transfuse.rewrite(AutoModelForCausalLM.from_pretrained(path).eval())
