@@ -88,7 +88,12 @@ def _check(root: str, family: str) -> None:
         owner = name.rpartition(".")[0]
         parts = [_local(stock_modules[f"{owner}.{p}"].weight.grad) for p in module.parts]
         assert torch.allclose(_local(module.weight.grad), torch.cat(parts), rtol=1e-5, atol=1e-7), (family, name)
-    for model in (stock, fused):
+    # And every gradient within the fp32 rule of one process's (MoE experts that the plan shards by
+    # features, computed by the fused layer, included).
+    single.train()
+    single(input_ids=ids, labels=ids).loss.backward()
+    _check_gradients(fused, single)
+    for model in (stock, fused, single):
         model.eval()
 
     # save_pretrained of the TP model writes the original checkpoint: full tensors, original keys.
@@ -165,15 +170,10 @@ def _within_fp32_rule(actual, expected, what=None) -> float:
 
 def _check_gradients(model, single) -> None:
     """Every gradient of the distributed ``model`` within the fp32 rule of one process's: a merged
-    projection's as this rank's rows of its parts' gradients, a sharded expert tensor's as this rank's
-    experts', any other as the full tensor."""
+    projection's as this rank's rows of its parts' gradients, any other (sharded experts included) as
+    the full tensor."""
     single_grads = {n: p.grad for n, p in single.named_parameters()}
     modules = dict(model.named_modules())
-    experts = {
-        f"{name}.{path}"
-        for name, m in modules.items() if isinstance(m, MoE)
-        for path in (m.plan.experts.w13, m.plan.experts.w2, m.plan.experts.b13, m.plan.experts.b2) if path
-    }  # fmt: skip
     for name, param in model.named_parameters():
         owner, _, tensor = name.rpartition(".")
         module = modules[owner]
@@ -185,10 +185,6 @@ def _check_gradients(model, single) -> None:
                 _within_fp32_rule(param.grad.to_local(), expected, name)
             else:
                 _within_fp32_rule(param.grad, torch.cat(parts), name)
-        elif name in experts and is_sharded(param):
-            rows = param.grad.to_local().shape[0]
-            expected = single_grads[name][dist.get_rank() * rows : (dist.get_rank() + 1) * rows]
-            _within_fp32_rule(param.grad.to_local(), expected, name)
         else:
             _within_fp32_rule(_full(param.grad), single_grads[name], name)
 

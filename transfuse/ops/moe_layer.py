@@ -368,14 +368,23 @@ def moe_block_applies(layer: nn.Module, plan: MoEPlan) -> bool:
     return not any(is_sharded(_tensor(layer, path)) for path in (e.w13, e.w2)) and not experts_watched(layer, plan)
 
 
-def layer_expert_shards(layer: nn.Module, plan: MoEPlan) -> ExpertShards | None:
-    """How the layer's experts are shared out over ranks (None: whole on each); raises ValueError
-    where the layer cannot compute them (``sharding.expert_shards``)."""
+def expert_sharding(module: nn.Module, plan: MoEPlan, shared_batch: bool | None) -> ExpertShards | None:
+    """How the experts that ``plan`` finds in ``module`` are shared out over ranks (None: whole on each);
+    raises ValueError where a fused layer cannot compute them (``sharding.expert_shards``)."""
     e = plan.experts
-    tensors = [_tensor(layer, path) if path is not None else None for path in (e.w13, e.w2, e.b13, e.b2)]
-    if not any(is_sharded(t) for t in tensors if t is not None):
+    w13, w2, b13, b2 = (_tensor(module, path) if path is not None else None for path in (e.w13, e.w2, e.b13, e.b2))
+    s = e.spec
+    return expert_shards(
+        w13, w2, b13, b2, interleaved=s.interleaved, w13_transposed=s.w13_transposed,
+        w2_transposed=s.w2_transposed, shared_batch=shared_batch,
+    )  # fmt: skip
+
+
+def layer_expert_shards(layer: nn.Module, plan: MoEPlan) -> ExpertShards | None:
+    """``expert_sharding`` of a fused layer (a cheap answer while its experts are whole)."""
+    if not is_sharded(_tensor(layer, plan.experts.w13)) and not is_sharded(_tensor(layer, plan.experts.w2)):
         return None
-    return expert_shards(tensors, layer.__dict__.get("shared_batch"))
+    return expert_sharding(layer, plan, layer.__dict__.get("shared_batch"))
 
 
 def _computable(layer: nn.Module, plan: MoEPlan) -> bool:

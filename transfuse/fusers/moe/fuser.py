@@ -17,11 +17,11 @@ from torch import nn
 from ...ops import layer
 from ...ops.hooks import hooked
 from ...ops.moe import ExpertsSpec
-from ...ops.sharding import expert_shards, is_sharded
 from ...ops.moe_layer import (
     HIDDEN, IDS, LOGITS, WEIGHTS, ExpertNumbers, ExpertsPlan, MoEPlan, RouterPlan, RoutingNumbers, SharedPlan,
-    StackedExperts,
+    StackedExperts, expert_sharding,
 )  # fmt: skip
+from ...ops.sharding import is_sharded
 from ...rewriter.analysis import ClassAnalysis
 from ...rewriter.fusion import Fused, Fuser, Refusal
 from ...rewriter.graph import NoMatch, calls_fused_op, is_op, operand, operands, peel_casts, value
@@ -950,7 +950,7 @@ def _validate(module: nn.Module, found: MoEMatch) -> None:
             "on each rank, not shards of them.",
         )
     try:
-        shards = expert_shards([_tensor(module, path) for path in expert_paths], shared_batch(module))
+        shards = expert_sharding(module, found.plan, shared_batch(module))
     except ValueError as exc:
         raise NoMatch("moe.sharded", f"{exc} (the experts are DTensors)") from None
     # Under expert parallelism the experts' module has the plan's dispatch as its forward: the fused layer,
