@@ -388,9 +388,9 @@ def layer_expert_shards(layer: nn.Module, plan: MoEPlan) -> ExpertShards | None:
 
 
 def _computable(layer: nn.Module, plan: MoEPlan) -> bool:
-    """Whether the layer computes its block: its experts whole, or whole experts per rank over ranks
-    holding the same tokens. Otherwise (a model rewritten and then distributed with its experts sharded
-    another way) the block runs as written, through the plan's own dispatch."""
+    """Whether the layer computes its block: its experts whole, or shared out over the ranks as
+    ``sharding.expert_shards`` computes them. Otherwise (a model rewritten and then distributed with its
+    experts sharded another way) the block runs as written, through the plan's own dispatch."""
     try:
         layer_expert_shards(layer, plan)
     except ValueError:
@@ -413,8 +413,10 @@ def experts_watched(layer: nn.Module, plan: MoEPlan) -> bool:
 def _block_forward(layer: nn.Module, hidden_states: Tensor, plan: MoEPlan, routing, numbers: ExpertNumbers):
     if plan.assumes:
         _check_assumptions(layer, plan.assumes)
-    graphs = _decode_graphs(layer, hidden_states, plan, routing, numbers)
-    if graphs is not None and not is_sharded(_tensor(layer, plan.experts.w13)):
+    # Sharded experts sum the ranks' outputs, which the layer's own graphs do not capture.
+    sharded = is_sharded(_tensor(layer, plan.experts.w13))
+    graphs = None if sharded else _decode_graphs(layer, hidden_states, plan, routing, numbers)
+    if graphs is not None:
         return graphs(hidden_states)
     return _block_compute(layer, hidden_states, plan=plan, routing=routing, numbers=numbers)
 
