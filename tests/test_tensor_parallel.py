@@ -143,3 +143,51 @@ def _check_rules(mesh):
         merge_linears(parent([Shard(1), Shard(0)]), "ab", ["a", "b"])
     with pytest.raises(MergeError, match=r"b\.weight is a plain tensor while other parts are DTensors"):
         merge_linears(parent([Shard(0), None]), "ab", ["a", "b"])
+
+
+def test_expert_shardings_the_fused_moe_computes_and_those_it_refuses(monkeypatch):
+    """On a one-rank gloo mesh in this process: whole experts per rank (``Shard(0)``) over ranks holding
+    the same tokens, and features split as a tensor-parallel plan splits them, are computed; the same
+    experts over ranks that may hold other tokens, or sharded another way, are refused with a reason."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from transfuse.ops.sharding import expert_shards
+
+    assert not dist.is_initialized()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(29600 + os.getpid() % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        w13, w2 = torch.randn(4, 12, 8), torch.randn(4, 8, 6)  # [E, 2I, H], [E, H, I]
+
+        def shards(a, b, shared_batch=True, bias=None):
+            return expert_shards(
+                distribute_tensor(w13, mesh, [a]), distribute_tensor(w2, mesh, [b]), bias, None,
+                interleaved=False, w13_transposed=False, w2_transposed=False, shared_batch=shared_batch,
+            )  # fmt: skip
+
+        assert expert_shards(w13, w2, None, None, interleaved=False, w13_transposed=False, w2_transposed=False,
+                             shared_batch=None) is None  # fmt: skip
+        whole = shards(Shard(0), Shard(0))
+        assert whole.whole_experts and whole.local_experts == 4
+        features = shards(_StridedShard(1, split_factor=2), Shard(2), shared_batch=None)
+        assert not features.whole_experts and features.local_experts == 4
+        with pytest.raises(ValueError, match="may hold different tokens"):
+            shards(Shard(0), Shard(0), shared_batch=False)
+        with pytest.raises(ValueError, match="configuration is unknown"):
+            shards(Shard(0), Shard(0), shared_batch=None)
+        with pytest.raises(ValueError, match="sharded as"):
+            shards(Shard(1), Shard(2))  # gate and up rows not each split by their own halves
+        with pytest.raises(ValueError, match="with biases"):
+            bias = distribute_tensor(torch.randn(4, 12), mesh, [Replicate()])
+            shards(_StridedShard(1, split_factor=2), Shard(2), bias=bias)
+        # Whole experts: the routes to other ranks' experts are masked, the gradients summed over the ranks.
+        rows, weights, ids = whole.local_routes(torch.randn(3, 8), torch.rand(3, 2), torch.tensor([[0, 3]] * 3))
+        assert torch.equal(ids, torch.tensor([[0, 3]] * 3)) and bool((weights > 0).all())
+    finally:
+        dist.destroy_process_group()
+
