@@ -941,7 +941,9 @@ def _validate(module: nn.Module, found: MoEMatch) -> None:
             "fused layer would not keep.",
         )
     e = found.plan.experts
-    expert_paths = [path for path in (e.w13, e.w2, e.b13, e.b2) if path is not None]
+    # Packed experts the plan shards are judged below; per-expert modules (stacked when fused) never are.
+    packed = found.member is None
+    expert_paths = [path for path in (e.w13, e.w2, e.b13, e.b2) if path is not None and packed]
     sharded = next((n for n, p in module.named_parameters() if is_sharded(p) and n not in expert_paths), None)
     if sharded is not None:
         raise NoMatch(
@@ -950,7 +952,7 @@ def _validate(module: nn.Module, found: MoEMatch) -> None:
             "on each rank, not shards of them.",
         )
     try:
-        shards = expert_sharding(module, found.plan, shared_batch(module))
+        shards = expert_sharding(module, found.plan, shared_batch(module)) if packed else None
     except ValueError as exc:
         raise NoMatch("moe.sharded", f"{exc} (the experts are DTensors)") from None
     # Under expert parallelism the experts' module has the plan's dispatch as its forward: the fused layer,
