@@ -59,7 +59,7 @@ def test_expert_parallelism_over_two_processes_keeps_the_fused_moe_with_one_proc
     assert passed == EXPERT_PARALLEL_FAMILIES, done.stdout
 
 
-REWRITTEN_FIRST_FAMILIES = ["llama", "qwen3"]
+REWRITTEN_FIRST_FAMILIES = ["llama", "qwen3", "qwen3_moe"]
 
 
 @pytest.mark.slow
