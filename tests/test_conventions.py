@@ -198,10 +198,15 @@ def test_every_tp_plan_entry_still_names_a_module_or_parameter(model_type):
     Entries the stock model does not use either (dense MLPs of an all-MoE tiny model) are left out."""
     stock, model = tiny_model(model_type), transfuse.rewrite(tiny_model(model_type))
     assert transfuse.report(model).fusions
-    plan = getattr(model, "tp_plan", None) or model._tp_plan
+    plan = getattr(stock, "tp_plan", None) or stock._tp_plan
     if not plan:
         pytest.skip(f"{model_type} has no tensor-parallel plan")
     assert _plan_entries_used(plan, stock) and _plan_entries_used(plan, model) == _plan_entries_used(plan, stock)
+    # The rewritten model's plan adds an entry for each merged projection of column-parallel parts, and it
+    # names one.
+    added = {k: v for k, v in (getattr(model, "tp_plan", None) or model._tp_plan).items() if k not in plan}
+    assert set(added.values()) <= {"transfuse_merged_colwise"}
+    assert _plan_entries_used(added, model) == set(added)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"])

@@ -41,10 +41,10 @@ EXPERT_PARALLEL_FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss"]
 
 
 @pytest.mark.slow
-def test_expert_parallelism_over_two_processes_refuses_the_fused_moe_and_keeps_stock_numbers(tmp_path):
-    """Under ``ep_size=2`` each rank holds half of the experts, and transformers dispatches tokens to
-    them: the fused MoE layer, which computes every expert itself, is refused, and the answers stay
-    stock EP's."""
+def test_expert_parallelism_over_two_processes_keeps_the_fused_moe_with_one_process_numbers(tmp_path):
+    """Under ``ep_size=2`` each rank holds half of the experts: every MoE block is fused, its layer
+    computes this rank's experts with the grouped kernels and sums the ranks' outputs; the logits and
+    a training step's gradients are one process's (within the fp32 rule)."""
     for family in EXPERT_PARALLEL_FAMILIES:
         tiny_model(family).save_pretrained(tmp_path / family)
     worker = os.path.join(os.path.dirname(__file__), "tp_worker.py")
@@ -57,6 +57,45 @@ def test_expert_parallelism_over_two_processes_refuses_the_fused_moe_and_keeps_s
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     passed = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("ok ")]
     assert passed == EXPERT_PARALLEL_FAMILIES, done.stdout
+
+
+REWRITTEN_FIRST_FAMILIES = ["llama", "qwen3", "qwen3_moe"]
+
+
+@pytest.mark.slow
+def test_a_model_rewritten_first_and_distributed_afterwards_is_sharded_like_one_merged_from_shards(tmp_path):
+    """The plan's ``transfuse_merged_colwise`` entries shard the merged projections of a model rewritten
+    in one process, each rank keeping its q and k/v heads (its gate and up rows): bitwise the weights a
+    model distributed first and merged from its shards holds; logits, gradients and the checkpoint
+    are one process's."""
+    for family in REWRITTEN_FIRST_FAMILIES:
+        tiny_model(family).save_pretrained(tmp_path / family)
+    worker = os.path.join(os.path.dirname(__file__), "tp_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFUSE_PROGRESS": "0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", worker,
+         str(tmp_path), "--rewritten-first", *REWRITTEN_FIRST_FAMILIES],
+        capture_output=True, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    passed = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("ok ")]
+    assert passed == REWRITTEN_FIRST_FAMILIES, done.stdout
+
+
+@pytest.mark.slow
+def test_fully_sharded_training_of_a_rewritten_model_over_two_processes(tmp_path):
+    """FSDP2's ``fully_shard`` of a rewritten llama's layers and of the model, one sequence per rank: the
+    loss and every gradient are one process's on both sequences (within the fp32 rule)."""
+    tiny_model("llama").save_pretrained(tmp_path / "llama")
+    worker = os.path.join(os.path.dirname(__file__), "tp_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFUSE_PROGRESS": "0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", worker,
+         str(tmp_path), "--fully-sharded", "llama"],
+        capture_output=True, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    assert [line.split()[1] for line in done.stdout.splitlines() if line.startswith("ok ")] == ["llama"], done.stdout
 
 
 def test_merging_refuses_row_parallel_parts_and_mixed_parts_with_reasons(monkeypatch):
@@ -104,3 +143,51 @@ def _check_rules(mesh):
         merge_linears(parent([Shard(1), Shard(0)]), "ab", ["a", "b"])
     with pytest.raises(MergeError, match=r"b\.weight is a plain tensor while other parts are DTensors"):
         merge_linears(parent([Shard(0), None]), "ab", ["a", "b"])
+
+
+def test_expert_shardings_the_fused_moe_computes_and_those_it_refuses(monkeypatch):
+    """On a one-rank gloo mesh in this process: whole experts per rank (``Shard(0)``) over ranks holding
+    the same tokens, and features split as a tensor-parallel plan splits them, are computed; the same
+    experts over ranks that may hold other tokens, or sharded another way, are refused with a reason."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from transfuse.ops.sharding import expert_shards
+
+    assert not dist.is_initialized()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(29600 + os.getpid() % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        w13, w2 = torch.randn(4, 12, 8), torch.randn(4, 8, 6)  # [E, 2I, H], [E, H, I]
+
+        def shards(a, b, shared_batch=True, bias=None):
+            return expert_shards(
+                distribute_tensor(w13, mesh, [a]), distribute_tensor(w2, mesh, [b]), bias, None,
+                interleaved=False, w13_transposed=False, w2_transposed=False, shared_batch=shared_batch,
+            )  # fmt: skip
+
+        assert expert_shards(w13, w2, None, None, interleaved=False, w13_transposed=False, w2_transposed=False,
+                             shared_batch=None) is None  # fmt: skip
+        whole = shards(Shard(0), Shard(0))
+        assert whole.whole_experts and whole.local_experts == 4
+        features = shards(_StridedShard(1, split_factor=2), Shard(2), shared_batch=None)
+        assert not features.whole_experts and features.local_experts == 4
+        with pytest.raises(ValueError, match="may hold different tokens"):
+            shards(Shard(0), Shard(0), shared_batch=False)
+        with pytest.raises(ValueError, match="configuration is unknown"):
+            shards(Shard(0), Shard(0), shared_batch=None)
+        with pytest.raises(ValueError, match="sharded as"):
+            shards(Shard(1), Shard(2))  # gate and up rows not each split by their own halves
+        with pytest.raises(ValueError, match="with biases"):
+            bias = distribute_tensor(torch.randn(4, 12), mesh, [Replicate()])
+            shards(_StridedShard(1, split_factor=2), Shard(2), bias=bias)
+        # Whole experts: the routes to other ranks' experts are masked, the gradients summed over the ranks.
+        rows, weights, ids = whole.local_routes(torch.randn(3, 8), torch.rand(3, 2), torch.tensor([[0, 3]] * 3))
+        assert torch.equal(ids, torch.tensor([[0, 3]] * 3)) and bool((weights > 0).all())
+    finally:
+        dist.destroy_process_group()
+

@@ -21,6 +21,11 @@ __all__ = ["DECODE_STEPS_NOTE", "ExampleInputsError", "RewriteError", "diff", "i
 
 M = TypeVar("M", bound=nn.Module)
 
+# Called with each rewritten model, after the rewrite: an integration's bookkeeping of what the rewrite
+# made (``transfuse.integrations.tensor_parallel`` names the merged projections in the model's plan).
+# Set by ``transfuse.integrations``; each returns nothing and changes only the model.
+AFTER_REWRITE: list = []
+
 # The report's note on a model that generates: how to get the decode steps, which a rewrite leaves off.
 DECODE_STEPS_NOTE = (
     "decode steps: transfuse.decode_steps(model) runs generate's decode steps as CUDA graphs on a GPU; "
@@ -54,6 +59,8 @@ def rewrite(
     chosen = fusers_for(fusions)
     suggest = [f for f in FUSERS if f.opt_in and f not in chosen]
     made = rewrite_model(model, chosen, verify=verify, example_inputs=example_inputs, suggest=suggest)
+    for hook in AFTER_REWRITE:
+        hook(model)
     if callable(getattr(type(model), "generate", None)):
         made.notes.append(DECODE_STEPS_NOTE)
     if batch_invariant is None:

@@ -46,7 +46,7 @@ from ..rewriter.fusion import Fused, Fuser, Refusal
 from ..rewriter.graph import (
     Cast, NoMatch, ancestors, calls_fused_op, cast_of, is_op, op_name, operand, operands, peel_casts, value,
 )  # fmt: skip
-from ..rewriter.source import EditContext
+from ..rewriter.source import EditContext, forward_replaced
 from ..rewriter.syntax import comment_line
 
 __all__ = ["RMSNormFuser", "RMSNormMatch"]
@@ -112,6 +112,15 @@ class RMSNormFuser(Fuser[RMSNormMatch]):
         return dataclasses.replace(found, assumes=assumes, globals_none=globals_none)
 
     def validate(self, module: nn.Module, found: RMSNormMatch) -> Refusal | None:
+        if forward_replaced(module):
+            # transformers' tensor-parallel plan sums a per-head norm's weight gradient over the ranks from
+            # such a wrapper (``replicated_with_grad_allreduce``): the fused module would drop it.
+            forward = module.__dict__["forward"]
+            return Refusal(
+                "rms_norm.wrapped",
+                f"the instance's forward is replaced by {getattr(forward, '__qualname__', type(forward).__name__)} "
+                "(a parallel plan's wrapper or another library's): the fused norm would not run it.",
+            )
         for assumption in found.assumes:
             now = getattr(module, assumption.name, None)
             if not assumption.holds(now):

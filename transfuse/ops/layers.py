@@ -115,6 +115,16 @@ class MergedProjection(nn.Module):
             return module
         return self.activation_name
 
+    def use_shards(self, shards: ColwiseShards) -> None:
+        """From now on this rank's rows of each part (its weight and bias already replaced by the
+        merged DTensors of those rows): the split sizes become the local ones, and the parts' views
+        follow."""
+        self.shards = shards
+        self.split_sizes = shards.local_sizes()
+        self.out_features = sum(self.split_sizes)
+        for index, part in enumerate(self._part_modules):
+            part.locate(index)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         slots, watched = self._slots()
         if watched:
@@ -222,7 +232,12 @@ class LinearPart(nn.Linear):
         shards = merged.shards
         self.out_features = shards.full_sizes[index] if shards is not None else merged.split_sizes[index]
         object.__setattr__(self, "_merged", merged)  # not a child: the owner holds the merged module
-        self._rows = (sum(merged.split_sizes[:index]), sum(merged.split_sizes[: index + 1]))
+        self.locate(index)
+
+    def locate(self, index: int) -> None:
+        """Take the rows of part ``index`` of the merged tensors as they are split now."""
+        sizes = self._merged.split_sizes
+        self._rows = (sum(sizes[:index]), sum(sizes[: index + 1]))
         self._views: dict = {}
 
     def _view(self, name: str):

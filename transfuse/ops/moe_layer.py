@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from .graphs import SmallBatchGraphs
 from .hooks import watched
 from .moe import ExpertsSpec, RoutingSpec, moe_experts, moe_route
-from .sharding import is_sharded
+from .sharding import ExpertShards, expert_shards, is_sharded, local_tensor
 
 __all__ = [
     "ExpertNumbers", "ExpertsPlan", "LogitsPlan", "MoE", "MoEPlan", "RouterPlan", "RoutingNumbers", "SharedPlan",
@@ -274,6 +274,9 @@ class MoE(nn.Module):
         self.experts_implementation = None
         self._kernels = kernels
         self.graph_small_batches = False
+        # Whether the ranks sharing out the experts hold the same tokens (expert parallelism), as the fuser
+        # read it from the model's distributed configuration; None: unknown (``ExpertShards``).
+        self.shared_batch: bool | None = None
         self.__dict__["_block"] = None  # the block this layer took the place of (``keep_block``)
         for child in children.values():
             implementation = getattr(getattr(child, "config", None), "_experts_implementation", None)
@@ -293,7 +296,7 @@ class MoE(nn.Module):
                     f"{self.experts_implementation!r} when the model was rewritten. Set it back, or rewrite "
                     "the model without the 'moe' fusion to choose the experts implementation."
                 )
-        if experts_watched(self, self.plan):
+        if experts_watched(self, self.plan) or not _computable(self, self.plan):
             return self._as_written(hidden_states, *unused, **unused_kwargs)
         return _block_forward(self, hidden_states, self.plan, self.routing, self.expert_numbers)
 
@@ -365,6 +368,36 @@ def moe_block_applies(layer: nn.Module, plan: MoEPlan) -> bool:
     return not any(is_sharded(_tensor(layer, path)) for path in (e.w13, e.w2)) and not experts_watched(layer, plan)
 
 
+def expert_sharding(module: nn.Module, plan: MoEPlan, shared_batch: bool | None) -> ExpertShards | None:
+    """How the experts that ``plan`` finds in ``module`` are shared out over ranks (None: whole on each);
+    raises ValueError where a fused layer cannot compute them (``sharding.expert_shards``)."""
+    e = plan.experts
+    w13, w2, b13, b2 = (_tensor(module, path) if path is not None else None for path in (e.w13, e.w2, e.b13, e.b2))
+    s = e.spec
+    return expert_shards(
+        w13, w2, b13, b2, interleaved=s.interleaved, w13_transposed=s.w13_transposed,
+        w2_transposed=s.w2_transposed, shared_batch=shared_batch,
+    )  # fmt: skip
+
+
+def layer_expert_shards(layer: nn.Module, plan: MoEPlan) -> ExpertShards | None:
+    """``expert_sharding`` of a fused layer (a cheap answer while its experts are whole)."""
+    if not is_sharded(_tensor(layer, plan.experts.w13)) and not is_sharded(_tensor(layer, plan.experts.w2)):
+        return None
+    return expert_sharding(layer, plan, layer.__dict__.get("shared_batch"))
+
+
+def _computable(layer: nn.Module, plan: MoEPlan) -> bool:
+    """Whether the layer computes its block: its experts whole, or shared out over the ranks as
+    ``sharding.expert_shards`` computes them. Otherwise (a model rewritten and then distributed with its
+    experts sharded another way) the block runs as written, through the plan's own dispatch."""
+    try:
+        layer_expert_shards(layer, plan)
+    except ValueError:
+        return False
+    return True
+
+
 def experts_watched(layer: nn.Module, plan: MoEPlan) -> bool:
     """Whether the child holding the packed experts, which the fused layer does not call, has hooks
     (its own or global ones) that the block's forward as written would run."""
@@ -380,7 +413,9 @@ def experts_watched(layer: nn.Module, plan: MoEPlan) -> bool:
 def _block_forward(layer: nn.Module, hidden_states: Tensor, plan: MoEPlan, routing, numbers: ExpertNumbers):
     if plan.assumes:
         _check_assumptions(layer, plan.assumes)
-    graphs = _decode_graphs(layer, hidden_states, plan, routing, numbers)
+    # Sharded experts sum the ranks' outputs, which the layer's own graphs do not capture.
+    sharded = is_sharded(_tensor(layer, plan.experts.w13))
+    graphs = None if sharded else _decode_graphs(layer, hidden_states, plan, routing, numbers)
     if graphs is not None:
         return graphs(hidden_states)
     return _block_compute(layer, hidden_states, plan=plan, routing=routing, numbers=numbers)
@@ -432,14 +467,19 @@ def _block_compute(layer: nn.Module, hidden_states: Tensor, *, plan: MoEPlan, ro
         # output counts once: the pairs' outputs of a token are then summed in the token dtype.
         rows = (tokens.unsqueeze(1) * weights.unsqueeze(-1)).reshape(-1, tokens.shape[-1])
         row_weights, row_ids = rows.new_ones((rows.shape[0], 1)), ids.reshape(-1, 1)
+    shards = layer_expert_shards(layer, plan)
+    if shards is not None:  # this rank's experts only; the ranks' outputs are summed below
+        rows, row_weights, row_ids = shards.local_routes(rows, row_weights, row_ids)
     out = moe_experts(
-        rows, row_weights, row_ids, _tensor(layer, e.w13), _tensor(layer, e.w2), e.spec,
-        b13=_tensor(layer, e.b13) if e.b13 is not None else None,
-        b2=_tensor(layer, e.b2) if e.b2 is not None else None,
+        rows, row_weights, row_ids, local_tensor(_tensor(layer, e.w13)), local_tensor(_tensor(layer, e.w2)), e.spec,
+        b13=local_tensor(_tensor(layer, e.b13)) if e.b13 is not None else None,
+        b2=local_tensor(_tensor(layer, e.b2)) if e.b2 is not None else None,
         alpha=numbers.alpha, limit=numbers.limit,
     )  # fmt: skip
     if e.weights_on_input:
         out = out.view(ids.shape[0], ids.shape[1], -1).sum(dim=1)
+    if shards is not None:
+        out = shards.combine(out)
     if plan.routed_scaled:
         out = out * numbers.routed_scale
     if plan.combine_fp32:

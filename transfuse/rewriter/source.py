@@ -36,6 +36,7 @@ from .graph import NoMatch
 from .wrappers import rewrapped
 
 __all__ = [
+    "forward_replaced",
     "EditContext",
     "MethodRewrite",
     "MethodSource",
@@ -417,6 +418,13 @@ def unbind(instance) -> None:
     """What ``bind`` set on ``instance`` besides the method (the caller puts its forward back)."""
     if isinstance(instance.__dict__.get(_REDUCE_EX), PicklesRewritten):
         del instance.__dict__[_REDUCE_EX]
+
+
+def forward_replaced(module: nn.Module) -> bool:
+    """Whether something other than transfuse replaced the instance's ``forward`` (a parallel plan's
+    wrapper, a hook library's): a fusion that stops calling the module would stop calling it too."""
+    forward = module.__dict__.get("forward")
+    return forward is not None and rewrite_of(forward) is None
 
 
 def rewrite_of(method) -> MethodRewrite | None:

@@ -40,7 +40,16 @@ from ..ops.hooks import share_hooks
 from ..ops.quantized import QuantizedProjection, SchemeError, scheme_of
 from ..ops.sharding import ColwiseShards, colwise_shards, is_sharded
 
-__all__ = ["ActivationError", "Merge", "MergeError", "merge_declared", "merge_linears", "merges_of", "unmerge_linears"]
+__all__ = [
+    "ActivationError",
+    "Merge",
+    "MergeError",
+    "merge_declared",
+    "merge_linears",
+    "merges_of",
+    "shard_merge",
+    "unmerge_linears",
+]
 
 _MERGES = "_transfuse_merges"
 _TENSORS = ("weight", "bias")
@@ -230,6 +239,34 @@ def unmerge_linears(parent: nn.Module, into: str) -> None:
     if not merges_of(parent):
         _remove_hooks(parent)
         del parent.__dict__[_MERGES]
+
+
+def shard_merge(parent: nn.Module, into: str, mesh) -> ColwiseShards:
+    """Shard a merge that every rank holds whole over the one-dimensional ``mesh``, column-parallel and
+    part by part: this rank keeps its ``Shard(0)`` rows of each part (for GQA, its q heads and its k/v
+    heads), concatenated in the parts' order, which is exactly the local tensor a merge of the parts'
+    column-parallel shards makes. A merge already made of shards is left as it is."""
+    record = merges_of(parent)[into]
+    merged = parent._modules[into]
+    if merged.shards is not None:
+        return merged.shards
+    if mesh.ndim != 1:
+        raise MergeError(f"{into} is sharded over one mesh dimension; this mesh has {mesh.ndim}.")
+    for part, size in zip(record.parts, record.sizes):
+        if size % mesh.size():
+            raise MergeError(
+                f"{part} has {size} output features, not a multiple of the {mesh.size()} ranks: its shards are uneven."
+            )
+    shards = ColwiseShards(mesh, record.sizes)
+    with torch.no_grad():
+        for tensor in _TENSORS:
+            joined = getattr(merged, tensor)
+            if joined is not None:
+                local = torch.cat([shards.local(piece) for piece in joined.detach().split(record.sizes, dim=0)])
+                setattr(merged, tensor, nn.Parameter(shards.merged(local), requires_grad=joined.requires_grad))
+    merged.use_shards(shards)
+    record.sizes = merged.split_sizes
+    return shards
 
 
 # The hooks are found by identity in the module's own hook tables, not through handles: a copied or

@@ -17,16 +17,16 @@ from torch import nn
 from ...ops import layer
 from ...ops.hooks import hooked
 from ...ops.moe import ExpertsSpec
-from ...ops.sharding import is_sharded
 from ...ops.moe_layer import (
     HIDDEN, IDS, LOGITS, WEIGHTS, ExpertNumbers, ExpertsPlan, MoEPlan, RouterPlan, RoutingNumbers, SharedPlan,
-    StackedExperts,
+    StackedExperts, expert_sharding,
 )  # fmt: skip
+from ...ops.sharding import is_sharded
 from ...rewriter.analysis import ClassAnalysis
 from ...rewriter.fusion import Fused, Fuser, Refusal
 from ...rewriter.graph import NoMatch, calls_fused_op, is_op, operand, operands, peel_casts, value
 from ...rewriter.inline import call_inputs, inline_calls
-from ...rewriter.source import EditContext, method_source, rewrite_of
+from ...rewriter.source import EditContext, forward_replaced, method_source, rewrite_of
 from ...rewriter.syntax import comment_line, dataclass_literal
 from ...rewriter.tracer import Trace, unwrapped_forward
 from .dense import match_dense_experts, match_expert_sum, match_scaled_rows
@@ -129,6 +129,7 @@ class MoEFuser(Fuser[MoEMatch]):
         persistent = {n: n not in module._non_persistent_buffers_set for n in tensors}
         routing = _routing_numbers(module, found.routing)
         fused = layer("MoE")(children, plan, routing, experts, tensors, persistent, kernels=_experts_kernels())
+        fused.shared_batch = shared_batch(module)
         if found.member is None:  # stacked per-expert modules are gone: the block could not run as written
             fused.keep_block(module)
         return Fused(replaced=("",), into=type(fused).__name__, replacement=fused)
@@ -939,14 +940,25 @@ def _validate(module: nn.Module, found: MoEMatch) -> None:
             f"the block holds tensors of its own ({', '.join(unread)}) that its routing does not read, which the "
             "fused layer would not keep.",
         )
-    sharded = next((name for name, p in module.named_parameters() if is_sharded(p)), None)
+    e = found.plan.experts
+    # Packed experts the plan shards are judged below; per-expert modules (stacked when fused) never are.
+    packed = found.member is None
+    expert_paths = [path for path in (e.w13, e.w2, e.b13, e.b2) if path is not None and packed]
+    sharded = next((n for n, p in module.named_parameters() if is_sharded(p) and n not in expert_paths), None)
     if sharded is not None:
         raise NoMatch(
             "moe.sharded",
-            f"{sharded} is a DTensor (tensor or expert parallelism): the fused layer computes whole experts on one "
-            "device, not shards of them.",
+            f"{sharded} is a DTensor (tensor parallelism): the fused layer computes the block's other modules whole "
+            "on each rank, not shards of them.",
         )
-    wrapped = next((name for name, m in module.named_modules() if _forward_replaced(m)), None)
+    try:
+        shards = expert_sharding(module, found.plan, shared_batch(module)) if packed else None
+    except ValueError as exc:
+        raise NoMatch("moe.sharded", f"{exc} (the experts are DTensors)") from None
+    # Under expert parallelism the experts' module has the plan's dispatch as its forward: the fused layer,
+    # which never calls that module, routes and combines the tokens itself (``ExpertShards``).
+    dispatched = e.w13.rpartition(".")[0] if shards is not None else None
+    wrapped = next((n for n, m in module.named_modules() if forward_replaced(m) and n != dispatched), None)
     if wrapped is not None:
         forward = module.get_submodule(wrapped).__dict__["forward"]
         raise NoMatch(
@@ -963,20 +975,28 @@ def _validate(module: nn.Module, found: MoEMatch) -> None:
         _check_routing(module, found, experts)
     if found.skip_ids_from is not None:
         skipped = found.skip_ids_from.read(module)
-        if not isinstance(skipped, int) or skipped < experts:
+        # Under expert parallelism the loop runs over this rank's experts, by local ids.
+        held = experts if shards is None else shards.local_experts
+        if not isinstance(skipped, int) or skipped < held:
             raise NoMatch(
                 "moe.loop-form", f"the experts loop skips expert id {skipped!r}, which is a real expert of {experts}."
             )
 
 
+def shared_batch(module: nn.Module) -> bool | None:
+    """Whether the ranks that share out the block's experts hold the same tokens: transformers'
+    ``distributed_config`` on a configuration the block's modules hold, with as many expert-parallel
+    ranks as tensor-parallel ones (the expert group is then the tensor-parallel group); None when no
+    module holds one."""
+    for child in module.modules():
+        config = getattr(getattr(child, "config", None), "distributed_config", None)
+        if config is not None and getattr(config, "ep_size", None) is not None:
+            return config.ep_size == config.tp_size
+    return None
+
+
 def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
-
-
-def _forward_replaced(module: nn.Module) -> bool:
-    """Whether something other than transfuse replaced the instance's forward."""
-    forward = module.__dict__.get("forward")
-    return forward is not None and rewrite_of(forward) is None
 
 
 def _tensor(module: nn.Module, path: str) -> torch.Tensor:
