@@ -12,9 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def config(pretraining_tp=1, hidden=32, heads=4, inner=48):
-    return SimpleNamespace(pretraining_tp=pretraining_tp, hidden_size=hidden, num_attention_heads=heads,
-                           intermediate_size=inner, rms_norm_eps=1e-6)
+def config(pretraining_tp=1, hidden=32, heads=4, inner=48, rotary=False):
+    return SimpleNamespace(
+        pretraining_tp=pretraining_tp, hidden_size=hidden, num_attention_heads=heads, intermediate_size=inner,
+        rms_norm_eps=1e-6, rotary=rotary,
+    )
 
 
 def _attend(q, k, v, heads):
@@ -23,6 +25,38 @@ def _attend(q, k, v, heads):
     scores = q @ k.transpose(-1, -2) / math.sqrt(h // heads)
     out = torch.softmax(scores, dim=-1) @ v
     return out.transpose(1, 2).reshape(b, s, h)
+
+
+def rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin):
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed, k_embed
+
+
+def _heads(t, heads):
+    b, s, h = t.shape
+    return t.view(b, s, heads, h // heads).transpose(1, 2)
+
+
+def _attend_heads(q, k, v):
+    b, n, s, d = q.shape
+    scores = q @ k.transpose(-1, -2) / math.sqrt(d)
+    return (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(b, s, n * d)
+
+
+def position_embeddings(batch, seq, head_dim, base=10000.0):
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.arange(seq, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1).expand(batch, seq, head_dim)
+    return emb.cos(), emb.sin()
 
 
 class RMSNorm(nn.Module):
@@ -156,10 +190,15 @@ class WPackAttention(nn.Module):
         self.W_pack = nn.Linear(self.hidden_size, 3 * self.hidden_size, bias=False)
         self.o_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=False)
 
-    def forward(self, hidden_states):
+    def forward(self, hidden_states, position_embeddings):
         proj = self.W_pack(hidden_states)
         proj = proj.unflatten(-1, (3, self.hidden_size)).unsqueeze(0).transpose(0, -2).squeeze(-2)
-        return self.o_proj(_attend(proj[0], proj[1], proj[2], self.num_heads))
+        query_states = _heads(proj[0], self.num_heads)
+        key_states = _heads(proj[1], self.num_heads)
+        value_states = _heads(proj[2], self.num_heads)
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        return self.o_proj(_attend_heads(query_states, key_states, value_states))
 
 
 class QueryKeyValueAttention(nn.Module):
@@ -172,9 +211,12 @@ class QueryKeyValueAttention(nn.Module):
         self.query_key_value = nn.Linear(self.hidden_size, 3 * self.hidden_size, bias=True)
         self.dense = nn.Linear(self.hidden_size, self.hidden_size, bias=True)
 
-    def forward(self, hidden_states):
+    def forward(self, hidden_states, position_embeddings):
         q, k, v = self.query_key_value(hidden_states).split(self.hidden_size, dim=-1)
-        return self.dense(_attend(q, k, v, self.num_heads))
+        q, k, v = (_heads(t, self.num_heads) for t in (q, k, v))
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return self.dense(_attend_heads(q, k, v))
 
 
 class DecoderLayer(nn.Module):
@@ -187,10 +229,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp(config)
 
-    def forward(self, hidden_states):
+    def forward(self, hidden_states, position_embeddings=None):
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
-        hidden_states = self.self_attn(hidden_states)
+        if position_embeddings is None:
+            hidden_states = self.self_attn(hidden_states)
+        else:
+            hidden_states = self.self_attn(hidden_states, position_embeddings)
         hidden_states = residual + hidden_states
         residual = hidden_states
         hidden_states = self.post_attention_layernorm(hidden_states)
@@ -206,6 +251,11 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, hidden_states):
+        position = None
+        if self.config.rotary:
+            b, s, h = hidden_states.shape
+            cos, sin = position_embeddings(b, s, h // self.config.num_attention_heads)
+            position = cos.to(hidden_states.dtype), sin.to(hidden_states.dtype)
         for layer in self.layers:
-            hidden_states = layer(hidden_states)
+            hidden_states = layer(hidden_states, position)
         return self.norm(hidden_states)
