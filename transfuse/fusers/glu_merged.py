@@ -127,6 +127,17 @@ def _product(analysis, linears, product, act_side, other, activation_of, class_a
             if child is None:
                 raise NoMatch("gate_up.activation", f"the activation module {act_side.target} cannot be analysed.")
             activation, act_module = class_activation(child), act_side.target
+            # The activation is written into the forward: the traced instance's own (an activation
+            # class may be configured per instance, nn.GELU(approximate=...)); others must match it.
+            traced = _traced_instance(analysis)
+            if traced is not None:
+                activation = identify_activation(traced.get_submodule(act_module))
+                if activation is None:
+                    raise NoMatch(
+                        "gate_up.activation",
+                        f"{act_module} is not exactly one of the fused activations on the traced instance.",
+                        act_side,
+                    )
         else:
             activation, act_module = activation_of(act_side), None
             if activation is None:
@@ -161,6 +172,15 @@ def validate_merged(module: nn.Module, found: MergedGLUMatch) -> Refusal | None:
                 f"{found.act_module} ({act!r}) does not compute exactly {found.activation}, as its class does.",
             )
     return None
+
+
+def _traced_instance(analysis: ClassAnalysis) -> nn.Module | None:
+    found = analysis.trace.graph.find_nodes(op="placeholder", target="self")
+    try:
+        instance = found[0].meta.get("val") if found else None
+        return instance if isinstance(instance, nn.Module) else None
+    except ReferenceError:
+        return None
 
 
 # ---- the source edit ----------------------------------------------------------------------------
