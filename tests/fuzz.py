@@ -296,6 +296,64 @@ def glu_examples(draw) -> Example:
     return Example("gate_up", miss or "spelling", _module(init, x, body), expect, draw(_DTYPES))
 
 
+# ---- GLUs as third-party files write them: under branches, already merged ------------------------
+
+_MERGED_SPLITS = ["{m}.chunk(2, dim=-1)", "torch.chunk({m}, 2, dim=-1)", "{m}.chunk(2, -1)", "{m}.split(self.inner, dim=-1)"]
+_GLU_FORMS = ["config-branch", "attribute-branch", "dtype-arms", "merged", "merged-bound", "merged-up-first"]
+
+
+@st.composite
+def glu_branch_examples(draw) -> Example:
+    """A GLU under a branch on a configuration value (the traced instance's arm fused, guarded), the
+    same GLU in both arms of a dtype test (fused in each), or a gate/up already merged into one
+    linear whose output is chunked (its act and product fused; the halves the other way round refused)."""
+    x = draw(_NAMES)
+    gate, up, down = draw(st.sampled_from(_GLU_NAMES))
+    act, act_module = draw(st.sampled_from(_ACTS))
+    form = draw(st.sampled_from(_GLU_FORMS))
+    init = [f"self.{down} = nn.Linear(2 * hidden, hidden, bias=False)", "self.inner = 2 * hidden"]
+    if act_module is not None:
+        init.append(f"self.act = {act_module}")
+    helpers = ""
+    if form.startswith("merged"):
+        init.insert(0, f"self.{gate}_{up} = nn.Linear(hidden, 4 * hidden, bias={draw(st.booleans())})")
+        split = draw(st.sampled_from(_MERGED_SPLITS))
+        first, second = ("u", "g") if form == "merged-up-first" else ("g", "u")
+        product = draw(st.sampled_from(["{a} * u", "u * {a}", "torch.mul({a}, u)"])).format(a=act.format(g="g"))
+        if form == "merged-bound":
+            body = [f"m = self.{gate}_{up}({x})", f"{first}, {second} = {split.format(m='m')}", f"y = {product}"]
+        else:
+            merged = split.format(m=f"self.{gate}_{up}({x})")
+            body = [f"{first}, {second} = {merged}", f"y = {product}"]
+        body.append(f"return self.{down}(y)")
+        expect = "refuse" if form == "merged-up-first" else "fuse"
+        return Example("gate_up", form, _module(init, x, body), expect, draw(_DTYPES))
+    init[:0] = [f"self.{gate} = nn.Linear(hidden, 2 * hidden, bias=False)", f"self.{up} = nn.Linear(hidden, 2 * hidden, bias=False)"]
+    glu = f"self.{down}({act.format(g=f'self.{gate}({x})')} * self.{up}({x}))"
+    if form == "dtype-arms":
+        body = [f"if {x}.dtype == torch.float16:", f"    y = {glu}", "    y = y.clamp(-65000, 65000)", "else:", f"    y = {glu}",
+                "return y"]  # fmt: skip
+        return Example("gate_up", form, _module(init, x, body), "fuse", draw(_DTYPES))
+    if form == "config-branch":
+        helpers = "from types import SimpleNamespace\n"
+        init.append("self.config = SimpleNamespace(pretraining_tp=1)")
+        tp = "self.config.pretraining_tp"
+    else:
+        init.append("self.pretraining_tp = 1")
+        tp = "self.pretraining_tp"
+    body = [
+        f"if {tp} > 1:",
+        f"    width = self.inner // {tp}",
+        f"    g = torch.cat([F.linear({x}, w) for w in self.{gate}.weight.split(width)], dim=-1)",
+        f"    u = torch.cat([F.linear({x}, w) for w in self.{up}.weight.split(width)], dim=-1)",
+        f"    y = self.{down}({act.format(g='g')} * u)",
+        "else:",
+        f"    y = {glu}",
+        "return y",
+    ]
+    return Example("gate_up", form, _module(init, x, body, helpers), "fuse", draw(_DTYPES))
+
+
 # ---- mixture of experts -------------------------------------------------------------------------
 
 _EXPERT = """
@@ -368,7 +426,7 @@ def moe_examples(draw) -> Example:
 
 
 def examples() -> st.SearchStrategy[Example]:
-    return st.one_of(norm_examples(), qkv_examples(), glu_examples(), moe_examples())
+    return st.one_of(norm_examples(), qkv_examples(), glu_examples(), glu_branch_examples(), moe_examples())
 
 
 # ---- running one example ------------------------------------------------------------------------

@@ -65,8 +65,12 @@ def test_models_that_already_merge_projections_are_left_alone_or_fused_correctly
     transfuse.rewrite(model)
     with torch.no_grad():
         assert (model(input_ids=ids).logits - before).abs().max().item() <= 1e-5
-    kinds = transfuse.report(model).counts()
-    assert "gate_up" not in kinds  # their MLPs already run one gate_up_proj
+    report = transfuse.report(model)
+    kinds = report.counts()
+    # Their MLPs already run one gate_up_proj: its activation and product become act_and_mul.
+    merged_glu = [p for p, m in model.named_modules() if isinstance(getattr(m, "gate_up_proj", None), nn.Linear)]
+    assert sorted(f.path for f in report.fusions if f.kind == "gate_up") == sorted(merged_glu)
+    assert {f.into for f in report.fusions if f.kind == "gate_up"} == {"act_and_mul"}
     assert kinds.get("qkv", 0) == len(_attention_paths(tiny_model(model_type)))
 
 

@@ -25,10 +25,18 @@ float32 around the activation, a scale on the gate, or the activated gate kept i
 before the product) still has two projections of one value: they merge alone, proved and
 edited as the qkv fuser merges projections (``gate_out, up_out = self.gate_up_proj(x).split(...)``),
 and the arithmetic between them and the product stays as written.
+
+A GLU whose gate and up are already one linear (``gate, up = self.gate_up_proj(x).chunk(2,
+dim=-1)``) gets its activation and product fused the same way, the model's linear kept as it is
+(``fusers/glu_merged.py``). A forward whose GLU sits under a branch on configuration values (a
+``pretraining_tp > 1`` arm that slices the weights) is fused on the arm the traced instance takes,
+under a guard; one that writes the GLU alike in both arms of an if/else is fused in each arm
+(``fusers/projections.py``).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import libcst as cst
@@ -38,21 +46,29 @@ from torch import nn
 
 from ..ops import ACTIVATIONS
 from ..rewriter.analysis import ClassAnalysis
+from ..rewriter.branches import constant_tests
 from ..rewriter.fusion import Fused, Refusal, SourceFuser
 from ..rewriter.graph import NoMatch, is_op, op_name, operand, operands
 from ..rewriter.source import EditContext
 from ..rewriter.syntax import expression_code, replace_nodes
 from ..rewriter.weights import ActivationError, Merge, MergeError
+from .glu_merged import MergedGLUMatch, edit_merged, match_merged, validate_merged
 from .projections import (
     adapter_refusal,
     free_child_name,
+    in_each_arm,
     linear_children,
     merge_calls,
+    on_decided_path,
     single_call,
     wrapped_children,
 )
 
 __all__ = ["GLUFuser", "GLUMatch"]
+
+# Refusals of the source proof that may not hold on one arm of a branch: the other arm uses the
+# projections otherwise (slices their weights) or calls them again.
+_PATH_DEPENDENT = ("gate_up.other-use", "gate_up.called-twice")
 
 
 @dataclass(frozen=True)
@@ -71,6 +87,8 @@ class GLUMatch:
     # activation the op does not have), so only the projections merge.
     product: bool = True
     linears: frozenset[str] = frozenset()  # every linear child (named if one reads x between the calls)
+    # The forward's branch tests the traced instance decides (``rewriter.branches.constant_tests``).
+    decided: tuple[tuple[str, bool], ...] = ()
 
     @property
     def merge(self) -> Merge:
@@ -132,12 +150,15 @@ class GLUFuser(SourceFuser[GLUMatch]):
             for act_side, up_side in (operands(node)[:2], operands(node)[1::-1]):
                 found = self._match_product(analysis, linears, act_side, up_side)
                 if isinstance(found, GLUMatch):
-                    found = replace(found, linears=plain)
+                    found = replace(found, linears=plain, decided=constant_tests(analysis))
                     if found.product:
                         return replace(found, down=_only_reader(node, plain, found))
                     projections_only = projections_only or found
                 refusal = refusal or found
-        return projections_only or refusal
+        merged = match_merged(analysis, linears, _activation_of_function, _class_activation)
+        if isinstance(merged, MergedGLUMatch):
+            return merged
+        return projections_only or refusal or merged
 
     def _match_product(self, analysis, linears, act_side, up_side) -> GLUMatch | Refusal | None:
         if not (_is_linear_call(up_side, linears) and isinstance(act_side, fx.Node)):
@@ -178,7 +199,28 @@ class GLUFuser(SourceFuser[GLUMatch]):
             return Refusal(refusal.tag, refusal.reason, analysis.where(refusal.node))
         return GLUMatch(gate.target, up_side.target, into, None, activation)
 
-    def edit(self, tree: cst.FunctionDef, found: GLUMatch, context: EditContext) -> cst.FunctionDef:
+    def edit(self, tree: cst.FunctionDef, found: GLUMatch | MergedGLUMatch, context: EditContext) -> cst.FunctionDef:
+        if isinstance(found, MergedGLUMatch):
+            return edit_merged(tree, found, context)
+        try:
+            return self._edit(tree, found, context)
+        except NoMatch as refusal:
+            if refusal.tag not in _PATH_DEPENDENT:
+                raise
+            # Branches on configuration values (a weight-slicing arm for ``pretraining_tp > 1``), or
+            # the GLU written alike in both arms of one if/else (a test on the input's dtype).
+            edit = functools.partial(self._edit, found=found, context=context)
+            for attempt in (
+                lambda: on_decided_path(tree, found.decided, edit, context, self.kind, f"{found.gate}, {found.up} fused"),
+                lambda: in_each_arm(tree, (found.gate, found.up), edit, self.kind),
+            ):
+                try:
+                    return attempt()
+                except NoMatch:
+                    continue
+            raise
+
+    def _edit(self, tree: cst.FunctionDef, found: GLUMatch, context: EditContext) -> cst.FunctionDef:
         if not found.product:
             return merge_calls(tree, (found.gate, found.up), found.into, found.linears, context, self.kind)
         gate_call = single_call(tree, found.gate, context, "gate_up")
@@ -208,13 +250,15 @@ class GLUFuser(SourceFuser[GLUMatch]):
         merged = cst.parse_expression(f"{fused_op}(self.{found.into}({x.value}), self.{found.into}.activation)")
         return replace_nodes(tree, [(product, merged)])
 
-    def rebuilt_children(self, found: GLUMatch) -> tuple[str, ...]:
-        return (found.gate, found.up)
+    def rebuilt_children(self, found: GLUMatch | MergedGLUMatch) -> tuple[str, ...]:
+        return () if isinstance(found, MergedGLUMatch) else (found.gate, found.up)
 
-    def declaration(self, found: GLUMatch) -> Merge:
-        return found.merge
+    def declaration(self, found: GLUMatch | MergedGLUMatch) -> Merge | None:
+        return None if isinstance(found, MergedGLUMatch) else found.merge
 
-    def validate(self, module: nn.Module, found: GLUMatch) -> Refusal | None:
+    def validate(self, module: nn.Module, found: GLUMatch | MergedGLUMatch) -> Refusal | None:
+        if isinstance(found, MergedGLUMatch):
+            return validate_merged(module, found)
         try:
             found.merge.check(module)
         except ActivationError as exc:
@@ -223,7 +267,9 @@ class GLUFuser(SourceFuser[GLUMatch]):
             return Refusal("gate_up.instance", str(exc))
         return None
 
-    def fuse(self, module: nn.Module, found: GLUMatch) -> Fused:
+    def fuse(self, module: nn.Module, found: GLUMatch | MergedGLUMatch) -> Fused:
+        if isinstance(found, MergedGLUMatch):
+            return Fused(replaced=(), into="act_and_mul")  # the model's own merged linear, as it is
         merged = found.merge.apply(module)
         return Fused(replaced=(found.gate, found.up), into=type(merged).__name__, undo=lambda: found.merge.undo(module))
 

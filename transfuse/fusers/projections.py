@@ -1,16 +1,23 @@
 """What the projection-merging fusers (qkv, gate_up) share: linear children, a free name for
 the merged child, the proof that a projection is called exactly once and nowhere else, and the
-edit that turns the calls of projections of one value into one merged call (proved first)."""
+edit that turns the calls of projections of one value into one merged call (proved first), and
+the two ways such an edit is proved on a forward with branches: on the arm the traced instance
+takes of branches on configuration values (``on_decided_path``), and in each arm of an if/else
+that calls the projections once in each (``in_each_arm``)."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import libcst as cst
+import libcst.matchers as m
 from torch import nn
 
 from ..rewriter.analysis import ClassAnalysis
 from ..rewriter.fusion import Refusal
 from ..rewriter.graph import NoMatch
 from ..rewriter.source import EditContext, self_calls, self_references
+from ..rewriter.specialise import decide, guarded_by
 from ..rewriter.syntax import (
     ParentMap,
     assigned_names,
@@ -22,7 +29,16 @@ from ..rewriter.syntax import (
     statement_block,
 )
 
-__all__ = ["adapter_refusal", "free_child_name", "linear_children", "merge_calls", "single_call", "wrapped_children"]
+__all__ = [
+    "adapter_refusal",
+    "free_child_name",
+    "in_each_arm",
+    "linear_children",
+    "merge_calls",
+    "on_decided_path",
+    "single_call",
+    "wrapped_children",
+]
 
 
 def linear_children(analysis: ClassAnalysis) -> set[str]:
@@ -155,3 +171,67 @@ def _prove_input_unchanged(statements, source: str, calls, linears: frozenset[st
                 if others[0].func.attr.value in linears:
                     raise NoMatch(f"{kind}.extra-reader", f"{callee} also reads {source} between the projections.")
             raise NoMatch(f"{kind}.input-mutated", f"{source} is passed to {callee} between the projections.")
+
+
+Edit = Callable[[cst.FunctionDef], cst.FunctionDef]
+
+
+def on_decided_path(
+    tree: cst.FunctionDef, decided: tuple[tuple[str, bool], ...], edit: Edit, context: EditContext, kind: str, why: str
+) -> cst.FunctionDef:
+    """``edit`` proved on the arm the traced instance takes of the branches ``decided`` (their tests'
+    code and values, ``rewriter.branches.constant_tests``): the forward runs that edited arm while
+    the tests have those values, and the original forward otherwise. The arm not taken (a
+    ``pretraining_tp > 1`` weight-slicing branch) is then no use of the projections. NoMatch where no
+    decided test is in the forward, or the edit is refused on the arm taken too."""
+    decisions = dict(decided)
+    found = decide(tree, decisions)
+    if found is None:
+        raise NoMatch(f"{kind}.control-flow", "no branch of the forward is decided by the traced instance.")
+    specialised, tests = found
+    edited = edit(specialised)
+    taken = [code if decisions[code] else f"not ({code})" for code in tests]
+    context.notes.append(
+        f"{context.cls.__name__}.{tree.name.value}: {kind} fused on the branch taken where "
+        f"{' and '.join(taken)} (as the traced instance has it); where that changes, the original forward runs"
+    )
+    return guarded_by(tree, edited, taken, why)
+
+
+_ARM = "_transfuse_arm"  # the test that marks the arm being edited (a name no source uses)
+
+
+def in_each_arm(tree: cst.FunctionDef, names: tuple[str, ...], edit: Edit, kind: str) -> cst.FunctionDef:
+    """``edit`` made in each arm of the one ``if``/``else`` whose two arms each call every projection
+    in ``names`` once (a GLU written alike in both arms of a dtype test): each arm is edited as the
+    forward with only that arm in place of the ``if``, and the two edited arms go back under the
+    test. NoMatch where there is no such ``if``, a projection is used in its test or outside it, or
+    an arm's edit is refused or changes the forward outside the arm."""
+    branch = next((b for b in m.findall(tree.body, m.If()) if _calls_once_in_each_arm(b, names)), None)
+    if branch is None:
+        raise NoMatch(f"{kind}.called-twice", f"{', '.join(names)} are not called once in each arm of one if/else.")
+    edits = []
+    for block in (branch.body, branch.orelse.body):
+        edited = edit(replace_nodes(tree, [(branch, cst.If(test=cst.Name(_ARM), body=block))]))
+        marked = list(m.findall(edited.body, m.If(test=m.Name(_ARM))))
+        if len(marked) != 1:
+            raise NoMatch(f"{kind}.placement", "an arm's edit did not stay in its arm.")
+        outside = replace_nodes(edited, [(marked[0], cst.If(test=cst.Name(_ARM), body=cst.IndentedBlock([])))])
+        edits.append((edited, marked[0], outside))
+    (edited, marked, outside), (_, other, other_outside) = edits
+    if not outside.deep_equals(other_outside):
+        raise NoMatch(f"{kind}.placement", "the two arms' edits change the forward outside the if differently.")
+    arms = [marked.body, other.body]
+    both = branch.with_changes(body=arms[0], orelse=branch.orelse.with_changes(body=arms[1]))
+    return replace_nodes(edited, [(marked, both)])
+
+
+def _calls_once_in_each_arm(branch: cst.If, names: tuple[str, ...]) -> bool:
+    if not isinstance(branch.orelse, cst.Else):
+        return False
+    return all(
+        len(self_references(branch.test, name)) == 0
+        and len(self_calls(branch.body, name)) == len(self_references(branch.body, name)) == 1
+        and len(self_calls(branch.orelse.body, name)) == len(self_references(branch.orelse.body, name)) == 1
+        for name in names
+    )

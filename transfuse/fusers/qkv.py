@@ -26,7 +26,11 @@ compared with None being None or not (MLA's ``self.q_lora_rank``; a projection t
 instances lack, whose None test is then no other use of it), or an attribute tested for truth
 being false or true (a flag that takes k and v from another layer), or two of these at once
 (gemma4: ``self.v_proj is not None and not self.is_kv_shared_layer``), and the forward runs that
-body under that test and the original otherwise.
+body under that test and the original otherwise. Failing those, the proof is tried on the arm the
+traced instance takes of the branches whose tests read only configuration values, plain
+attributes and constant globals (a ``pretraining_tp > 1`` arm that slices the weights, which is
+then no other use of them), guarded the same way, and in each arm of an if/else that calls every
+projection once in each (``fusers/projections.py``).
 """
 
 from __future__ import annotations
@@ -43,10 +47,18 @@ from ..rewriter.analysis import ClassAnalysis
 from ..rewriter.fusion import Fused, Refusal, SourceFuser
 from ..rewriter.graph import NoMatch, ancestors, is_op, operands, peel_casts, value
 from ..rewriter.source import EditContext
-from ..rewriter.syntax import comment_line
-from ..rewriter.specialise import cases, guarded, specialise
+from ..rewriter.specialise import cases, guarded_by, specialise
 from ..rewriter.weights import Merge, MergeError
-from .projections import adapter_refusal, free_child_name, linear_children, merge_calls, wrapped_children
+from ..rewriter.branches import constant_tests
+from .projections import (
+    adapter_refusal,
+    free_child_name,
+    in_each_arm,
+    linear_children,
+    merge_calls,
+    on_decided_path,
+    wrapped_children,
+)
 
 __all__ = ["QKVFuser", "QKVMatch", "linear_calls_by_input"]
 
@@ -63,6 +75,8 @@ class QKVMatch:
     parts: tuple[str, ...]
     into: str
     linears: frozenset[str]
+    # The forward's branch tests the traced instance decides (``rewriter.branches.constant_tests``).
+    decided: tuple[tuple[str, bool], ...] = ()
 
     @property
     def merge(self) -> Merge:
@@ -125,11 +139,14 @@ class QKVFuser(SourceFuser[QKVMatch]):
         except NoMatch as refusal:
             return Refusal(refusal.tag, refusal.reason, analysis.where(refusal.node))
         into = free_child_name(analysis, "qkv_proj" if len(parts) >= 3 else "pair_proj")
-        return QKVMatch(parts, into, frozenset(linear_children(analysis)))
+        return QKVMatch(parts, into, frozenset(linear_children(analysis)), constant_tests(analysis))
 
     def edit(self, tree: cst.FunctionDef, found: QKVMatch, context: EditContext) -> cst.FunctionDef:
+        def merged(body: cst.FunctionDef) -> cst.FunctionDef:
+            return merge_calls(body, found.parts, found.into, found.linears, context, self.kind)
+
         try:
-            return merge_calls(tree, found.parts, found.into, found.linears, context, self.kind)
+            return merged(tree)
         except NoMatch as refusal:
             if refusal.tag not in _PATH_DEPENDENT:
                 raise
@@ -141,7 +158,18 @@ class QKVFuser(SourceFuser[QKVMatch]):
                     edited = merge_calls(specialised, found.parts, found.into, found.linears, context, self.kind)
                 except NoMatch:
                     continue
-                return _guarded(tree, edited, tests, f"{', '.join(found.parts)} read one value")
+                return guarded_by(tree, edited, tests, f"{', '.join(found.parts)} read one value")
+            # Branches on configuration values (a weight-slicing arm for ``pretraining_tp > 1``), or
+            # the projections written alike in both arms of one if/else.
+            why = f"{', '.join(found.parts)} read one value"
+            for attempt in (
+                lambda: on_decided_path(tree, found.decided, merged, context, self.kind, why),
+                lambda: in_each_arm(tree, found.parts, merged, self.kind),
+            ):
+                try:
+                    return attempt()
+                except NoMatch:
+                    continue
             raise
 
     def rebuilt_children(self, found: QKVMatch) -> tuple[str, ...]:
@@ -360,15 +388,3 @@ class _Constant(cst.CSTTransformer):
 
     def leave_Attribute(self, original_node, updated_node):
         return cst.Name(repr(self.truth)) if id(original_node) in self.nodes else updated_node
-
-
-def _guarded(tree: cst.FunctionDef, edited: cst.FunctionDef, tests: list[str], why: str) -> cst.FunctionDef:
-    """``if <tests joined by and>: <edited body> else: <original body>``, the docstring kept on top."""
-    test = " and ".join(tests)
-    function = guarded(tree, edited, "None", True, why)  # its test and comment are replaced here
-    *head, branch = function.body.body
-    branch = branch.with_changes(
-        test=cst.parse_expression(test),
-        leading_lines=[comment_line(f"transfuse: where {test} this forward is specialised: {why}")],
-    )
-    return function.with_changes(body=function.body.with_changes(body=[*head, branch]))

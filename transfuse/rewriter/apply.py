@@ -214,6 +214,7 @@ def _compose_source_edits(instance: _Instance, report: RewriteReport) -> None:
     instance.plans = [p for p in instance.plans if p.fuser.kind not in refusals]
     instance.rewrite = rewrite
     if rewrite is not None:
+        report.notes.extend(n for n in rewrite.notes if n not in report.notes)
         declared = (p.fuser.declaration(p.found) for p in instance.plans if isinstance(p.fuser, SourceFuser))
         rewrite.declarations = tuple(d for d in declared if d is not None)
         rewrite.recipe = tuple((p.fuser, p.found) for p in instance.plans if isinstance(p.fuser, SourceFuser))

@@ -7,6 +7,12 @@ except a branch whose test reads only ``self``'s attributes and constants (``if 
 it read, with their values, are what the match assumes of every other instance. A global of the
 model's module that is None (``if fused_kernel is not None and x.is_cuda``, the kernel's import having
 failed) is decided as None too; the fused code checks it per call and runs the original otherwise.
+
+``constant_tests`` reads the same tests more widely, for a fuser that edits the forward rather than
+replacing the module: a test that reads only constants, ``self``'s plain attributes, values reached
+through a plain object ``self`` holds (``self.config.pretraining_tp > 1``) and the module's constant
+globals has one value for the traced instance. The edit is then proved on the arm taken, and the
+edited forward re-tests the same expressions at run time, running the original where they differ.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import inspect
 import libcst as cst
 import libcst.matchers as m
 import torch
+from torch import nn
 
 from ..ops.layers import Assumption
 from .analysis import ClassAnalysis
@@ -23,7 +30,7 @@ from .graph import NoMatch, value
 from .source import MethodSource, helper_functions, method_source, self_method_calls
 from .tracer import unwrapped_forward
 
-__all__ = ["TracedPath", "traced_path"]
+__all__ = ["TracedPath", "constant_tests", "traced_path"]
 
 
 def traced_path(analysis: ClassAnalysis, kind: str) -> TracedPath:
@@ -61,6 +68,29 @@ def traced_path(analysis: ClassAnalysis, kind: str) -> TracedPath:
     return path
 
 
+def constant_tests(analysis: ClassAnalysis) -> tuple[tuple[str, bool], ...]:
+    """Every ``if`` and conditional expression test in the class's forward whose value the traced
+    instance decides (configuration values, plain attributes, constant globals; none assigned in the
+    forward), as (the test's code, its value), in source order; a test of literals alone is left out."""
+    forward = unwrapped_forward(analysis.cls)
+    source = method_source(forward)
+    if source is None:
+        return ()
+    path = TracedPath(analysis, "constant", constants=True)
+    path._source = source
+    found = []
+    for node in m.findall(source.node.body, m.If() | m.IfExp()):
+        path.read = False
+        try:
+            decided = path._truth(path._evaluate(node.test))
+        except Exception:  # noqa: BLE001 - undecidable, or a comparison of odd objects: decides nothing
+            continue
+        code = cst.Module(body=[]).code_for_node(node.test.with_changes(lpar=[], rpar=[]))
+        if path.read and all(code != c for c, _ in found):
+            found.append((code, decided))
+    return tuple(found)
+
+
 _TENSOR = object()  # what a test of a parameter or buffer reads: a tensor (only ``is None`` is decidable)
 _COMPARE = {
     cst.Is: lambda a, b: a is b, cst.IsNot: lambda a, b: a is not b,
@@ -76,10 +106,14 @@ class TracedPath(cst.CSTVisitor):
     ``with``, ``try`` or early return is refused. ``assumes`` are the attributes the decisions read,
     with their values; ``optional`` the tests of an optional input being None (parameter, If)."""
 
-    def __init__(self, analysis: ClassAnalysis, kind: str):
+    def __init__(self, analysis: ClassAnalysis, kind: str, constants: bool = False):
         super().__init__()
         self.analysis = analysis
         self.kind = kind
+        # Also read values through plain objects ``self`` holds and the module's constant globals
+        # (``constant_tests``); ``read`` says whether a test read any of them.
+        self.constants = constants
+        self.read = False
         self.assumes: dict[str, Assumption] = {}
         # Globals of the model's module a test read, None when traced: (module name, global name).
         self.globals_none: dict[str, tuple[str, str]] = {}
@@ -174,7 +208,11 @@ class TracedPath(cst.CSTVisitor):
         if isinstance(node, (cst.Integer, cst.Float, cst.SimpleString)):
             return node.evaluated_value
         if m.matches(node, m.Attribute(value=m.Name("self"))):
+            self.read = True
             return self._attribute(node.attr.value)
+        if self.constants and isinstance(node, (cst.Attribute, cst.Name)):
+            self.read = True
+            return self._constant(node)
         if isinstance(node, cst.Name):
             return self._global_none(node.value)
         if isinstance(node, cst.UnaryOperation) and isinstance(node.operator, cst.Not):
@@ -197,6 +235,43 @@ class TracedPath(cst.CSTVisitor):
                 left = right
             return True
         raise _Undecidable
+
+    def _constant(self, node: cst.Attribute | cst.Name):
+        """A value reached through plain objects held by ``self`` (``self.config.pretraining_tp``), or a
+        global of the forward's module, on the traced instance: a constant (None, bool, int, float,
+        str) that the forward does not assign; anything else is undecidable."""
+        chain = []
+        while isinstance(node, cst.Attribute):
+            chain.append(node.attr.value)
+            node = node.value
+        if not isinstance(node, cst.Name):
+            raise _Undecidable
+        chain.reverse()
+        function = self._source.node
+        if node.value == "self":
+            if _assigns_under_self(function, chain[0]):
+                raise _Undecidable
+            instance = self.analysis.trace.graph.find_nodes(op="placeholder", target="self")[0].meta.get("val")
+            found = instance
+        else:
+            if node.value in _local_names(function):
+                raise _Undecidable
+            scope = self._source.function.__globals__
+            if node.value not in scope:
+                raise _Undecidable
+            found = scope[node.value]
+            if chain:
+                raise _Undecidable  # an attribute of a global (a module, a class): not a constant we read
+        try:
+            for i, name in enumerate(chain):
+                if i and isinstance(found, (nn.Module, torch.Tensor)):
+                    raise _Undecidable  # a child module's state, or a tensor's: not configuration
+                found = getattr(found, name)
+        except (ReferenceError, AttributeError):
+            raise _Undecidable from None
+        if found is not None and type(found) not in (bool, int, float, str):
+            raise _Undecidable
+        return found
 
     @staticmethod
     def _truth(v) -> bool:
@@ -227,26 +302,44 @@ class TracedPath(cst.CSTVisitor):
         self.assumes[name] = assumption
         return found
 
-
     def _global_none(self, name: str) -> None:
         """A global of the method's module that is None now (an optional kernel whose import failed),
         never rebound in the method nor a parameter of it: decided as None, and kept in
         ``globals_none`` for the fused code to check per call."""
         function = self._source.function
         namespace = getattr(function, "__globals__", {})
-        local = self._local_names()
+        local = _local_names(self._source.node)
+        if m.findall(self._source.node, m.Global()) or m.findall(self._source.node, m.Nonlocal()):
+            local.add("*")
         if name not in namespace or namespace[name] is not None or name in local or "*" in local:
             raise _Undecidable
         self.globals_none[name] = (namespace.get("__name__", ""), name)
         return None
 
-    def _local_names(self) -> set[str]:
-        node = self._source.node
-        names = {p.name.value for p in [*node.params.params, *node.params.kwonly_params, *node.params.posonly_params]}
-        names |= {t.target.value for t in m.findall(node, m.AssignTarget(target=m.Name())) if isinstance(t, cst.AssignTarget)}
-        if m.findall(node, m.Global()) or m.findall(node, m.Nonlocal()):
-            names.add("*")
-        return names
+
+def _assigns_under_self(function: cst.FunctionDef, attribute: str) -> bool:
+    """Whether ``function`` assigns ``self.<attribute>`` or anything under it, or calls setattr."""
+    for target in m.findall(function, m.AssignTarget() | m.AugAssign() | m.AnnAssign()):
+        written = target.target
+        while isinstance(written, (cst.Attribute, cst.Subscript)):
+            if m.matches(written, m.Attribute(value=m.Name("self"), attr=m.Name(attribute))):
+                return True
+            written = written.value
+    return bool(m.findall(function, m.Call(func=m.Name("setattr"))))
+
+
+def _local_names(function: cst.FunctionDef) -> set[str]:
+    """Names the function binds (parameters, assignments, loop targets, imports): not globals there."""
+    params = function.params
+    names = {p.name.value for p in (*params.posonly_params, *params.params, *params.kwonly_params)}
+    names |= {p.name.value for p in (params.star_arg, params.star_kwarg) if isinstance(p, cst.Param)}
+    for target in m.findall(function.body, m.AssignTarget() | m.For() | m.AugAssign() | m.AnnAssign() | m.NamedExpr()):
+        names |= {n.value for n in m.findall(target.target, m.Name())}
+    for alias in m.findall(function.body, m.ImportAlias()):
+        bound = alias.asname.name if alias.asname is not None else alias.name
+        if isinstance(bound, cst.Name):
+            names.add(bound.value)
+    return names
 
 
 class _Undecidable(Exception):

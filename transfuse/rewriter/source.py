@@ -199,6 +199,8 @@ class EditContext:
     imports: dict[str, tuple[str, str]] = field(default_factory=dict)  # alias -> (module, name)
     # Statements an emitted forward needs on its class (placed before the method): a plan, say.
     class_statements: list = field(default_factory=list)
+    # What the report should say of an edit beyond its kind (the branch a forward was specialised on).
+    notes: list[str] = field(default_factory=list)
 
     def fresh_name(self, base: str) -> str:
         """A local name not used anywhere in the method (nor a builtin)."""
@@ -280,6 +282,8 @@ class MethodRewrite:
     recipe: tuple = ()
     # Class-level statements placed before the method in the emitted file (emitted replacements only).
     preceding: tuple = ()
+    # The edits' notes for the report (``EditContext.notes``).
+    notes: tuple = ()
     _compiled: Callable | None = None
     _bound: dict = field(default_factory=dict)  # class -> what ``bind`` binds for its instances
 
@@ -609,16 +613,16 @@ def rewrite_method(
     context = EditContext(cls, source, _identifiers(source.node))
     tree, applied = source.node, []
     for kind, edit in edits:
-        saved = (set(context.names), dict(context.imports))
+        saved = (set(context.names), dict(context.imports), list(context.notes))
         try:
             tree = edit(tree, context)
             applied.append(kind)
         except NoMatch as refusal:
             refusals[kind] = refusal
-            context.names, context.imports = saved
+            context.names, context.imports, context.notes = saved
     if not applied:
         return None, refusals
-    rewrite = MethodRewrite(cls, source, tree, context.imports, tuple(applied))
+    rewrite = MethodRewrite(cls, source, tree, context.imports, tuple(applied), notes=tuple(context.notes))
     try:
         rewrite.forward_for(cls)
     except NoMatch as refusal:

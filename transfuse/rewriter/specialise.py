@@ -17,6 +17,10 @@ dropped; ``False and f()`` is ``False`` because ``f()`` never runs), so the spec
 equals the original whenever the argument is None. ``guarded(function, specialised, name)``
 is the method that runs the specialised body when the argument is None and the original
 otherwise; an edit proved on the specialised body then holds on the path it covers.
+
+``decide(function, decisions)`` folds the same way a body whose branch tests are known for one
+instance (a test on a configuration value, ``if self.config.pretraining_tp > 1``, decided by
+``rewriter.branches.constant_tests``): each such test becomes its value, and the arm not taken goes.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from libcst.metadata import ExpressionContext, ExpressionContextProvider, Metada
 
 from .syntax import comment_line
 
-__all__ = ["cases", "guarded", "specialise"]
+__all__ = ["cases", "decide", "guarded", "guarded_by", "specialise"]
 
 _CONSTANTS = {"True": True, "False": False, "None": None}
 _MAX_PASSES = 16
@@ -66,14 +70,45 @@ def specialise(function: cst.FunctionDef, subject: str, none: bool = True) -> cs
             return None  # a parameter is specialised to None, and only if never rebound
         keywords = _keyword_names(module)
         module = module.visit(_Substitute({id(n): _constant(None) for n in loads[subject] if id(n) not in keywords}))
+    result = _folded(module, params, {subject: none}).body[0]
+    return None if result.deep_equals(function) else result
+
+
+def decide(function: cst.FunctionDef, decisions: dict[str, bool]) -> tuple[cst.FunctionDef, list[str]] | None:
+    """``function`` with each ``if``/conditional expression whose test's code is in ``decisions``
+    replaced by the arm that value takes, folded, and the tests so decided (their code, in source
+    order); None if none is found. The tests must read nothing the body assigns (``constant_tests``
+    proves it)."""
+    tests = [n.test for n in m.findall(function.body, m.If() | m.IfExp()) if _code(n.test) in decisions]
+    if not tests:
+        return None
+    module = cst.Module(body=[function]).visit(_Decided({id(t): decisions[_code(t)] for t in tests}))
+    result = _folded(module, _parameters(function), {}).body[0]
+    if result.deep_equals(function):
+        return None
+    return result, list(dict.fromkeys(_code(t) for t in tests))
+
+
+def _folded(module: cst.Module, params: set[str], known: dict[str, bool]) -> cst.Module:
     for _ in range(_MAX_PASSES):
-        folded = module.visit(_Fold(params, {subject: none}))
-        folded = _propagate(folded)
+        folded = _propagate(module.visit(_Fold(params, known)))
         if folded.deep_equals(module):
             break
         module = folded
-    result = module.body[0]
-    return None if result.deep_equals(function) else result
+    return module
+
+
+class _Decided(cst.CSTTransformer):
+    """Tests (by node identity) replaced by their decided values."""
+
+    def __init__(self, values: dict[int, bool]):
+        self.values = values
+
+    def on_leave(self, original_node, updated_node):
+        value = self.values.get(id(original_node))
+        if value is None:
+            return updated_node
+        return _constant(value)
 
 
 def _none_tested(comparison: cst.Comparison) -> list[str]:
@@ -114,6 +149,18 @@ def guarded(function: cst.FunctionDef, specialised: cst.FunctionDef, subject: st
         leading_lines=[comment_line(f"transfuse: where {test} this forward is specialised: {why}")],
     )
     return function.with_changes(body=function.body.with_changes(body=[*head, branch]))
+
+
+def guarded_by(function: cst.FunctionDef, specialised: cst.FunctionDef, tests: list[str], why: str) -> cst.FunctionDef:
+    """``if <tests joined by and>: <specialised body> else: <original body>``, the docstring kept on top."""
+    test = " and ".join(tests)
+    guarded_function = guarded(function, specialised, "None", True, why)  # its test and comment are replaced here
+    *head, branch = guarded_function.body.body
+    branch = branch.with_changes(
+        test=cst.parse_expression(test),
+        leading_lines=[comment_line(f"transfuse: where {test} this forward is specialised: {why}")],
+    )
+    return guarded_function.with_changes(body=guarded_function.body.with_changes(body=[*head, branch]))
 
 
 # ---- reading the tree --------------------------------------------------------------------

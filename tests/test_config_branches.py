@@ -1,0 +1,107 @@
+"""Branches in third-party forwards: a weight-slicing arm for ``pretraining_tp > 1`` decided by the
+traced instance's configuration and guarded at run time, and a GLU written alike in both arms of a
+dtype test, fused in each. The modules are loaded from their file as remote code is, not imported
+from transformers or from transfuse's tests package."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import pathlib
+
+import pytest
+import torch
+
+import transfuse
+
+FILE = pathlib.Path(__file__).with_name("remote_idioms.py")
+
+
+@pytest.fixture(scope="module")
+def remote():
+    spec = importlib.util.spec_from_file_location("remote_code_idioms", FILE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _calls(module: torch.nn.Module) -> list[int]:
+    count = [0]
+    module.register_forward_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+    return count
+
+
+def test_slicing_branch_on_a_config_value_is_decided_fused_and_guarded(remote):
+    torch.manual_seed(0)
+    model = remote.Decoder(remote.config(pretraining_tp=1), remote.SlicingAttention, remote.SlicingMLP)
+    original = copy.deepcopy(model)
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        before = model(x)
+    transfuse.rewrite(model, example_inputs=(x,))
+    report = transfuse.report(model)
+    assert report.counts().get("qkv") == 2 and report.counts().get("gate_up") == 2
+    assert not [s for s in report.skipped if s.kind in ("qkv", "gate_up")]
+    taken = [n for n in report.notes if "fused on the branch taken" in n]
+    assert any("SlicingAttention" in n and "not (self.config.pretraining_tp > 1)" in n for n in taken)
+    assert any("SlicingMLP" in n and "not (self.pretraining_tp > 1)" in n for n in taken)
+    with torch.no_grad():
+        after = model(x)
+    assert (after - before).abs().max().item() <= 1e-5 * before.abs().max().item()
+
+    merged = [_calls(layer.self_attn.qkv_proj) for layer in model.layers]
+    merged += [_calls(layer.mlp.gate_up_proj) for layer in model.layers]
+    with torch.no_grad():
+        model(x)
+    assert [c[0] for c in merged] == [1, 1, 1, 1]
+
+    # The value changes after the rewrite: the guard sends every forward back to the original
+    # code, which slices the (merged) weights, and the numbers are the unrewritten model's.
+    for m in (model, original):
+        m.config.pretraining_tp = 2
+        for layer in m.layers:
+            layer.mlp.pretraining_tp = 2
+    with torch.no_grad():
+        sliced, expected = model(x), original(x)
+    assert [c[0] for c in merged] == [1, 1, 1, 1]  # the merged projections did not run
+    assert torch.equal(sliced, expected)
+
+
+def test_glu_in_both_arms_of_a_dtype_test_is_fused_in_each(remote):
+    torch.manual_seed(0)
+    model = remote.Decoder(remote.config(rotary=True), remote.QueryKeyValueAttention, remote.DtypeArmsMLP)
+    x = torch.randn(2, 5, 32)
+    original = copy.deepcopy(model)
+    transfuse.rewrite(model, example_inputs=(x,))
+    assert transfuse.report(model).counts().get("gate_up") == 2
+    assert not [s for s in transfuse.report(model).skipped if s.kind == "gate_up"]
+    calls = [_calls(layer.mlp.gate_up_proj) for layer in model.layers]
+    for dtype in (torch.float32, torch.float16):  # the else arm, then the float16 arm
+        model.to(dtype), original.to(dtype)
+        with torch.no_grad():
+            got, want = model(x.to(dtype)), original(x.to(dtype))
+        scale = want.float().abs().max().item()
+        assert (got.float() - want.float()).abs().max().item() <= (1e-5 if dtype == torch.float32 else 1e-2) * scale
+    assert [c[0] for c in calls] == [2, 2]  # each arm ran the merged projection
+
+
+def _analysis(module, *args):
+    from transfuse.rewriter.analysis import ClassAnalysis
+    from transfuse.rewriter.tracer import trace_module
+
+    trace = trace_module(module, (args, {}), {})
+    children = {name: type(child) for name, child in module.named_children()}
+    return ClassAnalysis(cls=type(module), trace=trace, traced_path="", had_example=True, children=children)
+
+
+def test_only_tests_of_configuration_values_are_decided(remote):
+    """``x.dtype == torch.float16`` reads the input, and is not decided; ``self.config.pretraining_tp
+    > 1`` is, with the traced instance's value; so is ``self.pretraining_tp > 1``."""
+    from transfuse.rewriter.branches import constant_tests
+
+    x = torch.randn(2, 5, 32)
+    assert constant_tests(_analysis(remote.DtypeArmsMLP(remote.config()), x)) == ()
+    attention = _analysis(remote.SlicingAttention(remote.config(pretraining_tp=1)), x)
+    assert constant_tests(attention) == (("self.config.pretraining_tp > 1", False),)
+    mlp = _analysis(remote.SlicingMLP(remote.config(pretraining_tp=1)), x)
+    assert constant_tests(mlp) == (("self.pretraining_tp > 1", False),)
