@@ -16,7 +16,10 @@ becomes a call of ``third_party_shims.corpus_import``, which takes another model
 same old release and any other name from the installed transformers, else from the old release's
 own copy of that module (see that file). Two class attributes transformers 5 reads differently are
 reset: ``_tied_weights_keys`` as a list, cleared on the model classes (the weights are not tied),
-and ``rope_scaling`` on the config classes, a plain attribute again (None: no scaling).
+and ``rope_scaling`` on the config classes, a plain attribute again (None: no scaling); a model
+class gains ``GenerationMixin`` as a base, as transformers 5 gives remote code loaded through an
+auto class. Attributes the old release's ``PretrainedConfig`` set on every configuration (``pad_token_id``,
+``is_decoder``) are given its defaults where transformers 5's configuration lacks them.
 
 A tiny configuration is the config class's defaults with the sizes of ``TINY`` set wherever the
 class has that attribute (hidden size 64, 2 layers, vocabulary 128, 4 experts).
@@ -165,18 +168,20 @@ def _extractor(cache: Path, release: str):
     names = set(archive.namelist())
 
     def extract(module: str) -> str | None:
-        path = module.replace(".", "/") + ".py"
+        path = module.replace(".", "/")
+        is_package = f"{path}/__init__.py" in names
+        path = f"{path}/__init__.py" if is_package else f"{path}.py"
         if path not in names:
             return None
         rest = module.split(".")[1:]
         target = [package(release)] + (rest[1:] if rest[:1] == ["models"] else ["_old"] + rest)
-        out = root.joinpath(*target[:-1], target[-1] + ".py")
-        if not out.exists():
-            for depth in range(1, len(target)):
+        out = root.joinpath(*target, "__init__.py") if is_package else root.joinpath(*target[:-1], target[-1] + ".py")
+        if not out.exists() or (is_package and out.stat().st_size == 0):
+            for depth in range(1, len(target) + is_package):
                 init = root.joinpath(*target[:depth], "__init__.py")
                 init.parent.mkdir(parents=True, exist_ok=True)
                 init.touch()
-            out.write_text(rewrite_imports(archive.read(path).decode(), module))
+            out.write_text(rewrite_imports(archive.read(path).decode(), module, is_package))
         return ".".join(target)
 
     return extract
@@ -203,11 +208,17 @@ def _model_module(entry: Entry):
     return importlib.import_module(name)
 
 
-def tiny_config(config_class):
+def tiny_config(config_class, release: str):
     """The config class's defaults with ``TINY``'s sizes where it has those attributes."""
+    import third_party_shims
+
     # transformers 5 reads ``rope_scaling`` as ``rope_parameters``, a dict even when none was given;
     # the old files take None for "no scaling": a plain attribute again.
     config_class.rope_scaling = None
+    # What the old configurations had from their base class (read in their own __init__, too).
+    for key, value in third_party_shims.old_config_defaults(package(release)).items():
+        if not hasattr(config_class, key):
+            setattr(config_class, key, value)
     defaults = config_class()
     known = set(vars(defaults)) | set(getattr(config_class, "attribute_map", {}) or {})
     return config_class(**{k: v for k, v in TINY.items() if k in known})
@@ -222,13 +233,24 @@ def load(entry: Entry, seed: int = 0):
     for value in vars(module).values():  # transformers 5 reads this attribute as a mapping
         if isinstance(value, type) and isinstance(getattr(value, "_tied_weights_keys", None), list):
             value._tied_weights_keys = None
-    config = tiny_config(cls.config_class)
+    cls = _generating(cls)
+    config = tiny_config(cls.config_class, entry.release)
     with torch.device("meta"):
         size = sum(p.numel() for p in cls(config).parameters())
     if size > MAX_PARAMETERS:
         raise ValueError(f"the tiny configuration still has {size / 1e6:.0f}M parameters")
     torch.manual_seed(seed)
     return cls(config).float().eval()
+
+
+def _generating(cls: type) -> type:
+    """``cls`` with ``GenerationMixin`` among its bases, as transformers 5 gives remote code loaded through
+    an auto class (its ``PreTrainedModel`` no longer does)."""
+    from transformers import GenerationMixin
+
+    if issubclass(cls, GenerationMixin):
+        return cls
+    return type(cls.__name__, (cls, GenerationMixin), {"__module__": cls.__module__, "__doc__": cls.__doc__})
 
 
 def by_name(cache: Path, name: str) -> Entry:

@@ -36,7 +36,7 @@ from .rewriter.apply import is_fused
 from .rewriter.report import RewriteReport, SkipRecord
 from .rewriter.tracer import unwrapped_forward
 
-__all__ = ["KINDS", "Opportunity", "account", "count", "unaccounted"]
+__all__ = ["KINDS", "Opportunity", "account", "count", "fused", "unaccounted"]
 
 KINDS = ("rms_norm", "qkv", "gate_up", "moe", "rotary")
 _PROJECTIONS = ("qkv", "gate_up")
@@ -294,6 +294,11 @@ def _places(o: Opportunity) -> set[str]:
 
 
 def _accounted(o: Opportunity, report: RewriteReport) -> bool:
+    return fused(o, report) or _refused(o, report)
+
+
+def fused(o: Opportunity, report: RewriteReport) -> bool:
+    """Whether a fusion in ``report`` covers ``o``."""
     kinds, places = _covering(o.kind), _places(o)
     for f in report.fusions:
         if f.kind not in kinds:
@@ -302,6 +307,12 @@ def _accounted(o: Opportunity, report: RewriteReport) -> bool:
             return True
         if f.path in places and _child(f.path, o.path) in f.replaced:
             return True
+    return False
+
+
+def _refused(o: Opportunity, report: RewriteReport) -> bool:
+    kinds = _PROJECTIONS if o.kind in _PROJECTIONS else (o.kind,)
+    places = _places(o) if o.kind == "moe" else {o.path}
     for s in report.skipped:
         if s.kind not in kinds:
             continue
