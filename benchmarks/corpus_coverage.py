@@ -3,9 +3,12 @@ older transformers releases' causal-LM modeling files (``third_party_corpus.py``
 
     python benchmarks/corpus_coverage.py --cache DIR --out FILE.md             # every entry
     python benchmarks/corpus_coverage.py --cache DIR --entries llama@4.36.2    # some entries
-    python benchmarks/corpus_coverage.py --cache DIR --one llama@4.36.2        # one entry, a JSON line
+    python benchmarks/corpus_coverage.py --cache DIR --one llama@4.36.2        # entries in this process, JSON lines
 
-Each entry is built from its tiny configuration (float32, CPU) in a subprocess of its own, then
+Entries run in the order of ``third_party_corpus.by_idioms`` (files with more of the idioms counted
+first), so that a run cut short by ``--minutes`` has measured those; the rest are rows "not run".
+Each entry is built from its tiny configuration (float32, CPU) in a worker subprocess (``--batch``
+entries one after another, ``--jobs`` workers at a time), then
 measured exactly as ``coverage.py`` measures a transformers type (``coverage.run_model``):
 opportunities counted by structure (the forward hooks of ``coverage.py`` and ``transfuse.census``,
 which reads any module's source; rotary call sites from the census), the rewrite with the default
@@ -47,19 +50,38 @@ def run_entry(cache: Path, name: str, progress=None) -> dict:
     return coverage.run_model(stock, row, started, progress)
 
 
-def _in_subprocess(cache: Path, name: str, timeout: float) -> dict:
-    command = [sys.executable, __file__, "--cache", str(cache), "--one", name]
+def _in_subprocess(cache: Path, names: list[str], timeout: float, stop_at: float = float("inf")) -> list[dict]:
+    """The rows of ``names``, run one after another in one worker (the imports are paid once); an
+    entry the worker did not finish (it died or ran out of time on it) is a row of its own kind and
+    the entries after it run again, one worker each. Past ``stop_at`` (``time.time()``) nothing starts."""
+    if time.time() > stop_at:
+        return [{"model_type": n, "status": "not run", "error": "the run's --minutes were spent"} for n in names]
+    command = [sys.executable, __file__, "--cache", str(cache), "--one", *names]
     env = {**os.environ, "TRANSFUSE_PROGRESS": "0"}
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"model_type": name, "status": "timeout", "error": f"over {timeout:.0f} s"}
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    row = json.loads(lines[-1]) if lines else {"model_type": name}
-    if "status" not in row:
-        row["status"] = "killed (memory)" if done.returncode == -9 else "crash"
-        row["error"] = f"worker exited with {done.returncode}: {(done.stderr or done.stdout)[-300:]}"
-    return row
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout * len(names), env=env)
+        output, code, error = done.stdout, done.returncode, done.stderr or done.stdout
+    except subprocess.TimeoutExpired as exc:
+        output, code, error = (exc.stdout or b"").decode(errors="replace"), None, ""
+    rows: dict[str, dict] = {}
+    for line in output.splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            rows[row["model_type"]] = row
+    finished = [n for n in names if "status" in rows.get(n, {})]
+    unfinished = [n for n in names if n not in finished]
+    if not unfinished:
+        return [rows[n] for n in names]
+    stuck = next((n for n in unfinished if n in rows), unfinished[0])  # the one it was running
+    row = rows.get(stuck, {"model_type": stuck})
+    if code is None:
+        row.update(status="timeout", error=f"the worker ran past {timeout * len(names):.0f} s")
+    else:
+        row["status"] = "killed (memory)" if code == -9 else "crash"
+        row["error"] = f"worker exited with {code}: {error[-300:]}"
+    rest = [n for n in unfinished if n != stuck]
+    again = [r for n in rest for r in _in_subprocess(cache, [n], timeout, stop_at)]
+    return [rows[n] for n in finished] + [row] + again
 
 
 def _preface(excluded: dict[str, str], names: list[str]) -> list[str]:
@@ -86,30 +108,36 @@ def main() -> int:
     parser.add_argument("--entries", nargs="*", help="entry names (default: every entry)")
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=300)
-    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=6, help="entries per worker process")
+    parser.add_argument("--minutes", type=float, help="start no worker after this many minutes (the rest: 'not run')")
+    parser.add_argument("--one", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(run_entry(args.cache, args.one, progress=lambda row: print(json.dumps(row), flush=True))))
+        for name in args.one:
+            row = run_entry(args.cache, name, progress=lambda row: print(json.dumps(row), flush=True))
+            print(json.dumps(row), flush=True)
         return 0
     import torch
     import transformers
 
     corpus.prepare(args.cache)
     found, excluded = corpus.entries(args.cache)
-    names = args.entries or [e.name for e in found]
+    names = args.entries or [e.name for e in corpus.by_idioms(args.cache, found)]
+    stop_at = time.time() + 60 * args.minutes if args.minutes else float("inf")
+    batches = [names[i : i + args.batch] for i in range(0, len(names), args.batch)]
     rows = []
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.with_suffix(".rows.jsonl").write_text("")
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = [pool.submit(_in_subprocess, args.cache, name, args.timeout) for name in names]
-        for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
-            row = future.result()
-            rows.append(row)
-            if args.out:  # kept as they come: a run cut short still has its rows
-                with args.out.with_suffix(".rows.jsonl").open("a") as kept:
-                    kept.write(json.dumps(row) + "\n")
-            print(f"[{done}/{len(names)}] {row['model_type']}: {row['status']}", file=sys.stderr, flush=True)
+        futures = [pool.submit(_in_subprocess, args.cache, batch, args.timeout, stop_at) for batch in batches]
+        for future in concurrent.futures.as_completed(futures):
+            for row in future.result():
+                rows.append(row)
+                if args.out:  # kept as they come: a run cut short still has its rows
+                    with args.out.with_suffix(".rows.jsonl").open("a") as kept:
+                        kept.write(json.dumps(row) + "\n")
+                print(f"[{len(rows)}/{len(names)}] {row['model_type']}: {row['status']}", file=sys.stderr, flush=True)
     summary = coverage.summarise(rows)
     command = "python benchmarks/corpus_coverage.py " + " ".join(sys.argv[1:])
     versions = f"transformers {transformers.__version__} (installed), torch {torch.__version__}, CPU, float32"
