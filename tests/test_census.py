@@ -168,7 +168,8 @@ class StackedExperts(nn.Module):
 
 def test_the_census_does_not_count_what_is_not_there():
     assert census.count(DifferentInputs()) == []
-    assert census.count(nn.Sequential(nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, HIDDEN))) == []
+    assert census.count(nn.Sequential(nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, HIDDEN), nn.GELU())) == []
+    assert _described(census.count(nn.Sequential(nn.RMSNorm(HIDDEN)))) == ["rms_norm:0"]
     assert _described(census.count(StackedExperts())) == ["moe:<model>"]
 
 
@@ -213,3 +214,21 @@ def test_only_the_kinds_asked_for_are_accounted():
     transfuse.rewrite(model, fusions=["qkv"], example_inputs=(ids,))
     kinds = {s.kind for s in transfuse.report(model).skipped if s.tag.endswith(".unrecognised-form")}
     assert kinds <= {"qkv"}
+
+
+class MeanSubtractedNorm(nn.Module):
+    """(x - mean) / sqrt(var + eps) * weight: a LayerNorm without bias, not a root mean square."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(HIDDEN))
+
+    def forward(self, x):
+        mean = x.mean(-1, keepdim=True)
+        variance = (x - mean).pow(2).mean(-1, keepdim=True)
+        return self.weight * (x - mean) / torch.sqrt(variance + 1e-5)
+
+
+def test_a_mean_subtracted_norm_is_not_counted_as_a_root_mean_square():
+    assert census.count(MeanSubtractedNorm()) == []
+    assert _described(census.count(WeightFirstSqrtNorm(HIDDEN))) == ["rms_norm:<model>"]

@@ -5,7 +5,8 @@ The count knows nothing of the fusers' matchers. It reads each module's structur
 forward source (``ast``, once per class; no forward pass, no trace):
 
 - ``rms_norm``: a module without children holding at most one parameter, 1-D, whose forward takes a
-  square root (``rsqrt``, ``sqrt``, ``** -0.5``) and a mean (``mean``, ``var``);
+  square root (``rsqrt``, ``sqrt``, ``** -0.5``) and a mean, and subtracts no mean (a LayerNorm);
+  and ``torch.nn.RMSNorm``;
 - ``qkv`` / ``gate_up``: two or more ``nn.Linear`` children called in the forward on the same value
   (the same expression, no assignment to its names between the calls); a pair whose results are
   multiplied (directly or through one call, an activation) is a ``gate_up``, any other set a ``qkv``;
@@ -121,6 +122,8 @@ def _names(node: ast.AST) -> set[str]:
 
 
 def _norm_like(module: nn.Module) -> bool:
+    if isinstance(module, nn.RMSNorm):
+        return True
     params = list(module.parameters(recurse=False))
     if list(module.children()) or len(params) > 1 or (params and params[0].dim() != 1):
         return False
@@ -133,7 +136,26 @@ def _norm_like(module: nn.Module) -> bool:
     root = bool(names & {"rsqrt", "sqrt"}) or any(
         isinstance(n, ast.BinOp) and isinstance(n.op, ast.Pow) and _is_constant(n.right, -0.5) for n in ast.walk(tree)
     )
-    return root and bool(names & {"mean", "var"})
+    return root and "mean" in names and not _subtracts_a_mean(tree)
+
+
+def _subtracts_a_mean(tree: ast.AST) -> bool:
+    """``x - x.mean(...)`` or ``x - mean`` with ``mean = x.mean(...)``: a LayerNorm, not a root mean square."""
+    means = {
+        target.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and "mean" in _names(node.value)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub):
+            right = _names(node.right)
+            if "mean" in right and any(isinstance(n, ast.Call) for n in ast.walk(node.right)):
+                return True
+            if isinstance(node.right, ast.Name) and node.right.id in means:
+                return True
+    return False
 
 
 def _is_constant(node: ast.AST, value: float) -> bool:
