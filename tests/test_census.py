@@ -199,6 +199,10 @@ def test_a_rewrite_leaves_no_opportunity_unreported_and_the_model_exact():
     transfuse.rewrite(model, example_inputs=(ids,))
     report = transfuse.report(model)
     assert census.unaccounted(found, report) == [], str(report)
+    # The rule's refusals are exactly what the fusers left neither fused nor refused.
+    flagged = {(s.kind, s.path) for s in report.skipped if s.tag.endswith(".unrecognised-form")}
+    fusers_only = RewriteReport(report.fusions, [s for s in report.skipped if not s.tag.endswith(".unrecognised-form")])
+    assert {(o.kind, o.path) for o in census.unaccounted(found, fusers_only)} == flagged
     for o in found:  # each is in the report by its kind: fused, or refused with a tag
         kinds = ("qkv", "gate_up") if o.kind in ("qkv", "gate_up") else (o.kind, "add_rms_norm")
         assert any(f.kind in kinds for f in report.fusions) or any(s.kind in kinds for s in report.skipped), o
