@@ -84,6 +84,13 @@ def _in_subprocess(cache: Path, names: list[str], timeout: float, stop_at: float
     return [rows[n] for n in finished] + [row] + again
 
 
+def _finished(out: Path) -> dict[str, dict]:
+    """The rows of an earlier run (``--resume``) that need not run again (not timed out, not "not run")."""
+    path = out.with_suffix(".rows.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+    return {r["model_type"]: r for r in rows if r.get("status") not in ("timeout", "not run", None)}
+
+
 def _preface(excluded: dict[str, str], names: list[str]) -> list[str]:
     releases = ", ".join(f"transformers {r}" for r in corpus.RELEASES)
     lines = [
@@ -110,6 +117,9 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--batch", type=int, default=6, help="entries per worker process")
     parser.add_argument("--minutes", type=float, help="start no worker after this many minutes (the rest: 'not run')")
+    parser.add_argument(
+        "--resume", action="store_true", help="keep the finished rows of --out's .rows.jsonl and run the others"
+    )
     parser.add_argument("--one", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -123,12 +133,14 @@ def main() -> int:
     corpus.prepare(args.cache)
     found, excluded = corpus.entries(args.cache)
     names = args.entries or [e.name for e in corpus.by_idioms(args.cache, found)]
+    kept = _finished(args.out) if args.resume and args.out else {}
+    names = [n for n in names if n not in kept]
     stop_at = time.time() + 60 * args.minutes if args.minutes else float("inf")
     batches = [names[i : i + args.batch] for i in range(0, len(names), args.batch)]
-    rows = []
+    rows = list(kept.values())
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".rows.jsonl").write_text("")
+        args.out.with_suffix(".rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
         futures = [pool.submit(_in_subprocess, args.cache, batch, args.timeout, stop_at) for batch in batches]
         for future in concurrent.futures.as_completed(futures):
@@ -137,13 +149,16 @@ def main() -> int:
                 if args.out:  # kept as they come: a run cut short still has its rows
                     with args.out.with_suffix(".rows.jsonl").open("a") as kept:
                         kept.write(json.dumps(row) + "\n")
-                print(f"[{len(rows)}/{len(names)}] {row['model_type']}: {row['status']}", file=sys.stderr, flush=True)
+                print(f"[{len(rows)}/{len(names) + len(kept)}] {row['model_type']}: {row['status']}", file=sys.stderr, flush=True)
     summary = coverage.summarise(rows)
     command = "python benchmarks/corpus_coverage.py " + " ".join(sys.argv[1:])
     versions = f"transformers {transformers.__version__} (installed), torch {torch.__version__}, CPU, float32"
     text = coverage._markdown(rows, summary, command, versions)
+    if kept:
+        command += f" --resume (its {len(kept)} finished rows kept from the run before)"
+        text = coverage._markdown(rows, summary, command, versions)
     head, _, rest = text.partition("\n\n")
-    text = head + "\n\n" + "\n".join(_preface(excluded, names)) + "\n" + rest
+    text = head + "\n\n" + "\n".join(_preface(excluded, [r["model_type"] for r in rows])) + "\n" + rest
     text = text.replace(" types, ", " entries, ", 1)
     print(next(line for line in text.splitlines() if line.startswith("**")))
     if args.out:

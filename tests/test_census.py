@@ -166,8 +166,36 @@ class StackedExperts(nn.Module):
         return x
 
 
+class LayerStack(nn.Module):
+    """A list of identical layers with two linears each: layers, not experts (no router)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, HIDDEN)) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class TwoLinearLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(HIDDEN, HIDDEN)
+        self.b = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
 def test_the_census_does_not_count_what_is_not_there():
     assert census.count(DifferentInputs()) == []
+    assert census.count(LayerStack()) == []
+    stack = LayerStack()
+    stack.layers = nn.ModuleList(TwoLinearLayer() for _ in range(3))
+    assert census.count(stack) == []
+    assert census.count(nn.Conv1d(4, 4, 3)) == []
     assert census.count(nn.Sequential(nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, HIDDEN), nn.GELU())) == []
     assert _described(census.count(nn.Sequential(nn.RMSNorm(HIDDEN)))) == ["rms_norm:0"]
     assert _described(census.count(StackedExperts())) == ["moe:<model>"]

@@ -11,7 +11,9 @@ forward source (``ast``, once per class; no forward pass, no trace):
   (the same expression, no assignment to its names between the calls); a pair whose results are
   multiplied (directly or through one call, an activation) is a ``gate_up``, any other set a ``qkv``;
 - ``moe``: a module holding a ``ModuleList`` of two or more modules of one class with two or more
-  ``nn.Linear`` children each (expert MLPs), or a parameter of three dimensions (stacked experts);
+  ``nn.Linear`` children each (expert MLPs) and a router (a linear layer with one output per expert,
+  or ``topk`` in its forward), or a parameter of three dimensions (stacked experts; not a
+  convolution of ``torch.nn``);
 - ``rotary``: each call in the forward of a module-level function whose body multiplies by values
   named ``cos`` and ``sin``, calls a function named ``rotate*``, or uses ``view_as_complex`` or
   ``polar`` (one level of calls followed).
@@ -168,13 +170,24 @@ def _is_constant(node: ast.AST, value: float) -> bool:
 
 
 def _holds_experts(module: nn.Module) -> bool:
+    """Stacked expert weights, or a list of expert MLPs beside a router: a linear child with one
+    output per expert, or a forward that picks its top k (a list of layers is not a mixture)."""
+    if type(module).__module__.startswith("torch."):
+        return False  # a convolution's weight is 3-D too
     if any(p.dim() == 3 for p in module.parameters(recurse=False)):
         return True
     for child in module.children():
         if isinstance(child, nn.ModuleList) and len(child) >= 2 and len({type(c) for c in child}) == 1:
-            if sum(isinstance(g, nn.Linear) for g in child[0].children()) >= 2:
+            if sum(isinstance(g, nn.Linear) for g in child[0].children()) >= 2 and _routes(module, len(child)):
                 return True
     return False
+
+
+def _routes(module: nn.Module, experts: int) -> bool:
+    if any(isinstance(c, nn.Linear) and c.out_features == experts for c in module.modules()):
+        return True
+    tree, _ = _forward_tree(type(module))
+    return tree is not None and "topk" in _names(tree)
 
 
 # --- projections
