@@ -18,7 +18,8 @@ forward source (``ast``, once per class; no forward pass, no trace):
   named ``cos`` and ``sin``, calls a function named ``rotate*``, or uses ``view_as_complex`` or
   ``polar`` (one level of calls followed).
 
-After a rewrite, ``account`` gives each counted structure that no fusion covers and no refusal names
+Modules whose class's forward already calls transfuse (a rewritten instance, a class of an emitted
+modeling file), and what they hold, are left out: transfuse's own work. After a rewrite, ``account`` gives each counted structure that no fusion covers and no refusal names
 (of its kind, at its module or for its class; a projection counts with either projection kind; a
 mixture with its module's parent or children) a refusal tagged ``<kind>.unrecognised-form``, so the
 report shows it.
@@ -37,6 +38,7 @@ from torch import nn
 
 from .rewriter.apply import is_fused
 from .rewriter.report import RewriteReport, SkipRecord
+from .rewriter.standalone import RUNTIME_MODULE
 from .rewriter.tracer import unwrapped_forward
 
 __all__ = ["KINDS", "Opportunity", "account", "count", "fused", "unaccounted"]
@@ -68,11 +70,26 @@ def count(model: nn.Module) -> list[Opportunity]:
     for path, module in model.named_modules():
         if any(path == s or path.startswith(s + ".") for s in skip):
             continue
-        if is_fused(module):
-            skip.append(path)
+        if is_fused(module) or _calls_transfuse(type(module)):
+            skip.append(path)  # transfuse's own work (a rewritten or emitted class), and what it holds
             continue
         found += _of_module(path, module)
     return found
+
+
+@functools.lru_cache(maxsize=4096)
+def _calls_transfuse(cls: type) -> bool:
+    """The class's forward reads something of transfuse's (an op, or the runtime an emitted file imports)."""
+    if cls.forward is nn.Module.forward:
+        return False
+    tree, namespace = _forward_tree(cls)
+    if tree is None:
+        return False
+    for name in _names(tree):
+        origin = getattr(namespace.get(name), "__module__", None) or ""
+        if origin.split(".")[0] == "transfuse" or origin.rpartition(".")[2] == RUNTIME_MODULE:
+            return True
+    return False
 
 
 def _of_module(path: str, module: nn.Module) -> list[Opportunity]:
