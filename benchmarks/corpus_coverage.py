@@ -147,8 +147,8 @@ def main() -> int:
             for row in future.result():
                 rows.append(row)
                 if args.out:  # kept as they come: a run cut short still has its rows
-                    with args.out.with_suffix(".rows.jsonl").open("a") as kept:
-                        kept.write(json.dumps(row) + "\n")
+                    with args.out.with_suffix(".rows.jsonl").open("a") as jsonl:
+                        jsonl.write(json.dumps(row) + "\n")
                 print(f"[{len(rows)}/{len(names) + len(kept)}] {row['model_type']}: {row['status']}", file=sys.stderr, flush=True)
     summary = coverage.summarise(rows)
     command = "python benchmarks/corpus_coverage.py " + " ".join(sys.argv[1:])
