@@ -304,6 +304,12 @@ def _run_in_subprocess(model_type: str, timeout: float) -> dict:
     return row
 
 
+def _silent(row: dict) -> list[str]:
+    """A row's silent opportunities; none where the model was not rewritten at all (the report says
+    why, in place of every fusion)."""
+    return [] if row.get("not_rewritten") else row.get("silent", [])
+
+
 def summarise(rows: list[dict]) -> dict:
     built = [r for r in rows if r["status"] != "does not build"]
     compared = [r for r in rows if "fused" in r]
@@ -313,7 +319,7 @@ def summarise(rows: list[dict]) -> dict:
             totals[kind][0] += min(r["fused"].get(kind, 0), r["opportunities"].get(kind, 0))
             totals[kind][1] += r["opportunities"].get(kind, 0)
     complete = [r for r in compared if all(r["fused"].get(k, 0) >= r["opportunities"].get(k, 0) for k in KINDS)]
-    silent = sorted(r["model_type"] for r in compared if r.get("silent"))
+    silent = sorted(r["model_type"] for r in compared if _silent(r))
     tags = Counter(tag for r in compared for tag in r["refusals"])
     return {
         "types": len(rows),
@@ -347,7 +353,7 @@ def _markdown(rows: list[dict], summary: dict, command: str, versions: str) -> s
         f"wrong answers: {len(summary['wrong'])}; crashes: {len(summary['crashes'])}; killed for memory: "
         f"{len(summary['killed'])}; every opportunity fused in "
         f"{summary['complete']} types; {', '.join(share(k) for k in KINDS)}; opportunities neither fused nor "
-        f"refused: {sum(len(r.get('silent', [])) for r in rows)} (in {len(summary.get('silent', []))} types); "
+        f"refused: {sum(len(_silent(r)) for r in rows)} (in {len(summary.get('silent', []))} types); "
         f"refused only as forms no fuser recognised (`*.unrecognised-form`): {summary.get('unrecognised', 0)}.**",
         "",
         "Opportunities are counted by structure (see the heuristics in `benchmarks/coverage.py`); a row's "
@@ -365,7 +371,9 @@ def _markdown(rows: list[dict], summary: dict, command: str, versions: str) -> s
             lines.append(f"| {r['model_type']} | {r['status']}{size}: {error} |" + " |" * (len(KINDS) + 3))
             continue
         cells = " | ".join(f"{r['fused'].get(k, 0)}/{r['opportunities'].get(k, 0)}" for k in KINDS)
-        silent = "".join(f", silent: `{s}`" for s in r.get("silent", []))
+        silent = "".join(f", silent: `{s}`" for s in _silent(r))
+        if r.get("not_rewritten"):
+            silent += f", not rewritten: {r['not_rewritten'][:160].replace('|', '/')}"
         silent += "".join(f", unrecognised: `{s}`" for s in r.get("unrecognised", []))
         lines.append(
             f"| {r['model_type']} | {r['status']} | {cells} | {r['max_logit_diff']:.1e} | {r['generation_equal']} | "

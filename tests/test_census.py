@@ -156,11 +156,24 @@ class DifferentInputs(nn.Module):
 
 
 class StackedExperts(nn.Module):
-    """Experts as a 3-D parameter."""
+    """Experts as a 3-D parameter, routed by a linear layer with one output per expert."""
 
     def __init__(self):
         super().__init__()
+        self.router = nn.Linear(HIDDEN, 4, bias=False)
         self.gate_up_proj = nn.Parameter(torch.randn(4, HIDDEN, 2 * HIDDEN))
+
+    def forward(self, x):
+        return x
+
+
+class BlockDiagonal(nn.Module):
+    """A 3-D weight of blocks with a 2-D bias of the same rows, and no router: not experts."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 8, 8))
+        self.bias = nn.Parameter(torch.randn(4, 8))
 
     def forward(self, x):
         return x
@@ -196,6 +209,7 @@ def test_the_census_does_not_count_what_is_not_there():
     stack.layers = nn.ModuleList(TwoLinearLayer() for _ in range(3))
     assert census.count(stack) == []
     assert census.count(nn.Conv1d(4, 4, 3)) == []
+    assert census.count(BlockDiagonal()) == []
     assert census.count(nn.Sequential(nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, HIDDEN), nn.GELU())) == []
     assert _described(census.count(nn.Sequential(nn.RMSNorm(HIDDEN)))) == ["rms_norm:0"]
     assert _described(census.count(StackedExperts())) == ["moe:<model>"]

@@ -11,9 +11,9 @@ forward source (``ast``, once per class; no forward pass, no trace):
   (the same expression, no assignment to its names between the calls); a pair whose results are
   multiplied (directly or through one call, an activation) is a ``gate_up``, any other set a ``qkv``;
 - ``moe``: a module holding a ``ModuleList`` of two or more modules of one class with two or more
-  ``nn.Linear`` children each (expert MLPs) and a router (a linear layer with one output per expert,
-  or ``topk`` in its forward), or a parameter of three dimensions (stacked experts; not a
-  convolution of ``torch.nn``);
+  ``nn.Linear`` children each (expert MLPs), or a parameter of three dimensions (stacked experts; not
+  a convolution of ``torch.nn``), beside a router: a 2-D weight with one row per expert outside the
+  experts, in the module or its parent, or ``topk`` in a forward;
 - ``rotary``: each call in the forward of a module-level function whose body multiplies by values
   named ``cos`` and ``sin``, calls a function named ``rotate*``, or uses ``view_as_complex`` or
   ``polar`` (one level of calls followed).
@@ -67,13 +67,14 @@ def count(model: nn.Module) -> list[Opportunity]:
     """Every opportunity in ``model`` (modules transfuse already fused are left out)."""
     found: list[Opportunity] = []
     skip: list[str] = []
-    for path, module in model.named_modules():
+    modules = dict(model.named_modules())
+    for path, module in modules.items():
         if any(path == s or path.startswith(s + ".") for s in skip):
             continue
         if is_fused(module) or _calls_transfuse(type(module)):
             skip.append(path)  # transfuse's own work (a rewritten or emitted class), and what it holds
             continue
-        found += _of_module(path, module)
+        found += _of_module(path, module, modules.get(path.rpartition(".")[0]) if path else None)
     return found
 
 
@@ -92,12 +93,12 @@ def _calls_transfuse(cls: type) -> bool:
     return False
 
 
-def _of_module(path: str, module: nn.Module) -> list[Opportunity]:
+def _of_module(path: str, module: nn.Module, parent: nn.Module | None) -> list[Opportunity]:
     cls = type(module).__name__
     found = []
     if _norm_like(module):
         found.append(Opportunity("rms_norm", path, cls))
-    if _holds_experts(module):
+    if _holds_experts(module, parent):
         found.append(Opportunity("moe", path, cls))
     linears = {name for name, child in module.named_children() if isinstance(child, nn.Linear)}
     if len(linears) >= 2:
@@ -186,24 +187,29 @@ def _is_constant(node: ast.AST, value: float) -> bool:
 # --- mixtures
 
 
-def _holds_experts(module: nn.Module) -> bool:
-    """Stacked expert weights, or a list of expert MLPs beside a router: a linear child with one
-    output per expert, or a forward that picks its top k (a list of layers is not a mixture)."""
+def _holds_experts(module: nn.Module, parent: nn.Module | None) -> bool:
+    """Experts beside a router: stacked expert weights (a 3-D parameter) or a list of expert MLPs,
+    with a router in the module or its parent (a 2-D weight with one row per expert, outside the
+    experts, or ``topk`` in a forward). A list of layers or a block-diagonal weight is not a mixture."""
     if type(module).__module__.startswith("torch."):
         return False  # a convolution's weight is 3-D too
-    if any(p.dim() == 3 for p in module.parameters(recurse=False)):
-        return True
+    own = {id(p) for p in module.parameters(recurse=False)}
+    for p in module.parameters(recurse=False):
+        if p.dim() == 3 and any(_routes(h, p.shape[0], own) for h in (module, parent) if h is not None):
+            return True
     for child in module.children():
         if isinstance(child, nn.ModuleList) and len(child) >= 2 and len({type(c) for c in child}) == 1:
-            if sum(isinstance(g, nn.Linear) for g in child[0].children()) >= 2 and _routes(module, len(child)):
-                return True
+            if sum(isinstance(g, nn.Linear) for g in child[0].children()) >= 2:
+                if _routes(module, len(child), {id(p) for p in child.parameters()}):
+                    return True
     return False
 
 
-def _routes(module: nn.Module, experts: int) -> bool:
-    if any(isinstance(c, nn.Linear) and c.out_features == experts for c in module.modules()):
-        return True
-    tree, _ = _forward_tree(type(module))
+def _routes(holder: nn.Module, experts: int, experts_own: set[int]) -> bool:
+    for p in holder.parameters():
+        if p.dim() == 2 and p.shape[0] == experts and id(p) not in experts_own:
+            return True
+    tree, _ = _forward_tree(type(holder))
     return tree is not None and "topk" in _names(tree)
 
 
