@@ -311,7 +311,7 @@ def _silent(row: dict) -> list[str]:
 
 
 def summarise(rows: list[dict]) -> dict:
-    built = [r for r in rows if r["status"] != "does not build"]
+    built = [r for r in rows if r["status"] not in ("does not build", "not run")]
     compared = [r for r in rows if "fused" in r]
     totals = {kind: [0, 0] for kind in KINDS}
     for r in compared:
@@ -323,6 +323,7 @@ def summarise(rows: list[dict]) -> dict:
     tags = Counter(tag for r in compared for tag in r["refusals"])
     return {
         "types": len(rows),
+        "not_run": sorted(r["model_type"] for r in rows if r["status"] == "not run"),
         "built": len(built),
         "compared": len(compared),
         "wrong": sorted(r["model_type"] for r in rows if r["status"] == "wrong"),
@@ -348,7 +349,9 @@ def _markdown(rows: list[dict], summary: dict, command: str, versions: str) -> s
         "",
         versions,
         "",
-        f"**{summary['types']} types, {summary['built']} build, {summary['compared']} run and were rewritten and "
+        f"**{summary['types']} types, "
+        + (f"{len(summary['not_run'])} not run (the run's time was spent), " if summary.get("not_run") else "")
+        + f"{summary['built']} build, {summary['compared']} run and were rewritten and "
         "compared; "
         f"wrong answers: {len(summary['wrong'])}; crashes: {len(summary['crashes'])}; killed for memory: "
         f"{len(summary['killed'])}; every opportunity fused in "
