@@ -54,7 +54,7 @@ import traceback
 from collections import Counter, defaultdict
 from pathlib import Path
 
-KINDS = ("rms_norm", "qkv", "gate_up", "moe")
+KINDS = ("rms_norm", "qkv", "gate_up", "moe", "rotary")
 TOLERANCE = 1e-5
 NEW_TOKENS = 8
 
@@ -163,24 +163,34 @@ def count_opportunities(model, ids) -> tuple[dict[str, int], dict[str, list[str]
     return {kind: len(where[kind]) for kind in KINDS}, dict(where)
 
 
+def _failed(row: dict, status: str, exc: BaseException) -> dict:
+    row.update(status=status, error=f"{type(exc).__name__}: {str(exc)[:300]}", trace=traceback.format_exc()[-2000:])
+    return row
+
+
 def run_type(model_type: str, progress=None) -> dict:
     """One row of the table (never raises: failures are the row's ``status``)."""
-    import torch
-
-    import transfuse
     from transfuse.tiny import tiny_model
 
     row: dict = {"model_type": model_type}
     started = time.perf_counter()
-
-    def failed(status, exc):
-        row.update(status=status, error=f"{type(exc).__name__}: {str(exc)[:300]}", trace=traceback.format_exc()[-2000:])
-        return row
-
     try:
         stock = tiny_model(model_type)
     except Exception as exc:  # noqa: BLE001 - a type that does not build is a row, not a failure
-        return failed("does not build", exc)
+        return _failed(row, "does not build", exc)
+    return run_model(stock, row, started, progress)
+
+
+def run_model(stock, row: dict, started: float, progress=None) -> dict:
+    """The rest of ``row`` for a built stock model: opportunities, the rewrite, its comparison."""
+    import torch
+
+    import transfuse
+    from transfuse import census
+
+    def failed(status, exc):
+        return _failed(row, status, exc)
+
     row["parameters"] = sum(p.numel() for p in stock.parameters())
     if progress is not None:
         progress(dict(row))  # what a worker that dies later (out of memory) still reports
@@ -188,10 +198,13 @@ def run_type(model_type: str, progress=None) -> dict:
         vocab = stock.config.get_text_config().vocab_size
         ids = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
         opportunities, where = count_opportunities(stock, ids)
+        found = census.count(stock)
         with torch.no_grad():
             want = stock(input_ids=ids, use_cache=False).logits
     except Exception as exc:  # noqa: BLE001 - the stock model itself does not run on token ids alone
         return failed("stock fails", exc)
+    opportunities["rotary"] = sum(o.kind == "rotary" for o in found)
+    where["rotary"] = [o.describe().partition(":")[2] for o in found if o.kind == "rotary"]
     row.update(opportunities=opportunities, where=where)
     fused = copy.deepcopy(stock)
     try:
@@ -200,7 +213,9 @@ def run_type(model_type: str, progress=None) -> dict:
         return failed("crash", exc)
     report = transfuse.report(fused)
     row["fused"] = {kind: report.counts().get(kind, 0) for kind in KINDS}
-    row["silent"] = silent_opportunities(stock, where, report)
+    row["fused"]["rotary"] = sum(census.fused(o, report) for o in found if o.kind == "rotary")
+    row["silent"] = silent_opportunities(stock, where, report, found)
+    row["unrecognised"] = sorted(f"{s.kind}:{s.path}" for s in report.skipped if s.tag.endswith(".unrecognised-form"))
     row["refusals"] = sorted({s.tag for s in report.skipped})
     row["not_rewritten"] = report.not_rewritten
     try:
@@ -236,15 +251,22 @@ def run_type(model_type: str, progress=None) -> dict:
 
 
 _PROJECTIONS = ("qkv", "gate_up")
+_COUNTED = ("rms_norm", "qkv", "gate_up", "moe")  # by the hooks above; rotary by transfuse.census
 
 
-def silent_opportunities(stock, where: dict[str, list[str]], report) -> list[str]:
-    """The counted opportunities (``kind:module``) that the report neither fused nor refused."""
+def silent_opportunities(stock, where: dict[str, list[str]], report, found=()) -> list[str]:
+    """The counted opportunities (``kind:module``) that the report neither fused nor refused: those
+    of the counts above, and those of transfuse's own structural count (``transfuse.census``, which
+    reads any module's code, not only transformers')."""
+    from transfuse import census
+
     fused = {(f.kind, f.path) for f in report.fusions}
     refused = {(s.kind, s.path) for s in report.skipped if s.path is not None}
     refused_classes = {(s.kind, s.cls) for s in report.skipped if s.path is None}
-    silent = []
+    silent = [o.describe() for o in census.unaccounted(list(found), report)]
     for kind, entries in where.items():
+        if kind not in _COUNTED:
+            continue
         kinds = _PROJECTIONS if kind in _PROJECTIONS else (kind,)
         for entry in entries:
             path = entry.split(":")[0]
@@ -255,7 +277,7 @@ def silent_opportunities(stock, where: dict[str, list[str]], report) -> list[str
                 (k, p) in fused or (k, p) in refused or (k, cls) in refused_classes for k in kinds for p, cls in seen
             ):
                 silent.append(f"{kind}:{entry}")
-    return silent
+    return sorted(set(silent))
 
 
 def _has(model, path: str) -> bool:
@@ -282,19 +304,26 @@ def _run_in_subprocess(model_type: str, timeout: float) -> dict:
     return row
 
 
+def _silent(row: dict) -> list[str]:
+    """A row's silent opportunities; none where the model was not rewritten at all (the report says
+    why, in place of every fusion)."""
+    return [] if row.get("not_rewritten") else row.get("silent", [])
+
+
 def summarise(rows: list[dict]) -> dict:
-    built = [r for r in rows if r["status"] != "does not build"]
+    built = [r for r in rows if r["status"] not in ("does not build", "not run")]
     compared = [r for r in rows if "fused" in r]
     totals = {kind: [0, 0] for kind in KINDS}
     for r in compared:
         for kind in KINDS:
-            totals[kind][0] += min(r["fused"][kind], r["opportunities"][kind])
-            totals[kind][1] += r["opportunities"][kind]
-    complete = [r for r in compared if all(r["fused"][k] >= r["opportunities"][k] for k in KINDS)]
-    silent = sorted(r["model_type"] for r in compared if r.get("silent"))
+            totals[kind][0] += min(r["fused"].get(kind, 0), r["opportunities"].get(kind, 0))
+            totals[kind][1] += r["opportunities"].get(kind, 0)
+    complete = [r for r in compared if all(r["fused"].get(k, 0) >= r["opportunities"].get(k, 0) for k in KINDS)]
+    silent = sorted(r["model_type"] for r in compared if _silent(r))
     tags = Counter(tag for r in compared for tag in r["refusals"])
     return {
         "types": len(rows),
+        "not_run": sorted(r["model_type"] for r in rows if r["status"] == "not run"),
         "built": len(built),
         "compared": len(compared),
         "wrong": sorted(r["model_type"] for r in rows if r["status"] == "wrong"),
@@ -302,6 +331,7 @@ def summarise(rows: list[dict]) -> dict:
         "killed": sorted(r["model_type"] for r in rows if r["status"] == "killed (memory)"),
         "complete": len(complete),
         "silent": silent,
+        "unrecognised": sum(len(r.get("unrecognised", [])) for r in compared),
         "totals": totals,
         "refusal_tags": dict(tags.most_common()),
     }
@@ -319,12 +349,15 @@ def _markdown(rows: list[dict], summary: dict, command: str, versions: str) -> s
         "",
         versions,
         "",
-        f"**{summary['types']} types, {summary['built']} build, {summary['compared']} run and were rewritten and "
+        f"**{summary['types']} types, "
+        + (f"{len(summary['not_run'])} not run (the run's time was spent), " if summary.get("not_run") else "")
+        + f"{summary['built']} build, {summary['compared']} run and were rewritten and "
         "compared; "
         f"wrong answers: {len(summary['wrong'])}; crashes: {len(summary['crashes'])}; killed for memory: "
         f"{len(summary['killed'])}; every opportunity fused in "
         f"{summary['complete']} types; {', '.join(share(k) for k in KINDS)}; opportunities neither fused nor "
-        f"refused: {sum(len(r.get('silent', [])) for r in rows)} (in {len(summary.get('silent', []))} types).**",
+        f"refused: {sum(len(_silent(r)) for r in rows)} (in {len(summary.get('silent', []))} types); "
+        f"refused only as forms no fuser recognised (`*.unrecognised-form`): {summary.get('unrecognised', 0)}.**",
         "",
         "Opportunities are counted by structure (see the heuristics in `benchmarks/coverage.py`); a row's "
         "cell is fused / opportunities. Max logit difference is relative to the logits' largest magnitude.",
@@ -340,8 +373,11 @@ def _markdown(rows: list[dict], summary: dict, command: str, versions: str) -> s
             error = r.get("error", "").replace("|", "/").replace("\n", " ")[:120]
             lines.append(f"| {r['model_type']} | {r['status']}{size}: {error} |" + " |" * (len(KINDS) + 3))
             continue
-        cells = " | ".join(f"{r['fused'][k]}/{r['opportunities'][k]}" for k in KINDS)
-        silent = "".join(f", silent: `{s}`" for s in r.get("silent", []))
+        cells = " | ".join(f"{r['fused'].get(k, 0)}/{r['opportunities'].get(k, 0)}" for k in KINDS)
+        silent = "".join(f", silent: `{s}`" for s in _silent(r))
+        if r.get("not_rewritten"):
+            silent += f", not rewritten: {r['not_rewritten'][:160].replace('|', '/')}"
+        silent += "".join(f", unrecognised: `{s}`" for s in r.get("unrecognised", []))
         lines.append(
             f"| {r['model_type']} | {r['status']} | {cells} | {r['max_logit_diff']:.1e} | {r['generation_equal']} | "
             f"{', '.join(r['refusals'])}{silent} |"

@@ -41,16 +41,18 @@ def test_no_wrong_answer_and_no_crash_on_the_ci_subset(coverage, rows):
 def test_opportunities_are_counted_by_structure(rows):
     # Two layers each: llama has two attention blocks with q/k/v and two GLU MLPs; mixtral's MLPs are
     # MoE blocks; gpt2's attention is already one projection (nothing to merge).
-    assert rows["llama"]["opportunities"] == {"rms_norm": 5, "qkv": 2, "gate_up": 2, "moe": 0}
+    # Rotary opportunities are call sites of rotary functions (transfuse.census): one per attention block.
+    assert rows["llama"]["opportunities"] == {"rms_norm": 5, "qkv": 2, "gate_up": 2, "moe": 0, "rotary": 2}
     assert rows["mixtral"]["opportunities"]["moe"] == 2 and rows["mixtral"]["opportunities"]["gate_up"] == 0
-    assert rows["gpt2"]["opportunities"] == {"rms_norm": 0, "qkv": 0, "gate_up": 0, "moe": 0}
+    assert rows["gpt2"]["opportunities"] == {"rms_norm": 0, "qkv": 0, "gate_up": 0, "moe": 0, "rotary": 0}
     # MLA's low-rank pair (q_a_proj and kv_a_proj_with_mqa read the same hidden states) counts as qkv.
     assert rows["deepseek_v3"]["opportunities"]["qkv"] == 2
 
 
 def test_the_report_accounts_for_every_opportunity(rows):
-    """Every RMSNorm-like, q/k/v-like, gate/up-like and experts-like module the structure suggests is
-    fused or refused with a reason in the report: nothing is passed over in silence."""
+    """Every RMSNorm-like, q/k/v-like, gate/up-like and experts-like module the structure suggests, and
+    every rotary call site, is fused or refused with a reason in the report: nothing is passed over in
+    silence."""
     silent = {t: r["silent"] for t, r in rows.items() if r.get("silent")}
     assert not silent, silent
     assert sum(len(v) for r in rows.values() for v in r.get("where", {}).values()) > 100  # the check saw them
@@ -63,8 +65,11 @@ def test_every_opportunity_of_the_common_families_is_fused(rows):
         row = rows[model_type]
         # At least every opportunity (bart also merges its cross-attention instances, which the
         # counting forward never calls).
-        complete = all(row["fused"][kind] >= row["opportunities"][kind] for kind in row["opportunities"])
+        kinds = ("rms_norm", "qkv", "gate_up", "moe")
+        complete = all(row["fused"][kind] >= row["opportunities"][kind] for kind in kinds)
         assert complete, (model_type, row["fused"], row["opportunities"], row["refusals"])
+    for model_type in ("llama", "qwen3", "mixtral", "qwen3_moe"):  # every rotary call site, too
+        assert rows[model_type]["fused"]["rotary"] == rows[model_type]["opportunities"]["rotary"] > 0
 
 
 def test_the_table_reports_every_row(coverage, rows):

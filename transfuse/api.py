@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from . import settings
+from . import census, settings
 from .ops import batch_invariant as invariance
 from .fusers import FUSERS, fusers_for
 from .rewriter.apply import REPORT_ATTR, ExampleInputsError, RewriteError, rewrite_model, rewrites_of
@@ -58,7 +58,10 @@ def rewrite(
     settings.validate()
     chosen = fusers_for(fusions)
     suggest = [f for f in FUSERS if f.opt_in and f not in chosen]
+    found = census.count(model)
     made = rewrite_model(model, chosen, verify=verify, example_inputs=example_inputs, suggest=suggest)
+    if made.not_rewritten is None:  # no silent skip: what no fuser recognised is refused out loud
+        census.account(found, made, kinds=[f.kind for f in chosen])
     for hook in AFTER_REWRITE:
         hook(model)
     if callable(getattr(type(model), "generate", None)):
