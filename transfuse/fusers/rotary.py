@@ -375,13 +375,13 @@ def _own_functions(forward: Any) -> list[tuple[str, types.FunctionType]]:
 def _near_miss(function: types.FunctionType) -> tuple[str, str] | None:
     """(tag, the rest of a sentence) for a function whose graph rotates pairs of channels by cos
     and sin in a form the op does not compute; None for any other function."""
+    if {"view_as_complex", "view_as_real"} <= set(function.__code__.co_names):  # fx cannot unpack shapes there
+        return "rotary.complex", "rotates by complex frequencies (view_as_complex); the fused op takes cos and sin."
     graph = _graph(function)
     if graph is None:
         return None
     calls = [n for n in graph.nodes if n.op in ("call_function", "call_method")]
     names = {getattr(n.target, "__name__", n.target) for n in calls}
-    if "view_as_complex" in names and "mul" in names:
-        return "rotary.complex", "rotates by complex frequencies (view_as_complex); the fused op takes cos and sin."
     if not ({"mul", "neg"} <= names and names & {"cat", "stack"} and names & {"add", "sub"}):
         return None
     interleaved = "stack" in names or "repeat_interleave" in names or any(_steps_by_two(n) for n in calls)
