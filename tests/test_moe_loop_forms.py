@@ -103,7 +103,7 @@ class ShiftedExpertMoE(WhereEqualsMoE):
         w, idx = torch.topk(self.gate(x).softmax(dim=-1), self.top_k, dim=-1)
         out = torch.zeros_like(x)
         for e in range(self.num_experts):
-            rows, slot = torch.where(idx == (e + 1) % self.num_experts)
+            rows, slot = torch.where(idx == (e + 1) % len(self.experts))
             out.index_add_(0, rows, self.experts[e](x[rows]) * w[rows, slot, None])
         return out.view(b, s, h)
 
