@@ -277,15 +277,6 @@ def _reads_cos_sin_as_rope(node: fx.Node, tables: set[fx.Node], cos_sin: set[fx.
     return _is_call(node, operator.mul) and read <= cos_sin
 
 
-def _rotates_half(function: types.FunctionType) -> bool:
-    """A function of q, k, cos, sin that negates and concatenates: RoPE-like, for the refusal."""
-    graph = _graph(function)
-    if graph is None:
-        return False
-    targets = {n.target for n in graph.nodes if n.op == "call_function"}
-    return {torch.cat, operator.neg, operator.mul} <= targets
-
-
 def _defaults(function: types.FunctionType, start: int = 4) -> dict[str, Any]:
     params = list(inspect.signature(function).parameters.values())
     return {p.name: p.default for p in params[start:] if p.default is not p.empty}
@@ -382,7 +373,8 @@ def _near_miss(function: types.FunctionType) -> tuple[str, str] | None:
         return None
     calls = [n for n in graph.nodes if n.op in ("call_function", "call_method")]
     names = {getattr(n.target, "__name__", n.target) for n in calls}
-    if not ({"mul", "neg"} <= names and names & {"cat", "stack"} and names & {"add", "sub"}):
+    # a rotation by cos and sin: products, a negation or a difference, halves or pairs put together
+    if not ("mul" in names and names & {"neg", "sub"} and names & {"cat", "stack"} and names & {"add", "sub"}):
         return None
     interleaved = "stack" in names or "repeat_interleave" in names or any(_steps_by_two(n) for n in calls)
     if len(_positional(function) or ()) < 4:
@@ -392,12 +384,20 @@ def _near_miss(function: types.FunctionType) -> tuple[str, str] | None:
         )
     if interleaved:
         return "rotary.interleaved", "rotates interleaved pairs of channels; the fused op rotates halves."
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"][2:4]
-    if any((_is_call(n, getattr) or n.target == "size") and n.args[0] in placeholders for n in calls):
+    if any((_is_call(n, getattr) or n.target == "size") and n.args[0] in _cos_sin_views(graph) for n in calls):
         return "rotary.partial", "rotates a width read from cos (partial rotary); the fused op rotates the whole head."
     return "rotary.form", (
         "rotates halves of its inputs but is not rotate-half RoPE as the fused op computes it (other arithmetic)."
     )
+
+
+def _cos_sin_views(graph: fx.Graph) -> set[fx.Node]:
+    """cos and sin, and what only reshapes them (unsqueeze, squeeze, a cast)."""
+    views = set([n for n in graph.nodes if n.op == "placeholder"][2:4])
+    for node in graph.nodes:
+        if node.op == "call_method" and node.target in ("unsqueeze", "squeeze", "to") and node.args[0] in views:
+            views.add(node)
+    return views
 
 
 def _steps_by_two(node: fx.Node) -> bool:
