@@ -49,7 +49,7 @@ FAILURES = ("wrong", "silent", "missed", "crash")
 class Example:
     """One generated module: its kind, source, what it is expected to get, and how it is called."""
 
-    kind: str  # the fusion kind it imitates: rms_norm, qkv, gate_up, moe
+    kind: str  # the fusion kind it imitates: rms_norm, qkv, gate_up, moe, rotary
     variant: str  # a short name of the spelling or near-miss drawn
     source: str  # a Python module defining ``Block``
     expect: str  # "fuse", "refuse" or "either"
@@ -367,7 +367,10 @@ class Expert(nn.Module):
     def forward(self, x):
         return self.{d}(F.silu(self.{g}(x)) * self.{u}(x))
 """
-_MOE_MISSES = ["temperature", "range-loop", "shape-branch", "skip-expert"]
+_MOE_MISSES = ["temperature", "shape-branch", "skip-expert", "repeated-tokens"]
+# How the experts loop is written: over the hit experts (nonzero), or over every expert index
+# (unrolled by tracing) with the mask sliced or ``where(chosen == e)``, skipping empty experts or not.
+_MOE_LOOPS = ["hit-experts", "range", "where-equals", "where-equals-skip"]
 
 
 @st.composite
@@ -400,33 +403,123 @@ def moe_examples(draw) -> Example:
         body.append("weights = F.softmax(weights, dim=-1, dtype=torch.float)")
     if miss == "shape-branch":
         body.append("if b * s == 1:\n            weights = weights * 0.5")
-    body += [
-        f"weights = weights.to({x}.dtype)",
-        f"out = torch.zeros((b * s, dim), dtype={x}.dtype, device={x}.device)",
-        "mask = F.one_hot(chosen, num_classes=self.num_experts).permute(2, 1, 0)",
-    ]
-    if miss == "range-loop":
+    body += [f"weights = weights.to({x}.dtype)", f"out = torch.zeros((b * s, dim), dtype={x}.dtype, device={x}.device)"]
+    loop = "hit-experts" if miss == "skip-expert" else draw(st.sampled_from(_MOE_LOOPS))
+    if loop in ("hit-experts", "range") and miss != "repeated-tokens":
+        body.append("mask = F.one_hot(chosen, num_classes=self.num_experts).permute(2, 1, 0)")
+    if miss == "repeated-tokens":
+        body += [f"rows = {x}.repeat_interleave(self.top_k, dim=0)", "flat = chosen.view(-1)",
+                 "y = torch.empty_like(rows)",
+                 "for e, expert in enumerate(self.experts):\n            y[flat == e] = expert(rows[flat == e])",
+                 "out = (y.view(*weights.shape, -1) * weights.unsqueeze(-1)).sum(dim=1)"]  # fmt: skip
+    elif loop == "range":
         body.append("for e in range(self.num_experts):\n            idx, tok = torch.where(mask[e])\n"
                     f"            out.index_add_(0, tok, self.experts[e]({x}[tok]) * weights[tok, idx, None])")  # fmt: skip
+    elif loop.startswith("where-equals"):
+        skip = "\n            if tok.numel() == 0:\n                continue" if loop.endswith("skip") else ""
+        body.append(f"for e, expert in enumerate(self.experts):\n            tok, idx = torch.where(chosen == e){skip}\n"
+                    f"            out.index_add_(0, tok, expert({x}[tok]) * weights[tok, idx, None])")  # fmt: skip
     else:
-        loop = ["for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():"]
+        lines = ["for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():"]
         if miss == "skip-expert":
-            loop.append("    if e[0] == 0:\n                continue")
-        loop += [
+            lines.append("    if e[0] == 0:\n                continue")
+        lines += [
             "    idx, tok = torch.where(mask[e].squeeze(0))",
             f"    expert_out = self.experts[e]({x}[None, tok].reshape(-1, dim)) * weights[tok, idx, None]",
             f"    out.index_add_(0, tok, expert_out.to({x}.dtype))",
         ]
-        body.append("\n        ".join(loop))
+        body.append("\n        ".join(lines))
     body.append("out = out.reshape(b, s, dim)")
     body.append("return out, logits" if returns_logits else "return out")
     expect = "fuse" if miss is None else "refuse"
     source = _module(init, x, body, _EXPERT.format(g=g, u=u, d=d))
-    return Example("moe", miss or "spelling", source, expect, draw(_DTYPES), flat_inputs=False)
+    return Example("moe", miss or loop, source, expect, draw(_DTYPES), flat_inputs=False)
+
+
+# ---- rotary position embedding ------------------------------------------------------------------
+
+_ROTATIONS = """
+def rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate_every_two(x):
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+"""
+# name -> (the module-level function, how the forward calls it); cos and sin are the tables (the
+# forward reads them at ``pos`` itself where the function does not).
+_ROPES = {
+    "modern": ("def rope(q, k, cos, sin, unsqueeze_dim=1):\n    cos = cos.unsqueeze(unsqueeze_dim)\n"
+               "    sin = sin.unsqueeze(unsqueeze_dim)\n"
+               "    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)\n",
+               "q, k = rope(q, k, cos[pos], sin[pos])"),
+    "indexed": ("def rope(q, k, cos, sin, position_ids, unsqueeze_dim=1):\n"
+                "    cos = cos[position_ids].unsqueeze(unsqueeze_dim)\n    sin = sin[position_ids].unsqueeze(unsqueeze_dim)\n"
+                "    q_embed = (q * cos) + (rotate_half(q) * sin)\n    k_embed = (k * cos) + (rotate_half(k) * sin)\n"
+                "    return q_embed, k_embed\n", "q, k = rope(q, k, cos, sin, pos)"),
+    "squeezed": ("def rope(q, k, cos, sin, position_ids):\n    cos = cos.squeeze(1).squeeze(0)\n"
+                 "    sin = sin.squeeze(1).squeeze(0)\n    cos = cos[position_ids].unsqueeze(1)\n"
+                 "    sin = sin[position_ids].unsqueeze(1)\n"
+                 "    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)\n",
+                 "q, k = rope(q, k, cos[None, None], sin[None, None], pos)"),
+    "kept-parameter": ("def rope(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):\n"
+                       "    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)\n"
+                       "    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)\n",
+                       "q, k = rope(q, k, cos[pos], sin[pos], pos)"),
+}
+_ROPE_MISSES = {
+    "interleaved": ("def rope(q, k, cos, sin):\n    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)\n"
+                    "    return (q * cos) + (rotate_every_two(q) * sin), (k * cos) + (rotate_every_two(k) * sin)\n",
+                    "q, k = rope(q, k, cos[pos], sin[pos])"),
+    "one-tensor": ("def rope(t, cos, sin):\n    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)\n"
+                   "    return (t * cos) + (rotate_half(t) * sin)\n",
+                   "q = rope(q, cos[pos], sin[pos])\n        k = rope(k, cos[pos], sin[pos])"),
+    "partial": ("def rope(q, k, cos, sin):\n    width = cos.shape[-1] // 2\n"
+                "    cos, sin = cos[..., :width].unsqueeze(1), sin[..., :width].unsqueeze(1)\n"
+                "    q_rot, k_rot = q[..., :width], k[..., :width]\n"
+                "    q_rot = (q_rot * cos) + (rotate_half(q_rot) * sin)\n"
+                "    k_rot = (k_rot * cos) + (rotate_half(k_rot) * sin)\n"
+                "    return torch.cat((q_rot, q[..., width:]), -1), torch.cat((k_rot, k[..., width:]), -1)\n",
+                "q, k = rope(q, k, cos[pos], sin[pos])"),
+    "wrong-sign": ("def rope(q, k, cos, sin):\n    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)\n"
+                   "    return (q * cos) - (rotate_half(q) * sin), (k * cos) - (rotate_half(k) * sin)\n",
+                   "q, k = rope(q, k, cos[pos], sin[pos])"),
+}
+
+
+@st.composite
+def rotary_examples(draw) -> Example:
+    x = draw(_NAMES)
+    kv_heads = draw(st.sampled_from([2, 4]))
+    miss = draw(st.sampled_from([None] * len(_ROPE_MISSES) + list(_ROPE_MISSES)))
+    form = miss or draw(st.sampled_from(list(_ROPES)))
+    function, call = (_ROPE_MISSES if miss else _ROPES)[form]
+    init = [
+        "self.q = nn.Linear(hidden, hidden, bias=False)",
+        f"self.k = nn.Linear(hidden, {kv_heads * 8}, bias=False)",
+        "inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))",
+        "emb = torch.outer(torch.arange(16).float(), inv_freq).repeat(1, 2)",
+        "self.register_buffer('cos_t', emb.cos(), persistent=False)",
+        "self.register_buffer('sin_t', emb.sin(), persistent=False)",
+    ]
+    body = [
+        f"b, t, _ = {x}.shape",
+        f"q = self.q({x}).view(b, t, -1, 8).transpose(1, 2)",
+        f"k = self.k({x}).view(b, t, -1, 8).transpose(1, 2)",
+        f"pos = torch.arange(t, device={x}.device)[None].expand(b, t)",
+        "cos, sin = self.cos_t.to(q.dtype), self.sin_t.to(q.dtype)",
+        call,
+        "return torch.cat((q, k), dim=1).transpose(1, 2).reshape(b, t, -1)",
+    ]
+    source = _module(init, x, body, _ROTATIONS + "\n\n" + function)
+    return Example("rotary", form, source, "refuse" if miss else "fuse", draw(_DTYPES), flat_inputs=False)
 
 
 def examples() -> st.SearchStrategy[Example]:
-    return st.one_of(norm_examples(), qkv_examples(), glu_examples(), glu_branch_examples(), moe_examples())
+    return st.one_of(norm_examples(), qkv_examples(), glu_examples(), glu_branch_examples(), moe_examples(),
+                     rotary_examples())
 
 
 # ---- running one example ------------------------------------------------------------------------
@@ -563,7 +656,7 @@ def main() -> int:
         "| kind | " + " | ".join(["fused", "refused", *FAILURES]) + " |",
         "| --- | " + " | ".join(["---:"] * (2 + len(FAILURES))) + " |",
     ]
-    for kind in ("rms_norm", "qkv", "gate_up", "moe", "all"):
+    for kind in ("rms_norm", "qkv", "gate_up", "moe", "rotary", "all"):
         lines.append(f"| {kind} | " + " | ".join(str(counts[(kind, v)]) for v in ("fused", "refused", *FAILURES)) + " |")
     lines += ["", "Refusals by tag: " + ", ".join(f"{t} {n}" for t, n in tags.most_common())]
     lines += ["", f"Near-misses that fused (and gave the original's numbers): {len(near_misses_fused)}"

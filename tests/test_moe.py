@@ -264,7 +264,6 @@ REFUSED = [
     (toys.StatefulChildMoE, "moe.unaccounted"),
     (toys.TemperatureRoutedMoE, "moe.routing-form"),
     (toys.SkipsFirstExpertMoE, "moe.loop-form"),
-    (toys.RangeLoopMoE, "moe.combine"),
     (toys.EveryTokenMoE, "moe.dense-experts"),
     (toys.BiasedMaskedScoresMoE, "moe.dense-experts"),
     (toys.ReadBeforeAddMoE, "moe.output"),

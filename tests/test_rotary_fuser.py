@@ -44,7 +44,7 @@ def rope_wrong_sign(q, k, cos, sin):
 
 
 def rope_partial(q, k, cos, sin):
-    """Partial rotary, the width read from cos (Phi-3) → refused (rotary.form): cos is measured."""
+    """Partial rotary, the width read from cos (Phi-3) → refused (rotary.partial): cos is measured."""
     width = cos.shape[-1]
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     q_rot, q_pass = q[..., :width], q[..., width:]
@@ -179,11 +179,11 @@ def test_a_rope_call_becomes_the_fused_op_with_the_same_numbers_and_gradients():
 
 
 def test_rope_functions_the_op_does_not_compute_are_refused_with_the_reason():
-    for cls in (WrongSignAttention, PartialAttention):
+    for cls, tag in ((WrongSignAttention, "rotary.form"), (PartialAttention, "rotary.partial")):
         module, stock, (x, cos, sin) = _rewritten(cls)
         report = transfuse.report(module)
         assert report.counts() == {}, report
-        assert any(s.tag == "rotary.form" for s in report.skipped), report
+        assert any(s.tag == tag for s in report.skipped), report
         assert torch.equal(module(x, cos, sin), stock(x, cos, sin))
 
 

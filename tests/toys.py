@@ -901,7 +901,7 @@ class SkippingExperts(PackedExperts):
 
 
 class RangeLoopMoE(ModuleListMoE):
-    """A loop over every expert index (``range``), unrolled by tracing → refused (moe.combine)."""
+    """A loop over every expert index (``range``), unrolled by tracing → fuses (each iteration reads its own expert)."""
 
     def forward(self, hidden_states):
         tokens = hidden_states.view(-1, hidden_states.shape[-1])

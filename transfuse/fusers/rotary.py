@@ -20,6 +20,15 @@ pairs, multimodal sections). A function is taken for the fused op only when both
 Each call site in the forward must pass q, k, cos and sin positionally, and constants for the
 function's other parameters; the unsqueeze dimension the function applies is found by the check
 (1 for ``[batch, heads, tokens, dim]``, 2 for ``[batch, tokens, heads, dim]``).
+
+A call may pass a fifth argument (``position_ids``) when the function, traced with that parameter
+free, either never reads it (a parameter kept for compatibility) or reads cos and sin only at it
+(``cos[position_ids].unsqueeze(dim)``, the older transformers form, tables squeezed of leading
+ones first or not): the proof is then run for that call form, tables and positions included, and
+the fused op reads the tables itself. Forms the op does not compute are refused each with its own
+tag, found from the graph of the functions the forward calls: interleaved pairs
+(``rotary.interleaved``), a rotary width read from cos (``rotary.partial``), complex frequencies
+(``rotary.complex``), and a function applied to one tensor at a time (``rotary.one-tensor``).
 """
 
 from __future__ import annotations
@@ -45,68 +54,74 @@ from ..rewriter.source import EditContext
 from ..rewriter.syntax import expression_code, replace_nodes
 from ..rewriter.tracer import unwrapped_forward
 
-__all__ = ["RotaryFuser", "RotaryMatch", "rotary_unsqueeze_dim"]
+__all__ = ["RotaryFuser", "RotaryMatch", "prove", "rotary_unsqueeze_dim"]
+
+
+# How a call passes its arguments: (a fifth argument is passed, cos and sin are read at it).
+Form = tuple[bool, bool]
+FOUR: Form = (False, False)
+INDEXED: Form = (True, True)
+IGNORED_FIFTH: Form = (True, False)
 
 
 @dataclass(frozen=True)
 class RotaryMatch:
-    """The module-level functions of the forward that compute rotate-half RoPE, with the
-    unsqueeze dimension each applies: ``((name, dim), ...)``."""
+    """The module-level functions of the forward that compute rotate-half RoPE, with the call
+    forms proved for each and the unsqueeze dimension it applies: ``((name, ((form, dim), ...)), ...)``."""
 
-    functions: tuple[tuple[str, int], ...]
+    functions: tuple[tuple[str, tuple[tuple[Form, int], ...]], ...]
 
 
 # What a rotate-half RoPE function's graph may hold besides its inputs and output.
 _FUNCTIONS = {operator.mul, operator.add, operator.neg, operator.getitem, operator.floordiv, operator.sub, torch.cat}
-_METHODS = {"unsqueeze", "size"}
+_METHODS = {"unsqueeze", "squeeze", "size"}
 
 
 class RotaryFuser(SourceFuser[RotaryMatch]):
     kind = "rotary"
 
     def wants(self, module: nn.Module) -> bool:
-        return bool(_candidates(unwrapped_forward(type(module))))
+        forward = unwrapped_forward(type(module))
+        return bool(_candidates(forward) or _own_functions(forward))
 
     def match(self, analysis: ClassAnalysis) -> RotaryMatch | Refusal | None:
         forward = unwrapped_forward(analysis.cls)
         if _calls_the_op(forward):
             return None  # already the fused form (an emitted modeling file's forward)
-        found, near = [], []
+        found = []
         for name, function in _candidates(forward):
-            dim = rotary_unsqueeze_dim(function)
-            if dim is not None:
-                found.append((name, dim))
-            elif _rotates_half(function):
-                near.append(name)
+            forms = tuple((form, dim) for form in (FOUR, INDEXED, IGNORED_FIFTH) if (dim := prove(function, form)))
+            if forms:
+                found.append((name, forms))
         if found:
             return RotaryMatch(tuple(found))
-        if near:
-            return Refusal(
-                "rotary.form",
-                f"{', '.join(near)} rotates halves of its inputs but is not rotate-half RoPE as the fused op "
-                "computes it (a partial rotary width, interleaved pairs, or other arithmetic).",
-                analysis.where(),
-            )
+        for name, function in _own_functions(forward):
+            near = _near_miss(function)
+            if near is not None:
+                tag, why = near
+                return Refusal(tag, f"{name} {why}", analysis.where())
         return None
 
     def edit(self, tree: cst.FunctionDef, found: RotaryMatch, context: EditContext) -> cst.FunctionDef:
-        names = dict(found.functions)
+        forms = {name: dict(proved) for name, proved in found.functions}
         function_globals = context.source.function.__globals__
         replacements = []
         for call in m.findall(tree, m.Call(func=m.Name())):
             name = call.func.value
-            if name not in names:
+            if name not in forms:
                 continue
-            function = function_globals.get(name)
-            _check_call(call, function, name)
+            form, dim = _check_call(call, function_globals.get(name), name, forms[name])
             fused_op = context.require("transfuse.ops", "rotary")
             arguments = ", ".join(expression_code(arg.value) for arg in call.args[:4])
             # ``original``: the function by its global name, read at each call, so that a later patch
             # of the module's function (another library's kernel) is still honoured.
-            fused = f"{fused_op}({arguments}, unsqueeze_dim={names[name]}, original={name})"
+            fused = f"{fused_op}({arguments}, unsqueeze_dim={dim}, original={name}"
+            if form[0]:
+                fused += f", position_ids={expression_code(call.args[4].value)}"
+            fused += ", indexed=True)" if form[1] else ")"
             replacements.append((call, cst.parse_expression(fused)))
         if not replacements:
-            raise NoMatch("rotary.placement", f"no call of {', '.join(names)} in the forward passes q, k, cos and sin.")
+            raise NoMatch("rotary.placement", f"no call of {', '.join(forms)} in the forward passes q, k, cos and sin.")
         return replace_nodes(tree, replacements)
 
     def declaration(self, found: RotaryMatch) -> None:
@@ -116,13 +131,14 @@ class RotaryFuser(SourceFuser[RotaryMatch]):
         return Fused(replaced=tuple(name for name, _ in found.functions), into="rotary")
 
 
-def _prove(function: Any) -> int | None:
+def _prove(function: Any, form: Form) -> int | None:
     """The op's check of an ``original`` function it has not seen (the same proof, once per
-    function: a function patched in after the rewrite, or an emitted file's own copy). The proof
-    traces and runs the function on small CPU tensors; a wrapper taking ``*args`` is not tried."""
+    function and call form: a function patched in after the rewrite, or an emitted file's own
+    copy). The proof traces and runs the function on small CPU tensors; a wrapper taking ``*args``
+    is not tried."""
     if not (isinstance(function, types.FunctionType) and _takes_four(function)):
         return None
-    return rotary_unsqueeze_dim(function)
+    return prove(function, form)
 
 
 def _calls_the_op(forward: Any) -> bool:
@@ -147,97 +163,132 @@ def _candidates(forward: Any) -> list[tuple[str, types.FunctionType]]:
     return found
 
 
-def _takes_four(function: types.FunctionType) -> bool:
+def _positional(function: types.FunctionType) -> list[inspect.Parameter] | None:
+    """The positional parameters, or None for a function taking ``*args`` or without a signature."""
     try:
         params = list(inspect.signature(function).parameters.values())
     except (TypeError, ValueError):
-        return False
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    rest_have_defaults = all(p.default is not p.empty for p in positional[4:])
-    return len(positional) >= 4 and rest_have_defaults and all(p.kind != p.VAR_POSITIONAL for p in params)
+        return None
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return None
+    return [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
-@functools.lru_cache(maxsize=256)
+def _takes_four(function: types.FunctionType) -> bool:
+    """q, k, cos, sin, then parameters with defaults (the fifth may have none: the positions)."""
+    positional = _positional(function)
+    return positional is not None and len(positional) >= 4 and all(p.default is not p.empty for p in positional[5:])
+
+
 def rotary_unsqueeze_dim(function: types.FunctionType) -> int | None:
     """The unsqueeze dimension (1 or 2) at which ``function(q, k, cos, sin)`` is rotate-half RoPE,
     proved as the module docstring says; None when it is not."""
-    if not _graph_is_polynomial(function):
+    return prove(function, FOUR)
+
+
+@functools.lru_cache(maxsize=512)
+def prove(function: types.FunctionType, form: Form) -> int | None:
+    """The unsqueeze dimension (1 or 2) at which ``function`` called in ``form`` is rotate-half
+    RoPE (``(q, k, cos, sin)``, or with a fifth argument the function ignores or reads cos and sin
+    at), proved as the module docstring says; None when it is not."""
+    positional = _positional(function)
+    if positional is None or len(positional) < (5 if form[0] else 4):
+        return None
+    if not form[0] and positional[4:5] and positional[4].default is positional[4].empty:
+        return None
+    if not _graph_is_polynomial(function, form):
         return None
     for dim in (1, 2):
-        if _values_agree(function, dim):
+        if _values_agree(function, dim, form):
             return dim
     return None
 
 
-@functools.lru_cache(maxsize=256)
-def _graph(function: types.FunctionType) -> fx.Graph | None:
-    """The function's fx graph, its parameters past q, k, cos and sin at their defaults; None when
-    fx cannot trace it (which is then not this pattern)."""
+@functools.lru_cache(maxsize=512)
+def _graph(function: types.FunctionType, fifth_free: bool = False) -> fx.Graph | None:
+    """The function's fx graph, its parameters past q, k, cos and sin at their defaults (past the
+    fifth with ``fifth_free``); None when fx cannot trace it (which is then not this pattern)."""
     try:
-        return fx.symbolic_trace(function, concrete_args=_defaults(function)).graph
+        return fx.symbolic_trace(function, concrete_args=_defaults(function, 5 if fifth_free else 4)).graph
     except Exception:  # noqa: BLE001
         return None
 
 
-def _graph_is_polynomial(function: types.FunctionType) -> bool:
-    graph = _graph(function)
+# fx checks each parameter given a constant (``concrete_args``) with an ``eq`` and an ``_assert``,
+# or for ``None`` with an ``_assert_is_none``.
+_CONSTANT_CHECKS = (operator.eq, torch._assert, fx._symbolic_trace._assert_is_none)
+
+
+def _graph_is_polynomial(function: types.FunctionType, form: Form = FOUR) -> bool:
+    graph = _graph(function, form[0])
     if graph is None:
         return False
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    if len(placeholders) < 4:
+    if len(placeholders) < (5 if form[0] else 4):
         return False
-    cos_sin = set(placeholders[2:4])
-    # fx checks each parameter given a constant (``concrete_args``) with an ``eq`` and an ``_assert``.
-    constant_checks = set(placeholders[4:])
+    positions = placeholders[4] if form[0] else None
+    if positions is not None and bool(positions.users) != form[1]:
+        return False  # read when it should be ignored, or the reverse
+    tables = set(placeholders[2:4])  # cos and sin, squeezed or read at the positions
+    cos_sin = set()  # their unsqueezed forms
+    constant_checks = set(placeholders[5:] if form[0] else placeholders[4:])
     for node in graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        if node.op == "call_function" and node.target in (operator.eq, torch._assert):
+        if node.op == "call_function" and node.target in _CONSTANT_CHECKS:
             if set(node.all_input_nodes) <= constant_checks:
                 constant_checks.add(node)
                 continue
             return False
-        if node.op == "call_function" and node.target in _FUNCTIONS:
-            pass
-        elif node.op == "call_function" and node.target is getattr and node.args[1] == "shape":
-            pass
-        elif node.op == "call_method" and node.target in _METHODS:
-            pass
-        else:
+        if not _allowed(node):
             return False
-        # cos and sin are read only by an unsqueeze, and that only by products: never sliced,
-        # never measured (a width taken from cos is partial rotary).
-        read = set(node.all_input_nodes) & cos_sin
-        if read:
-            unsqueezed = node.op == "call_method" and node.target == "unsqueeze" and node.args[0] in placeholders[2:4]
-            if unsqueezed:
-                cos_sin.add(node)
-            elif not (node.op == "call_function" and node.target is operator.mul and read <= cos_sin - set(placeholders[2:4])):
+        if positions in node.all_input_nodes:
+            # positions only index a table: ``cos[position_ids]``
+            if not (_is_call(node, operator.getitem) and node.args[0] in tables and node.args[1] is positions):
                 return False
+            tables.add(node)
+            continue
+        if not _reads_cos_sin_as_rope(node, tables, cos_sin):
+            return False
     return True
 
 
-def _rotates_half(function: types.FunctionType) -> bool:
-    """A function of q, k, cos, sin that negates and concatenates: RoPE-like, for the refusal."""
-    graph = _graph(function)
-    if graph is None:
-        return False
-    targets = {n.target for n in graph.nodes if n.op == "call_function"}
-    return {torch.cat, operator.neg, operator.mul} <= targets
+def _allowed(node: fx.Node) -> bool:
+    if node.op == "call_function":
+        return node.target in _FUNCTIONS or (node.target is getattr and node.args[1] == "shape")
+    return node.op == "call_method" and node.target in _METHODS
 
 
-def _defaults(function: types.FunctionType) -> dict[str, Any]:
+def _is_call(node: fx.Node, target: Any) -> bool:
+    return node.op == "call_function" and node.target is target
+
+
+def _reads_cos_sin_as_rope(node: fx.Node, tables: set[fx.Node], cos_sin: set[fx.Node]) -> bool:
+    """cos and sin (or their squeezes) are read only by an unsqueeze, and that only by products:
+    never sliced, never measured (a width taken from cos is partial rotary). Adds ``node`` to the
+    set it joins."""
+    read = set(node.all_input_nodes) & (tables | cos_sin)
+    if not read:
+        return True
+    method = node.target if node.op == "call_method" else None
+    if method in ("unsqueeze", "squeeze") and node.args[0] in tables and len(node.all_input_nodes) == 1:
+        (tables if method == "squeeze" else cos_sin).add(node)
+        return True
+    return _is_call(node, operator.mul) and read <= cos_sin
+
+
+def _defaults(function: types.FunctionType, start: int = 4) -> dict[str, Any]:
     params = list(inspect.signature(function).parameters.values())
-    return {p.name: p.default for p in params[4:] if p.default is not p.empty}
+    return {p.name: p.default for p in params[start:] if p.default is not p.empty}
 
 
-def _values_agree(function: types.FunctionType, dim: int) -> bool:
+def _values_agree(function: types.FunctionType, dim: int, form: Form = FOUR) -> bool:
     # On the CPU whatever the default device is (a rewrite under ``with torch.device("meta")``).
     with torch.device("cpu"):
-        return _values_agree_on_cpu(function, dim)
+        return _values_agree_on_cpu(function, dim, form)
 
 
-def _values_agree_on_cpu(function: types.FunctionType, dim: int) -> bool:
+def _values_agree_on_cpu(function: types.FunctionType, dim: int, form: Form) -> bool:
     from ..ops import rotary_native
 
     generator = torch.Generator().manual_seed(0)
@@ -245,30 +296,115 @@ def _values_agree_on_cpu(function: types.FunctionType, dim: int) -> bool:
         for dtype in (torch.float32, torch.bfloat16):
             shape_q, shape_k = ((2, 4, 5, width), (2, 2, 5, width)) if dim == 1 else ((2, 5, 4, width), (2, 5, 2, width))
             q, k = (torch.randn(s, generator=generator).to(dtype) for s in (shape_q, shape_k))
-            cos, sin = (torch.randn(2, 5, width, generator=generator).to(dtype) for _ in range(2))
-            try:
-                got = function(q, k, cos, sin)
-            except Exception:  # noqa: BLE001 - a function that cannot take these shapes is not this one
-                return False
-            want = rotary_native(q, k, cos, sin, unsqueeze_dim=dim)
-            if not (isinstance(got, tuple) and len(got) == 2):
-                return False
-            if not all(isinstance(g, torch.Tensor) and g.shape == w.shape and torch.equal(g, w) for g, w in zip(got, want)):
+            positions = torch.randint(0, 7, (2, 5), generator=generator)
+            if form[1]:  # tables of 7 positions, as they are held: [7, width] or [1, 1, 7, width]
+                tables = [torch.randn(7, width, generator=generator).to(dtype) for _ in range(2)]
+                cases = [(tuple(t.view(shape) for t in tables), tuple(t[positions] for t in tables))
+                         for shape in ((7, width), (1, 1, 7, width))]  # fmt: skip
+            else:
+                cos, sin = (torch.randn(2, 5, width, generator=generator).to(dtype) for _ in range(2))
+                cases = [((cos, sin), (cos, sin))]
+            taken = 0
+            for passed, read in cases:
+                try:
+                    got = function(q, k, *passed, *([positions] if form[0] else []))
+                except Exception:  # noqa: BLE001 - a function that cannot take these shapes is not this one
+                    continue
+                want = rotary_native(q, k, *read, unsqueeze_dim=dim)
+                if not _same(got, want):
+                    return False
+                taken += 1
+            if not taken:
                 return False
     return True
 
 
-def _check_call(call: cst.Call, function: Any, name: str) -> None:
-    """A call site the fused op can take: q, k, cos, sin by position, the rest left at the
-    defaults the proof used."""
-    if not isinstance(function, types.FunctionType) or rotary_unsqueeze_dim(function) is None:
+def _same(got: Any, want: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    if not (isinstance(got, tuple) and len(got) == 2):
+        return False
+    return all(isinstance(g, torch.Tensor) and g.shape == w.shape and torch.equal(g, w) for g, w in zip(got, want))
+
+
+def _check_call(call: cst.Call, function: Any, name: str, forms: dict[Form, int]) -> tuple[Form, int]:
+    """A call site the fused op can take: q, k, cos, sin by position (and a fifth argument where
+    its form was proved), the rest left at the defaults the proof used. Its form and dimension."""
+    if not isinstance(function, types.FunctionType) or not any(prove(function, form) for form in forms):
         raise NoMatch("rotary.placement", f"{name} is rebound in the forward's module.")
-    if len(call.args) != 4 or any(arg.keyword is not None or arg.star for arg in call.args):
-        raise NoMatch(
-            "rotary.arguments",
-            f"{name}({', '.join(expression_code(a.value) for a in call.args)}) does not pass exactly q, k, cos and sin "
-            "by position; the fused op was proved with the function's defaults for the rest.",
+    by_position = not any(arg.keyword is not None or arg.star for arg in call.args)
+    for form in ((INDEXED, IGNORED_FIFTH) if len(call.args) == 5 else (FOUR,)) if by_position else ():
+        if form in forms:
+            return form, forms[form]
+    raise NoMatch(
+        "rotary.arguments",
+        f"{name}({', '.join(expression_code(a.value) for a in call.args)}) does not pass q, k, cos and sin "
+        "by position (and at most a fifth argument the function ignores or reads cos and sin at); the fused "
+        "op was proved with the function's defaults for the rest.",
+    )
+
+
+# ---- forms the op does not compute, each with its tag ------------------------------------
+
+
+def _own_functions(forward: Any) -> list[tuple[str, types.FunctionType]]:
+    """Functions of the forward's own module that it names taking two or more arguments, and the
+    candidates from elsewhere: where a RoPE the op does not compute would be."""
+    code = getattr(forward, "__code__", None)
+    if code is None:
+        return []
+    found = []
+    for name in code.co_names:
+        value = forward.__globals__.get(name)
+        if not isinstance(value, types.FunctionType) or value.__module__.startswith("transfuse."):
+            continue
+        if value.__globals__ is forward.__globals__ or _takes_four(value):
+            positional = _positional(value)
+            if positional is not None and len(positional) >= 2:
+                found.append((name, value))
+    return found
+
+
+def _near_miss(function: types.FunctionType) -> tuple[str, str] | None:
+    """(tag, the rest of a sentence) for a function whose graph rotates pairs of channels by cos
+    and sin in a form the op does not compute; None for any other function."""
+    if {"view_as_complex", "view_as_real"} <= set(function.__code__.co_names):  # fx cannot unpack shapes there
+        return "rotary.complex", "rotates by complex frequencies (view_as_complex); the fused op takes cos and sin."
+    graph = _graph(function)
+    if graph is None:
+        return None
+    calls = [n for n in graph.nodes if n.op in ("call_function", "call_method")]
+    names = {getattr(n.target, "__name__", n.target) for n in calls}
+    # a rotation by cos and sin: products, a negation or a difference, halves or pairs put together
+    if not ("mul" in names and names & {"neg", "sub"} and names & {"cat", "stack"} and names & {"add", "sub"}):
+        return None
+    interleaved = "stack" in names or "repeat_interleave" in names or any(_steps_by_two(n) for n in calls)
+    if len(_positional(function) or ()) < 4:
+        pairs = "interleaved pairs" if interleaved else "halves"
+        return "rotary.one-tensor", (
+            f"rotates {pairs} of one tensor at a time; the fused op rotates q and k in one call from q, k, cos and sin."
         )
+    if interleaved:
+        return "rotary.interleaved", "rotates interleaved pairs of channels; the fused op rotates halves."
+    if any((_is_call(n, getattr) or n.target == "size") and n.args[0] in _cos_sin_views(graph) for n in calls):
+        return "rotary.partial", "rotates a width read from cos (partial rotary); the fused op rotates the whole head."
+    return "rotary.form", (
+        "rotates halves of its inputs but is not rotate-half RoPE as the fused op computes it (other arithmetic)."
+    )
+
+
+def _cos_sin_views(graph: fx.Graph) -> set[fx.Node]:
+    """cos and sin, and what only reshapes them (unsqueeze, squeeze, a cast)."""
+    views = set([n for n in graph.nodes if n.op == "placeholder"][2:4])
+    for node in graph.nodes:
+        if node.op == "call_method" and node.target in ("unsqueeze", "squeeze", "to") and node.args[0] in views:
+            views.add(node)
+    return views
+
+
+def _steps_by_two(node: fx.Node) -> bool:
+    """``x[..., ::2]`` or ``x[..., 1::2]``."""
+    if not _is_call(node, operator.getitem) or not isinstance(node.args[1], tuple):
+        return False
+    return any(isinstance(part, slice) and part.step == 2 for part in node.args[1])
 
 
 set_prover(_prove)

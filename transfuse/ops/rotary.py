@@ -157,7 +157,14 @@ ROTARY = Op("rotary", rotary_native, sampler=_RotarySampler(), library=True, aut
 
 
 def rotary(
-    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1, original: Callable | None = None
+    q: Tensor,
+    k: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    unsqueeze_dim: int = 1,
+    original: Callable | None = None,
+    position_ids: Tensor | None = None,
+    indexed: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """The rotary embedding of ``q`` and ``k`` (``[batch, heads, seq, head_dim]`` with
     ``unsqueeze_dim=1``, ``[batch, seq, heads, head_dim]`` with 2; the two may differ in heads),
@@ -166,45 +173,76 @@ def rotary(
     ``original`` is the model's own function this call stands for (a rewritten forward passes
     it by its global name, so it is whatever the name holds at the time of the call): while it
     is a function proved to compute this op (``transfuse/fusers/rotary.py``), the op runs; a
-    function patched in later (another library's kernel, a user's change) is called instead.
-    Under ``torch.compile`` the function itself is traced, except where autograd needs a backward
-    and backward kernels run (``under_compile_use_library_op``): then the library op runs."""
-    if torch.compiler.is_compiling():
-        if under_compile_use_library_op("rotary", (q, k, cos, sin), backward=True) and (
-            original is None or _proved_constant(original, unsqueeze_dim)
-        ):
-            return ROTARY.library(q, k, cos, sin, unsqueeze_dim)
-        return original(q, k, cos, sin) if original is not None else rotary_native(q, k, cos, sin, unsqueeze_dim)
-    if original is not None and not _proved(original, unsqueeze_dim):
-        return original(q, k, cos, sin)
-    return ROTARY(q, k, cos, sin, unsqueeze_dim)
+    function patched in later (another library's kernel, a user's change) is called instead, with
+    the call's own arguments. Under ``torch.compile`` the function itself is traced, except where
+    autograd needs a backward and backward kernels run (``under_compile_use_library_op``): then
+    the library op runs.
+
+    ``position_ids`` is the fifth argument of a call that passes one. With ``indexed`` the
+    function reads ``cos`` and ``sin`` (tables of ``[positions, head_dim]``, squeezed of leading
+    ones) at those positions, as older modeling files do (``cos[position_ids]``); without it the
+    function was proved not to read the argument at all."""
+    form = (position_ids is not None, indexed)
+    unproved = original is not None and not torch.compiler.is_compiling() and not _proved(original, unsqueeze_dim, form)
+    if unproved or (original is not None and indexed and not (_is_table(cos) and _is_table(sin))):
+        return original(*_call_arguments(q, k, cos, sin, position_ids))
+    tables = (cos, sin)
+    if indexed:
+        cos, sin = _at_positions(cos, position_ids), _at_positions(sin, position_ids)
+    if not torch.compiler.is_compiling():
+        return ROTARY(q, k, cos, sin, unsqueeze_dim)
+    if under_compile_use_library_op("rotary", (q, k, cos, sin), backward=True) and (
+        original is None or _proved_constant(original, unsqueeze_dim, form)
+    ):
+        return ROTARY.library(q, k, cos, sin, unsqueeze_dim)
+    return original(*_call_arguments(q, k, *tables, position_ids)) if original is not None else rotary_native(
+        q, k, cos, sin, unsqueeze_dim
+    )
+
+
+def _is_table(table: Tensor) -> bool:
+    """``[positions, head_dim]``, or that held as ``[1, 1, positions, head_dim]``: the shapes the
+    proof of an indexed function tries (a function that cannot take one is not proved)."""
+    return table.dim() == 2 or (table.dim() == 4 and table.shape[0] == table.shape[1] == 1)
+
+
+def _at_positions(table: Tensor, position_ids: Tensor) -> Tensor:
+    """``table[position_ids]`` of a ``[positions, head_dim]`` table, squeezed of its leading ones
+    (as the older functions squeeze it)."""
+    return table.reshape(table.shape[-2:])[position_ids]
+
+
+def _call_arguments(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor | None) -> tuple:
+    """The arguments of the model's own call: a fifth where the call passed one."""
+    return (q, k, cos, sin) if position_ids is None else (q, k, cos, sin, position_ids)
 
 
 # Functions checked by the prover (the rotary fuser's proof, installed by it: ops do not import
-# fusers): the unsqueeze dimension at which each computes this op, or 0 where it does not.
+# fusers): per function and call form (whether a fifth argument is passed, whether cos and sin are
+# read at it), the unsqueeze dimension at which it computes this op, or 0 where it does not.
 _PROVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_PROVER: list[Callable[[Callable], int | None]] = []
+_PROVER: list[Callable[[Callable, tuple[bool, bool]], int | None]] = []
 
 
-def set_prover(prover: Callable[[Callable], int | None]) -> None:
-    """Install the proof ``rotary`` checks an ``original`` function with (once per function)."""
+def set_prover(prover: Callable[[Callable, tuple[bool, bool]], int | None]) -> None:
+    """Install the proof ``rotary`` checks an ``original`` function with (once per function and call
+    form ``(fifth argument passed, cos and sin read at it)``)."""
     _PROVER[:] = [prover]
     _PROVED.clear()
 
 
 @torch.compiler.assume_constant_result
-def _proved_constant(function: Callable, unsqueeze_dim: int) -> bool:
+def _proved_constant(function: Callable, unsqueeze_dim: int, form: tuple[bool, bool] = (False, False)) -> bool:
     """``_proved`` run outside a ``torch.compile`` trace (the prover reads source): a constant of the
     graph, which Dynamo guards on the function the global name held."""
-    return _proved(function, unsqueeze_dim)
+    return _proved(function, unsqueeze_dim, form)
 
 
-def _proved(function: Callable, unsqueeze_dim: int) -> bool:
+def _proved(function: Callable, unsqueeze_dim: int, form: tuple[bool, bool] = (False, False)) -> bool:
     try:
-        dim = _PROVED.get(function)
+        forms = _PROVED.setdefault(function, {})
     except TypeError:  # not weakly referenceable: never proved
         return False
-    if dim is None:
-        dim = (_PROVER[0](function) if _PROVER else None) or 0
-        _PROVED[function] = dim
-    return dim == unsqueeze_dim
+    if form not in forms:
+        forms[form] = (_PROVER[0](function, form) if _PROVER else None) or 0
+    return forms[form] == unsqueeze_dim

@@ -53,11 +53,13 @@ def replaces(original: str) -> Callable[[Callable], Callable]:
 
 
 @replaces("transfuse.ops.rotary.rotary")
-def rotary(q, k, cos, sin, unsqueeze_dim=1, original=None):
+def rotary(q, k, cos, sin, unsqueeze_dim=1, original=None, position_ids=None, indexed=False):
     """The model's own function where the call names it (the fuser proved that the op computes
-    it), else the native definition."""
+    it), with the call's own arguments; else the native definition."""
     if original is not None:
-        return original(q, k, cos, sin)
+        return original(q, k, cos, sin) if position_ids is None else original(q, k, cos, sin, position_ids)
+    if indexed:
+        cos, sin = (t.reshape(t.shape[-2:])[position_ids] for t in (cos, sin))
     return rotary_native(q, k, cos, sin, unsqueeze_dim)
 
 

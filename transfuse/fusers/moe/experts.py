@@ -17,7 +17,7 @@ or a member of an ``nn.ModuleList`` whose own graph is ``down(act(gate(x)) * up(
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import libcst as cst
 import libcst.matchers as m
@@ -75,15 +75,32 @@ class LoopMatch:
     member_call: fx.Node | None = None
     nodes: set[fx.Node] = field(default_factory=set)
     accumulate_fp32: bool = False  # the outputs are added into float32 zeros (the sum is cast back)
+    member_calls: list[fx.Node] = field(default_factory=list)  # every member called (one per unrolled iteration)
+    unrolled: int | None = None  # a loop over every expert index, unrolled by tracing: how many iterations
 
 
 def match_loop(trace: Trace, children: Lookup) -> LoopMatch:
-    """The hit-experts loop of ``trace`` (an experts class, or a block that loops itself)."""
+    """The hit-experts loop of ``trace`` (an experts class, or a block that loops itself), or a loop
+    over every expert index that tracing unrolled (``_match_unrolled``)."""
     graph = trace.graph
     adds = [n for n in graph.nodes if is_op(n, "index_add_", "index_add")]
+    if len(adds) > 1 and len({operand(n, 0) for n in adds}) == 1:
+        return _match_unrolled(trace, adds)
     if len(adds) != 1:
         raise NoMatch("moe.combine", f"the forward has {len(adds)} index_add calls, not one per expert iteration.")
-    add = adds[0]
+    found, expert, mask, expert_out = _iteration(adds[0])
+    _check_loop(trace, expert, mask, found)
+    if expert_out.op == "call_module":
+        rows = _member(expert_out, found)
+    else:
+        found.packed, rows = _packed(expert_out, expert, children, found)
+    found.tokens = _rows_source(rows, operand(adds[0], 2), found)
+    _check_accumulator(found.accumulator, found.tokens, found)
+    return found
+
+
+def _iteration(add: fx.Node) -> tuple[LoopMatch, Any, fx.Node | None, fx.Node]:
+    """One iteration's ``index_add_``: (its match so far, the expert index, the mask, the expert's output)."""
     accumulator, dim, token_idx, source = (operand(add, i) for i in range(4))
     if dim != 0:
         raise NoMatch("moe.combine", f"expert outputs are added along dimension {dim}, not over tokens.", add)
@@ -99,14 +116,74 @@ def match_loop(trace: Trace, children: Lookup) -> LoopMatch:
     ids_shape, weights_shape = (getattr(value(n), "shape", None) for n in (found.ids, found.weights))
     if ids_shape is None or ids_shape != weights_shape:
         raise NoMatch("moe.combine", f"the routing weights {weights_shape} are not laid out like the ids {ids_shape}.", add)
-    _check_loop(trace, expert, mask, found)
-    if expert_out.op == "call_module":
-        rows = _member(expert_out, found)
-    else:
-        found.packed, rows = _packed(expert_out, expert, children, found)
-    found.tokens = _rows_source(rows, token_idx, found)
-    _check_accumulator(accumulator, found.tokens, found)
-    return found
+    return found, expert, mask, expert_out
+
+
+def _match_unrolled(trace: Trace, adds: list[fx.Node]) -> LoopMatch:
+    """``for e in range(E)``, unrolled by tracing into one ``index_add_`` per expert: iteration ``i``
+    must read expert ``i`` (``mask[i]`` or ``ids == i``), call member ``i`` of one module list on the
+    rows routed to it, and read the same tokens, ids and weights as the others, for ``i`` in
+    ``0..E-1`` (the instance check makes sure its list has E members). The sum over every expert of
+    its rows' weighted outputs is the routed mixture; only its order per token may differ."""
+    first = None
+    for i, add in enumerate(adds):
+        found, expert, mask, expert_out = _iteration(add)
+        if isinstance(expert, fx.Node) or expert != i:
+            raise NoMatch(
+                "moe.unrolled-loop",
+                f"iteration {i} of the unrolled experts loop reads expert {getattr(expert, 'name', expert)!r}, not {i}.",
+                add,
+            )
+        if expert_out.op != "call_module":
+            raise NoMatch(
+                "moe.unrolled-loop", "an unrolled experts loop computes experts from packed tensors; only a loop over "
+                "the experts that received tokens is followed for those.", add,
+            )  # fmt: skip
+        rows = _member(expert_out, found, index=str(i))
+        found.tokens = _rows_source(rows, operand(add, 2), found)
+        _check_accumulator(found.accumulator, found.tokens, found)
+        if first is None:
+            first = found
+            continue
+        same = (found.tokens, found.ids, found.weights, found.member_list, found.accumulate_fp32) == (
+            first.tokens, first.ids, first.weights, first.member_list, first.accumulate_fp32,
+        )  # fmt: skip
+        if not same:
+            raise NoMatch(
+                "moe.unrolled-loop", f"iteration {i} of the unrolled experts loop reads other tokens, routing or "
+                "experts than the first.", add,
+            )  # fmt: skip
+        first.nodes |= found.nodes
+        first.member_calls += found.member_calls
+    source = method_source(unwrapped_forward(trace.cls))
+    indices = {operand(add, 2) for add in adds}
+    for assumption in trace.assumptions:
+        if assumption.kind == "size" and assumption.node in indices and _skips_empty(source, assumption.location):
+            continue
+        raise NoMatch(
+            "moe.loop-form",
+            f"the loop reads data-dependent values in a way transfuse does not follow ({assumption.describe()}).",
+            assumption.node,
+        )
+    first.unrolled = len(adds)
+    return first
+
+
+def _skips_empty(source, location) -> bool:
+    """``if rows.numel() == 0: continue`` (``shape[0]``, ``size(0)``, ``len(rows)`` too): an expert
+    no token chose is skipped, which adds nothing."""
+    if source is None or location is None or location[0] != source.filename or not _continue_only_if(
+        source, location[1]
+    ):
+        return False
+    node = next(n for n in m.findall(source.node, m.If()) if source.line(n) == location[1])
+    size = m.Call(func=m.Attribute(attr=m.Name("numel")), args=[]) | m.Call(
+        func=m.Attribute(attr=m.Name("size")), args=[m.Arg(m.Integer("0"))]
+    ) | m.Subscript(value=m.Attribute(attr=m.Name("shape")), slice=[m.SubscriptElement(m.Index(m.Integer("0")))]) | m.Call(
+        func=m.Name("len"), args=[m.Arg()]
+    )  # fmt: skip
+    empty = m.Comparison(left=size, comparisons=[m.ComparisonTarget(m.Equal(), m.Integer("0"))])
+    return m.matches(node.test, empty | m.UnaryOperation(operator=m.Not(), expression=size))
 
 
 def _chain(nodes: set[fx.Node], top: fx.Node, bottom: fx.Node) -> None:
@@ -145,9 +222,16 @@ def _token_index(token_idx: fx.Node, selection: fx.Node, found: LoopMatch) -> tu
     return where, (operand(tok, 1), operand(slot, 1))
 
 
-def _expert_index(where: fx.Node, outputs: tuple[int, int], found: LoopMatch) -> tuple[fx.Node, fx.Node]:
-    """``where(mask[e])`` with ``mask = one_hot(ids).permute(p)``; checks which output is which axis."""
+def _expert_index(where: fx.Node, outputs: tuple[int, int], found: LoopMatch) -> tuple[Any, fx.Node | None]:
+    """``where(mask[e])`` with ``mask = one_hot(ids).permute(p)``, or ``where(ids == e)``; checks
+    which output is which axis. (expert index, mask or None)."""
     sliced = operand(where, 0)
+    if is_op(sliced, "eq") and not isinstance(operand(sliced, 1), fx.Node):
+        if outputs != (0, 1):
+            raise NoMatch("moe.combine", "the token and slot indices are swapped relative to where(ids == e).", where)
+        found.ids = operand(sliced, 0)
+        found.nodes.add(sliced)
+        return operand(sliced, 1), None
     if is_op(sliced, "squeeze") and operand(sliced, 1, "dim") == 0:
         found.nodes.add(sliced)
         sliced = operand(sliced, 0)
@@ -256,15 +340,17 @@ def _check_accumulator(accumulator: fx.Node, tokens: fx.Node, found: LoopMatch) 
     raise NoMatch("moe.combine", "the expert outputs are not added into zeros shaped like the tokens.", accumulator)
 
 
-def _member(call: fx.Node, found: LoopMatch) -> fx.Node:
-    """``self.experts[e](rows)``: the representative member ``<list>.0`` called on the rows alone."""
-    owner, _, index = call.target.rpartition(".")
-    if index != "0" or not owner or len(call.args) != 1 or call.kwargs:
+def _member(call: fx.Node, found: LoopMatch, index: str = "0") -> fx.Node:
+    """``self.experts[e](rows)``: the representative member ``<list>.0`` (of an unrolled loop, member
+    ``index``) called on the rows alone."""
+    owner, _, called = call.target.rpartition(".")
+    if called != index or not owner or len(call.args) != 1 or call.kwargs:
         raise NoMatch(
             "moe.expert-form", f"the expert call {call.target} is not a member of a module list on the rows.", call
         )
     found.member_list = owner
     found.member_call = call
+    found.member_calls = [call]
     found.nodes.add(call)
     return call.args[0]
 

@@ -50,6 +50,7 @@ class MoEMatch:
     training_branches: tuple[tuple[str, type], ...]  # (child path or "", class) whose forward reads self.training
     input: str = "hidden_states"  # the forward's parameter the block reads
     routed_scale: Source | None = None  # the number the routed output is multiplied by, when it is
+    unrolled: int | None = None  # the experts loop ran over every expert index, unrolled: how many there were
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class MoEFuser(Fuser[MoEMatch]):
             loop, call = _find_experts(analysis)
             return _match_block(analysis, loop, call)
         except _NotMoE:
-            return _dense_experts(analysis)
+            return _dense_experts(analysis) or _members_without_loop(analysis)
         except NoMatch as refusal:
             return Refusal(refusal.tag, refusal.reason, analysis.where(refusal.node))
 
@@ -213,6 +214,38 @@ def _dense_experts(analysis: ClassAnalysis) -> MoEMatch | Refusal | None:
         return _match_dense_block(analysis, calls[0])
     except NoMatch as refusal:
         return Refusal(refusal.tag, refusal.reason, analysis.where(refusal.node))
+
+
+def _members_without_loop(analysis: ClassAnalysis) -> Refusal | None:
+    """A block that calls two or more members of a list of per-expert modules but adds their outputs
+    by no ``index_add``: a mixture of experts in a form the experts matcher does not follow, refused
+    with what it does instead (never passed over: each member's MLP would be fused on its own)."""
+    graph = analysis.trace.graph
+    lists: dict[str, list[fx.Node]] = {}
+    for node in graph.nodes:
+        owner, _, index = node.target.rpartition(".") if node.op == "call_module" else ("", "", "")
+        if index.isdigit() and isinstance(analysis.children.get(owner), type) and issubclass(
+            analysis.children[owner], nn.ModuleList
+        ):
+            lists.setdefault(owner, []).append(node)
+    calls = max(lists.values(), key=len, default=[])
+    if len(calls) < 2:
+        return None
+    owner = calls[0].target.rpartition(".")[0]
+    if any(is_op(n, "repeat_interleave") for n in graph.nodes):
+        return Refusal(
+            "moe.repeated-tokens",
+            f"the block repeats each token once per chosen expert (repeat_interleave), writes {owner}'s {len(calls)} "
+            "outputs into the copies by mask and sums the weighted copies; the experts matcher follows a loop that "
+            "adds weight · expert(rows) into zeros with index_add.",
+            analysis.where(calls[0]),
+        )
+    return Refusal(
+        "moe.loop-form",
+        f"the block calls {len(calls)} members of {owner} but adds their outputs by no index_add; the experts "
+        "matcher follows a loop that adds weight · expert(rows) into zeros with index_add.",
+        analysis.where(calls[0]),
+    )
 
 
 def _packed_holder(analysis: ClassAnalysis) -> tuple[str, str] | None:
@@ -440,7 +473,7 @@ def _match_block(analysis: ClassAnalysis, loop: LoopMatch, call: fx.Node | None)
     trace = analysis.trace
     used = [_block_input(trace)]
     tokens, ids, weights = _experts_inputs(analysis, loop, call)
-    experts_calls = {call} if call is not None else {loop.member_call}
+    experts_calls = {call} if call is not None else {loop.member_call, *loop.member_calls}
     routers = _router_calls((ids, weights), experts_calls)
     router_names = {n.target for n in routers}
     inlined = inline_calls(
@@ -486,7 +519,7 @@ def _match_block(analysis: ClassAnalysis, loop: LoopMatch, call: fx.Node | None)
         branches += ((router.module, analysis.child(router.module).cls),)
     return MoEMatch(
         plan, owner, member, routing, alpha, limit, skip, branches, input=used[0].target,
-        routed_scale=output.routed_scale,
+        routed_scale=output.routed_scale, unrolled=loop.unrolled,
     )  # fmt: skip
 
 
@@ -973,6 +1006,11 @@ def _validate(module: nn.Module, found: MoEMatch) -> None:
         experts = _check_packed(module, found)
     if found.routing is not None:
         _check_routing(module, found, experts)
+    if found.unrolled is not None and found.unrolled != experts:
+        raise NoMatch(
+            "moe.unrolled-loop",
+            f"the experts loop was traced over {found.unrolled} expert indices, and this block has {experts} experts.",
+        )
     if found.skip_ids_from is not None:
         skipped = found.skip_ids_from.read(module)
         # Under expert parallelism the loop runs over this rank's experts, by local ids.

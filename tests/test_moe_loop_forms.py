@@ -1,0 +1,146 @@
+"""MoE blocks in the loop forms of older modeling files: a loop over every expert index (``range``,
+``enumerate``), which tracing unrolls into one ``index_add_`` per expert, with the mask sliced per
+expert or ``torch.where(ids == e)`` and an optional skip of experts no token chose (→ fuses); tokens
+repeated ``top_k`` times and written back by mask (→ refused, moe.repeated-tokens); near misses of
+the unrolled form (→ refused, each with its tag)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import transfuse
+from tests import toys
+from tests.test_moe import _rewrite_toy
+from transfuse.ops import MoE
+
+
+class WhereEqualsMoE(toys.ModuleListMoE):
+    """``rows, slot = torch.where(ids == e)`` for every expert, skipping the empty ones → fuses."""
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.view(-1, h)
+        w, idx = torch.topk(self.gate(x).softmax(dim=-1), self.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            rows, slot = torch.where(idx == e)
+            if rows.numel() == 0:
+                continue
+            out.index_add_(0, rows, self.experts[e](x[rows]) * w[rows, slot, None])
+        return out.view(b, s, h)
+
+
+class EnumeratedMoE(toys.ModuleListMoE):
+    """``for e, expert in enumerate(self.experts)``, no skip → fuses."""
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.view(-1, h)
+        w, idx = torch.topk(self.gate(x).softmax(dim=-1), self.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.where(idx == e)
+            out.index_add_(0, rows, expert(x[rows]) * w[rows, slot, None])
+        return out.view(b, s, h)
+
+
+class RepeatedTokensMoE(toys.ModuleListMoE):
+    """Tokens repeated ``top_k`` times, each expert's rows written by mask, weighted copies summed
+    (the older DeepSeek/Mixtral training form) → refused (moe.repeated-tokens)."""
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.view(-1, h)
+        topk_weight, topk_idx = torch.topk(self.gate(x).softmax(dim=-1), k=self.top_k, dim=-1, sorted=False)
+        x = x.repeat_interleave(self.top_k, dim=0)
+        flat_topk_idx = topk_idx.view(-1)
+        y = torch.empty_like(x)
+        for i, expert in enumerate(self.experts):
+            y[flat_topk_idx == i] = expert(x[flat_topk_idx == i])
+        y = (y.view(*topk_weight.shape, -1) * topk_weight.unsqueeze(-1)).sum(dim=1)
+        return y.view(b, s, h)
+
+
+class SkipsBusyExpertsMoE(WhereEqualsMoE):
+    """Skips experts that received more than one row: not an empty expert → refused (moe.loop-form)."""
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.view(-1, h)
+        w, idx = torch.topk(self.gate(x).softmax(dim=-1), self.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            rows, slot = torch.where(idx == e)
+            if rows.numel() > 1:
+                continue
+            out.index_add_(0, rows, self.experts[e](x[rows]) * w[rows, slot, None])
+        return out.view(b, s, h)
+
+
+class MissesLastExpertMoE(WhereEqualsMoE):
+    """The loop stops one expert short → refused (moe.unrolled-loop): the block has one more expert."""
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.view(-1, h)
+        w, idx = torch.topk(self.gate(x).softmax(dim=-1), self.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts - 1):
+            rows, slot = torch.where(idx == e)
+            out.index_add_(0, rows, self.experts[e](x[rows]) * w[rows, slot, None])
+        return out.view(b, s, h)
+
+
+class ShiftedExpertMoE(WhereEqualsMoE):
+    """Iteration ``e`` applies expert ``e`` to the rows routed to ``(e + 1) % E`` → refused (moe.unrolled-loop)."""
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.view(-1, h)
+        w, idx = torch.topk(self.gate(x).softmax(dim=-1), self.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            rows, slot = torch.where(idx == (e + 1) % len(self.experts))
+            out.index_add_(0, rows, self.experts[e](x[rows]) * w[rows, slot, None])
+        return out.view(b, s, h)
+
+
+@pytest.mark.parametrize("cls", [toys.RangeLoopMoE, WhereEqualsMoE, EnumeratedMoE], ids=lambda c: c.__name__)
+def test_loops_over_every_expert_index_fuse_with_the_originals_numbers(cls):
+    block = cls()
+    original = copy.deepcopy(block)
+    model, x, (before, _) = _rewrite_toy(block)
+    assert isinstance(model.block, MoE), transfuse.report(model)
+    assert transfuse.report(model).counts() == {"moe": 1}
+    # The fused layer sums each token's experts in its own order: judged by a tolerance, not bits.
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), before, rtol=0, atol=1e-6)
+    torch.manual_seed(0)  # the seed _rewrite_toy built the projections around the block with
+    plain = toys.TinyMoEModel(original)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    model(x1).square().sum().backward()
+    plain(x2).square().sum().backward()
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "cls, tag",
+    [
+        (RepeatedTokensMoE, "moe.repeated-tokens"),
+        (SkipsBusyExpertsMoE, "moe.loop-form"),
+        (MissesLastExpertMoE, "moe.unrolled-loop"),
+        (ShiftedExpertMoE, "moe.unrolled-loop"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else v.__name__,
+)
+def test_loop_forms_not_followed_are_refused_with_a_reason(cls, tag):
+    block = cls()
+    model, x, (before, _) = _rewrite_toy(block)
+    assert model.block is block
+    (skip,) = [s for s in transfuse.report(model).skipped if s.kind == "moe"]
+    assert skip.tag == tag and skip.reason.endswith("."), skip
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
