@@ -1,4 +1,8 @@
-"""The ``transfuse`` command line: demo, explain, diff, emit."""
+"""The ``transfuse`` command line: demo, explain, diff, emit, compile.
+
+Parsing the arguments imports neither torch nor transformers (``--help`` and ``--version`` answer
+at once); a command says what it loads before it imports them.
+"""
 
 from __future__ import annotations
 
@@ -25,7 +29,6 @@ def _load_and_rewrite(args: argparse.Namespace):
     from .api import rewrite
     from .models import load_model
 
-    log.info("transfuse: loading %s", args.model)
     model = load_model(args.model, **_load_options(args))
     return rewrite(model, fusions=args.fusions)
 
@@ -101,9 +104,18 @@ def _demo(args: argparse.Namespace) -> int:
     )
 
 
-def _kind_list(text: str) -> list[str]:
-    from .fusers import kinds
+# The fusion kinds, in the fusers' order, and the opt-in ones among them: named here so that parsing
+# the command line imports no fuser (and so no torch); ``tests/test_cli.py`` checks them against
+# ``transfuse.fusers``.
+FUSION_KINDS = ("rms_norm", "add_rms_norm", "qkv", "rotary", "gate_up", "moe", "linear_cross_entropy")
+OPT_IN_KINDS = ("linear_cross_entropy",)
 
+
+def kinds() -> list[str]:
+    return list(FUSION_KINDS)
+
+
+def _kind_list(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in kinds()]
     if unknown or not names:
@@ -114,9 +126,7 @@ def _kind_list(text: str) -> list[str]:
 
 
 def _fusions_help() -> str:
-    from .fusers import default_kinds, kinds
-
-    opt_in = [k for k in kinds() if k not in default_kinds()]
+    opt_in = OPT_IN_KINDS
     return (
         f"only these fusion kinds, in any order, comma- or space-separated: {', '.join(kinds())} "
         f"(default: all but the opt-in {', '.join(opt_in)})"
@@ -126,8 +136,6 @@ def _fusions_help() -> str:
 def _gather_fusions(argv: list[str]) -> list[str]:
     """``--fusions a b MODEL`` as ``--fusions=a,b MODEL``: the kinds after the flag are taken while they
     are kinds, so the option may come before or after MODEL."""
-    from .fusers import kinds
-
     known = set(kinds())
     out, i = [], 0
     while i < len(argv):
@@ -207,6 +215,19 @@ def _parser() -> argparse.ArgumentParser:
 _IMPORT_CHATTER = ("torchao", "torch.utils._pytree")
 
 
+def _what_loads(args: argparse.Namespace) -> str:
+    if args.command == "demo":
+        return args.checkpoint or (args.model and f"a tiny random {args.model}") or "a tiny random llama"
+    return args.model
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(_gather_fusions(list(sys.argv[1:] if argv is None else argv)))
@@ -215,13 +236,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(format="%(message)s", level=logging.WARNING)
     log.setLevel(logging.WARNING if args.quiet else logging.INFO)
+    # The first line, before torch and transformers are imported (seconds on a busy machine).
+    log.info("transfuse: loading %s", _what_loads(args))
     warnings.filterwarnings("ignore", module="transformers")
     for name in _IMPORT_CHATTER:
         logging.getLogger(name).setLevel(logging.ERROR)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    if args.quiet or not _is_terminal(sys.stderr):
+        hf_logging.disable_progress_bar()  # bars only on a terminal (on standard error), as transformers'
+    import transfuse
+
+    transfuse.load()  # the package's names and the integrations' hooks, as ``import transfuse`` gives them
     from . import settings
     from .models import ModelError
     from .rewriter.emit import EmitError

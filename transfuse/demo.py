@@ -53,7 +53,7 @@ def _load(model_type: str | None, checkpoint: str | None, dtype: torch.dtype, **
 
     model = load_model(checkpoint, dtype=dtype, **load_options)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
     except (OSError, ValueError):
         tokenizer = None
     return model, tokenizer, checkpoint
