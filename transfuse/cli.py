@@ -86,6 +86,30 @@ def _emit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compile(args: argparse.Namespace) -> int:
+    import torch
+
+    import transfuse
+
+    model = _load_and_rewrite(args)
+    if torch.cuda.is_available():
+        model = model.to("cuda")
+    cache_dir = False if args.no_cache else args.cache_dir
+    transfuse.compile(model, cache_dir=cache_dir)
+    seconds = transfuse.compile.warm_up(
+        model, batch_sizes=tuple(args.batch_sizes), prompt_length=args.prompt_length, new_tokens=args.new_tokens
+    )
+    entry = model._transfuse_compiled.cache_entry
+    for batch, took in seconds.items():
+        print(f"batch size {batch}: compiled and captured in {took:.1f} s")
+    if entry is None:
+        print("compile cache: off")
+    else:
+        state = "loaded, then written" if entry.loaded else "written"
+        print(f"compile cache: {entry.path} ({state}); a process that compiles this model the same way reuses it")
+    return 0
+
+
 def _dtype_origin(spec: str, checkpoint: str | None) -> str:
     from .models import is_gguf
 
@@ -206,6 +230,18 @@ def _parser() -> argparse.ArgumentParser:
     emit.add_argument("--force", action="store_true", help="replace DIR if it exists")
     emit.add_argument("--link", action="store_true", help="link the checkpoint's weight files instead of copying them")
     emit.set_defaults(run=_emit)
+
+    compile_ = commands.add_parser(
+        "compile",
+        parents=[with_model],
+        help="rewrite and compile MODEL now (transfuse.compile and its warm-up), filling the compile cache ahead of time",
+    )
+    compile_.add_argument("--batch-sizes", type=int, nargs="+", default=[1], metavar="N", help="batch sizes to compile and capture (default 1)")
+    compile_.add_argument("--prompt-length", type=int, default=16, metavar="N", help="prompt length of the warm-up (default 16)")
+    compile_.add_argument("--new-tokens", type=int, default=4, metavar="N", help="decode steps of the warm-up (default 4)")
+    compile_.add_argument("--cache-dir", metavar="DIR", default=None, help="the compile cache's directory (default: TRANSFUSE_CACHE_DIR or ~/.cache/transfuse/compile)")
+    compile_.add_argument("--no-cache", action="store_true", help="compile without the cache (to time it)")
+    compile_.set_defaults(run=_compile)
     return parser
 
 

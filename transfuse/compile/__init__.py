@@ -53,7 +53,6 @@ from __future__ import annotations
 import builtins
 import functools
 import itertools
-import logging
 import os
 import sys
 import time
@@ -69,7 +68,7 @@ from .admission import CompileError, check, latent_cache_growth
 from .calls import DecodeCalls
 from . import eager_steps
 from .eager_steps import decode_steps
-from ..progress import note
+from ..progress import step
 
 __all__ = ["CompileError", "compile", "decode_steps", "eager_steps", "is_compiled", "release", "warm_up"]
 
@@ -128,12 +127,12 @@ class _Compiled(DecodeCalls):
             where = "no compile cache" if entry is None else (
                 f"compiled code loaded from {entry.path}" if entry.loaded else f"to be kept in {entry.directory}"
             )
-            note(f"transfuse.compile: compiling {type(self.model).__name__} at its first calls (Dynamo, Inductor; {where})")
+            step(f"transfuse.compile: compiling {type(self.model).__name__} at its first calls (Dynamo, Inductor; {where})")
         before, start = backend._STATS["graphs"], time.perf_counter()
         output = self.torch_compiled(*args, **kwargs)
         made = backend._STATS["graphs"] - before
         if made:
-            note(f"transfuse.compile: compiled {made} graph{'s' * (made > 1)} in {time.perf_counter() - start:.1f} s", logging.INFO)
+            step(f"transfuse.compile: compiled {made} graph{'s' * (made > 1)} in {time.perf_counter() - start:.1f} s")
         return output
 
     def static_pointers(self) -> set[int]:
@@ -269,7 +268,7 @@ def warm_up(
     seconds: dict[int, float] = {}
     for batch in batch_sizes:
         ids = torch.randint(0, vocab, (batch, prompt_length), device=device)
-        note(f"transfuse.compile.warm_up: batch size {batch}: compiling and capturing a prompt of {prompt_length} "
+        step(f"transfuse.compile.warm_up: batch size {batch}: compiling and capturing a prompt of {prompt_length} "
              f"tokens and {new_tokens} decode steps")
         graphs, start = backend._STATS["graphs"], time.perf_counter()
         with torch.no_grad():
@@ -280,11 +279,11 @@ def warm_up(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds[batch] = time.perf_counter() - start
-        note(f"transfuse.compile.warm_up: batch size {batch}: {backend._STATS['graphs'] - graphs} graphs compiled, "
+        step(f"transfuse.compile.warm_up: batch size {batch}: {backend._STATS['graphs'] - graphs} graphs compiled, "
              f"{seconds[batch]:.1f} s")
     entry = model._transfuse_compiled.cache_entry
     if entry is not None and entry.save():
-        note(f"transfuse.compile.warm_up: compiled code kept in {entry.path}")
+        step(f"transfuse.compile.warm_up: compiled code kept in {entry.path}")
     return seconds
 
 
