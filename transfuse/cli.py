@@ -253,7 +253,7 @@ _IMPORT_CHATTER = ("torchao", "torch.utils._pytree")
 
 def _what_loads(args: argparse.Namespace) -> str:
     if args.command == "demo":
-        return args.checkpoint or (args.model and f"a tiny random {args.model}") or "a tiny random llama"
+        return args.checkpoint or f"a small random {args.model or 'llama'}"
     return args.model
 
 
@@ -272,6 +272,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(format="%(message)s", level=logging.WARNING)
     log.setLevel(logging.WARNING if args.quiet else logging.INFO)
+    if args.command == "emit":  # an output it may not write is refused before any work
+        from .rewriter.emit_dir import EmitError, check_destination
+
+        try:
+            for line in check_destination(args.out, force=args.force, force_is="--force"):
+                print(f"note: {line}")
+        except EmitError as exc:
+            print(f"transfuse: error: {exc}", file=sys.stderr)
+            return 1
     # The first line, before torch and transformers are imported (seconds on a busy machine).
     log.info("transfuse: loading %s", _what_loads(args))
     warnings.filterwarnings("ignore", module="transformers")

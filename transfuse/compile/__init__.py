@@ -51,6 +51,7 @@ made callable), so ``transfuse.compile(model)``, ``transfuse.compile.warm_up(mod
 from __future__ import annotations
 
 import builtins
+import contextlib
 import functools
 import itertools
 import os
@@ -129,7 +130,8 @@ class _Compiled(DecodeCalls):
             )
             step(f"transfuse.compile: compiling {type(self.model).__name__} at its first calls (Dynamo, Inductor; {where})")
         before, start = backend._STATS["graphs"], time.perf_counter()
-        output = self.torch_compiled(*args, **kwargs)
+        with self.cache_entry.recording() if self.cache_entry is not None else contextlib.nullcontext():
+            output = self.torch_compiled(*args, **kwargs)
         made = backend._STATS["graphs"] - before
         if made:
             step(f"transfuse.compile: compiled {made} graph{'s' * (made > 1)} in {time.perf_counter() - start:.1f} s")

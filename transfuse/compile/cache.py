@@ -1,11 +1,12 @@
 """A compile cache across processes: ``transfuse.compile(model, cache_dir=...)``.
 
 What Inductor and AOTAutograd compiled for a model in one process is kept in a file of its own
-(torch's portable cache artifacts: ``torch.compiler.save_cache_artifacts``) under a key of
-everything that changes the compiled code, and loaded back (``load_cache_artifacts``) by the next
-process that compiles a model with the same key, before anything is compiled: Inductor then finds
-every graph it would compile already built. A changed key is another file; an old one is never
-read for it.
+(torch's portable cache artifacts: ``torch.compiler.save_cache_artifacts``, recorded around the
+model's own compiled calls only) under a key of everything that changes the compiled code, and
+loaded back (``load_cache_artifacts``) by the next process that compiles a model with the same key,
+before anything is compiled: Inductor then finds every graph it would compile already built. A
+changed key is another file; an old one is never read for it. An entry is written after a warm-up
+and at exit, where the model compiled graphs the entry did not hold.
 
 The key (``key``) hashes: the model's structure (its modules' classes and their source, rewritten
 or not, and its configuration), every parameter's and buffer's name, shape, dtype, device and tensor
@@ -25,6 +26,7 @@ another torch) is ignored with a warning, removed, and written again.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import json
 import os
@@ -32,7 +34,7 @@ import platform
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -201,14 +203,23 @@ def _world() -> Any:
 
 class CompileCache:
     """One key's entry in ``directory``: loaded once, at ``transfuse.compile``; saved after a warm-up
-    and when the process exits, if anything was compiled since."""
+    and when the process exits, if the model compiled anything since.
+
+    The artifacts are this model's own: each of its compiled calls runs with a fresh record of
+    torch's cache artifacts (``recording``), which Inductor fills on a compile and on a hit of its
+    local cache alike, so an entry holds every graph of the model, whichever process compiled it,
+    and none of another model's."""
 
     def __init__(self, directory: str | os.PathLike, key_hex: str):
         self.directory = Path(directory)
         self.key = key_hex
         self.path = self.directory / f"{key_hex}.bin"
         self.loaded = False
-        self._saved_size = -1
+        # Serialized artifacts with the (type, key) of each artifact in them: those loaded, and
+        # those recorded in this process.
+        self.loaded_chunks: list[tuple[bytes, frozenset]] = []
+        self.recorded_chunks: list[tuple[bytes, frozenset]] = []
+        self._unsaved = False
 
     def load(self) -> bool:
         """Hand this key's artifacts to torch; False (a miss) where there is no whole entry."""
@@ -222,20 +233,20 @@ class CompileCache:
             warnings.warn(f"transfuse.compile: the compile cache entry {self.path} cannot be read ({exc}); compiling anew")
             counters["miss"] += 1
             return False
-        payload = _unwrap(data)
-        if payload is not None:
+        chunks = _unwrap(data)
+        reason = "it is cut short or corrupt"
+        if chunks is not None:
             try:
-                info = torch.compiler.load_cache_artifacts(payload)
+                infos = [torch.compiler.load_cache_artifacts(chunk) for chunk in chunks]
             except Exception as exc:  # noqa: BLE001 - torch's own errors for artifacts it cannot use
-                info, reason = None, f"torch could not load it: {type(exc).__name__}"
+                infos, reason = [None], f"torch could not load it: {type(exc).__name__}"
             else:
                 reason = "torch could not read its artifacts"
-            if info is not None:
+            if chunks and all(info is not None for info in infos):
                 counters["hit"] += 1
                 self.loaded = True
+                self.loaded_chunks = [(chunk, _keys(info)) for chunk, info in zip(chunks, infos)]
                 return True
-        else:
-            reason = "it is cut short or corrupt"
         counters["corrupt"] += 1
         counters["miss"] += 1
         warnings.warn(f"transfuse.compile: ignored the compile cache entry {self.path} ({reason}); it is rebuilt")
@@ -245,50 +256,89 @@ class CompileCache:
             pass
         return False
 
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Record the cache artifacts of what runs inside (one compiled call) as this entry's."""
+        manager = _artifact_manager()
+        if manager is None:
+            yield
+            return
+        with manager.with_fresh_cache():
+            yield
+            if manager.need_serialize():
+                result = torch.compiler.save_cache_artifacts()
+                if result is not None:
+                    keys = _keys(result[1])
+                    self.recorded_chunks.append((result[0], keys))
+                    known = frozenset().union(*(k for _, k in self.loaded_chunks + self.recorded_chunks[:-1]))
+                    self._unsaved |= not keys <= known
+
     def save(self) -> bool:
-        """Write the artifacts of everything compiled in this process so far, atomically."""
-        result = torch.compiler.save_cache_artifacts()
-        if result is None:
+        """Write this entry's artifacts, atomically, if artifacts it did not hold were recorded:
+        those recorded in this process, and those loaded that they do not cover."""
+        if not self._unsaved:
             return False
-        payload = result[0]
-        if len(payload) == self._saved_size:
-            return False
+        recorded = frozenset().union(*(k for _, k in self.recorded_chunks))
+        chunks = [c for c, k in self.loaded_chunks if not k <= recorded] + [c for c, _ in self.recorded_chunks]
         self.directory.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=self.directory, prefix=f".{self.key[:16]}.", suffix=".tmp")
         try:
             with os.fdopen(handle, "wb") as f:
-                f.write(_wrap(payload))
+                f.write(_wrap(chunks))
             os.replace(temporary, self.path)
         except BaseException:
-            with _quietly():
+            with contextlib.suppress(OSError):
                 os.unlink(temporary)
             raise
-        self._saved_size = len(payload)
+        self._unsaved = False
         _counters()["saved"] += 1
         return True
 
 
-def _wrap(payload: bytes) -> bytes:
-    return _MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
+def _keys(info: Any) -> frozenset:
+    """The (type, key) of each artifact a ``CacheInfo`` lists."""
+    artifacts = getattr(info, "artifacts", None) or {}
+    return frozenset((kind, key) for kind, keys in artifacts.items() for key in keys)
 
 
-def _unwrap(data: bytes) -> bytes | None:
-    """The payload of a whole entry, None for one cut short or changed."""
+def _artifact_manager() -> Any:
+    """torch's record of cache artifacts, where it can be swapped for a fresh one (None otherwise:
+    then nothing is recorded)."""
+    try:
+        from torch.compiler._cache import CacheArtifactManager
+    except ImportError:
+        return None
+    return CacheArtifactManager if hasattr(CacheArtifactManager, "with_fresh_cache") else None
+
+
+def _wrap(chunks: list[bytes]) -> bytes:
+    """An entry: the magic line, then per chunk its length and checksum on a line, and its bytes."""
+    parts = [_MAGIC]
+    for chunk in chunks:
+        parts += [f"{len(chunk)} {hashlib.sha256(chunk).hexdigest()}\n".encode(), chunk]
+    return b"".join(parts)
+
+
+def _unwrap(data: bytes) -> list[bytes] | None:
+    """The chunks of a whole entry, None for one cut short or changed."""
     if not data.startswith(_MAGIC):
         return None
-    header_end = data.find(b"\n", len(_MAGIC))
-    if header_end < 0:
-        return None
-    checksum, payload = data[len(_MAGIC) : header_end].decode(errors="replace"), data[header_end + 1 :]
-    return payload if hashlib.sha256(payload).hexdigest() == checksum else None
-
-
-class _quietly:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return exc[0] is not None and issubclass(exc[0], OSError)
+    chunks, at = [], len(_MAGIC)
+    while at < len(data):
+        end = data.find(b"\n", at)
+        if end < 0:
+            return None
+        try:
+            size, checksum = data[at:end].decode().split(" ")
+            size = int(size)
+        except ValueError:
+            return None
+        chunk = data[end + 1 : end + 1 + size]
+        if len(chunk) != size or hashlib.sha256(chunk).hexdigest() != checksum:
+            return None
+        chunks.append(chunk)
+        at = end + 1 + size
+    return chunks
 
 
 _OPEN: list[CompileCache] = []
