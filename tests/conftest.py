@@ -7,9 +7,12 @@ Tests marked ``gpu`` are skipped without a CUDA GPU.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib.util
 import os
+import shutil
+import tempfile
 import warnings
 
 import pytest
@@ -18,6 +21,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU tensors; set before triton is imported
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not os.environ.get("TRANSFUSE_CACHE_DIR"):  # the compile cache: a directory of this run's, not the user's
+    _COMPILE_CACHE = tempfile.mkdtemp(prefix="transfuse-compile-cache-")
+    os.environ["TRANSFUSE_CACHE_DIR"] = _COMPILE_CACHE
+    atexit.register(shutil.rmtree, _COMPILE_CACHE, True)  # after the entries written at exit
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 warnings.filterwarnings("ignore", module="transformers")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import subprocess
 import sys
 import warnings
@@ -159,3 +160,63 @@ def test_demo_of_an_unknown_or_non_causal_type_is_a_one_line_error():
         line = result.stderr.strip().splitlines()[-1]
         assert line.startswith(f"transfuse: error: {name!r} is not a causal-LM model type") and "in all)" in line
         assert "(0 in all)" not in line
+
+
+def _imported(importtime_log: str) -> set[str]:
+    """The modules ``python -X importtime`` reported importing."""
+    return {line.rsplit("|", 1)[-1].strip() for line in importtime_log.splitlines() if line.startswith("import time:")}
+
+
+def test_help_and_version_import_neither_torch_nor_transformers():
+    for args in (("--help",), ("--version",), ("explain", "--help")):
+        result = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "transfuse", *args], capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 0, result.stderr
+        modules = _imported(result.stderr)
+        assert "transfuse.cli" in modules  # the log is read right
+        assert not {m for m in modules if m.split(".")[0] in ("torch", "transformers")}, args
+    assert "linear_cross_entropy" in result.stdout
+
+
+def test_the_first_line_comes_before_torch_is_imported_and_a_hub_id_not_cached_says_so(tmp_path):
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "0"}
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "transfuse", "explain", "nobody-here/no-such-model"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    lines = result.stderr.splitlines()
+    first = lines.index("transfuse: loading nobody-here/no-such-model")
+    # importtime writes a module's line as its import ends: the first of torch's modules to end.
+    torch_at = next(i for i, line in enumerate(lines) if {m.split(".")[0] for m in _imported(line)} == {"torch"})
+    assert first < torch_at
+    assert result.returncode == 1
+    (error,) = [line for line in lines if line.startswith("transfuse: error:")]
+    assert error.startswith("transfuse: error: 'nobody-here/no-such-model' is not in the local Hugging Face cache")
+    assert "downloaded nothing" in error and "hf download nobody-here/no-such-model" in error
+    assert "connect" not in error and not list(tmp_path.rglob("*.json"))  # nothing was fetched
+
+
+def test_the_clis_kinds_are_the_fusers():
+    from transfuse.fusers import default_kinds, kinds
+
+    assert list(cli.FUSION_KINDS) == kinds()
+    assert [k for k in cli.FUSION_KINDS if k not in cli.OPT_IN_KINDS] == default_kinds()
+
+
+def test_progress_bars_show_on_a_terminal_and_not_on_a_pipe_or_with_quiet(monkeypatch):
+    from transformers.utils import logging as hf_logging
+
+    seen = {}
+
+    def spy(args):
+        seen[args.quiet, terminal] = hf_logging.is_progress_bar_enabled()
+        return 0
+
+    monkeypatch.setattr(cli, "_explain", spy)
+    for terminal in (True, False):
+        monkeypatch.setattr(cli, "_is_terminal", lambda stream, terminal=terminal: terminal)
+        for quiet in ((), ("-q",)):
+            hf_logging.enable_progress_bar()
+            assert run_here("explain", "llama", *quiet).returncode == 0
+    assert seen == {(False, True): True, (True, True): False, (False, False): False, (True, False): False}

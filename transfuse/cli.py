@@ -1,4 +1,8 @@
-"""The ``transfuse`` command line: demo, explain, diff, emit."""
+"""The ``transfuse`` command line: demo, explain, diff, emit, compile.
+
+Parsing the arguments imports neither torch nor transformers (``--help`` and ``--version`` answer
+at once); a command says what it loads before it imports them.
+"""
 
 from __future__ import annotations
 
@@ -25,7 +29,6 @@ def _load_and_rewrite(args: argparse.Namespace):
     from .api import rewrite
     from .models import load_model
 
-    log.info("transfuse: loading %s", args.model)
     model = load_model(args.model, **_load_options(args))
     return rewrite(model, fusions=args.fusions)
 
@@ -83,6 +86,30 @@ def _emit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compile(args: argparse.Namespace) -> int:
+    import torch
+
+    import transfuse
+
+    model = _load_and_rewrite(args)
+    if torch.cuda.is_available():
+        model = model.to("cuda")
+    cache_dir = False if args.no_cache else args.cache_dir
+    transfuse.compile(model, cache_dir=cache_dir)
+    seconds = transfuse.compile.warm_up(
+        model, batch_sizes=tuple(args.batch_sizes), prompt_length=args.prompt_length, new_tokens=args.new_tokens
+    )
+    entry = model._transfuse_compiled.cache_entry
+    for batch, took in seconds.items():
+        print(f"batch size {batch}: compiled and captured in {took:.1f} s")
+    if entry is None:
+        print("compile cache: off")
+    else:
+        state = "loaded, then written" if entry.loaded else "written"
+        print(f"compile cache: {entry.path} ({state}); a process that compiles this model the same way reuses it")
+    return 0
+
+
 def _dtype_origin(spec: str, checkpoint: str | None) -> str:
     from .models import is_gguf
 
@@ -101,9 +128,18 @@ def _demo(args: argparse.Namespace) -> int:
     )
 
 
-def _kind_list(text: str) -> list[str]:
-    from .fusers import kinds
+# The fusion kinds, in the fusers' order, and the opt-in ones among them: named here so that parsing
+# the command line imports no fuser (and so no torch); ``tests/test_cli.py`` checks them against
+# ``transfuse.fusers``.
+FUSION_KINDS = ("rms_norm", "add_rms_norm", "qkv", "rotary", "gate_up", "moe", "linear_cross_entropy")
+OPT_IN_KINDS = ("linear_cross_entropy",)
 
+
+def kinds() -> list[str]:
+    return list(FUSION_KINDS)
+
+
+def _kind_list(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in kinds()]
     if unknown or not names:
@@ -114,9 +150,7 @@ def _kind_list(text: str) -> list[str]:
 
 
 def _fusions_help() -> str:
-    from .fusers import default_kinds, kinds
-
-    opt_in = [k for k in kinds() if k not in default_kinds()]
+    opt_in = OPT_IN_KINDS
     return (
         f"only these fusion kinds, in any order, comma- or space-separated: {', '.join(kinds())} "
         f"(default: all but the opt-in {', '.join(opt_in)})"
@@ -126,8 +160,6 @@ def _fusions_help() -> str:
 def _gather_fusions(argv: list[str]) -> list[str]:
     """``--fusions a b MODEL`` as ``--fusions=a,b MODEL``: the kinds after the flag are taken while they
     are kinds, so the option may come before or after MODEL."""
-    from .fusers import kinds
-
     known = set(kinds())
     out, i = [], 0
     while i < len(argv):
@@ -198,6 +230,18 @@ def _parser() -> argparse.ArgumentParser:
     emit.add_argument("--force", action="store_true", help="replace DIR if it exists")
     emit.add_argument("--link", action="store_true", help="link the checkpoint's weight files instead of copying them")
     emit.set_defaults(run=_emit)
+
+    compile_ = commands.add_parser(
+        "compile",
+        parents=[with_model],
+        help="rewrite and compile MODEL now (transfuse.compile and its warm-up), filling the compile cache ahead of time",
+    )
+    compile_.add_argument("--batch-sizes", type=int, nargs="+", default=[1], metavar="N", help="batch sizes to compile and capture (default 1)")
+    compile_.add_argument("--prompt-length", type=int, default=16, metavar="N", help="prompt length of the warm-up (default 16)")
+    compile_.add_argument("--new-tokens", type=int, default=4, metavar="N", help="decode steps of the warm-up (default 4)")
+    compile_.add_argument("--cache-dir", metavar="DIR", default=None, help="the compile cache's directory (default: TRANSFUSE_CACHE_DIR or ~/.cache/transfuse/compile)")
+    compile_.add_argument("--no-cache", action="store_true", help="compile without the cache (to time it)")
+    compile_.set_defaults(run=_compile)
     return parser
 
 
@@ -205,6 +249,19 @@ def _parser() -> argparse.ArgumentParser:
 # torchao (its quantizer's backend) that its CUDA libraries do not load on a CPU build of torch, and
 # torch's pytree a deprecation in how torchao registers its types.
 _IMPORT_CHATTER = ("torchao", "torch.utils._pytree")
+
+
+def _what_loads(args: argparse.Namespace) -> str:
+    if args.command == "demo":
+        return args.checkpoint or f"a small random {args.model or 'llama'}"
+    return args.model
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,13 +272,28 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(format="%(message)s", level=logging.WARNING)
     log.setLevel(logging.WARNING if args.quiet else logging.INFO)
+    if args.command == "emit":  # an output it may not write is refused before any work
+        from .rewriter.emit_dir import EmitError, check_destination
+
+        try:
+            for line in check_destination(args.out, force=args.force, force_is="--force"):
+                print(f"note: {line}")
+        except EmitError as exc:
+            print(f"transfuse: error: {exc}", file=sys.stderr)
+            return 1
+    # The first line, before torch and transformers are imported (seconds on a busy machine).
+    log.info("transfuse: loading %s", _what_loads(args))
     warnings.filterwarnings("ignore", module="transformers")
     for name in _IMPORT_CHATTER:
         logging.getLogger(name).setLevel(logging.ERROR)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    if args.quiet or not _is_terminal(sys.stderr):
+        hf_logging.disable_progress_bar()  # bars only on a terminal (on standard error), as transformers'
+    import transfuse
+
+    transfuse.load()  # the package's names and the integrations' hooks, as ``import transfuse`` gives them
     from . import settings
     from .models import ModelError
     from .rewriter.emit import EmitError

@@ -12,6 +12,7 @@ definitions, so expect none there: the speed-ups come from the GPU kernels.
 from __future__ import annotations
 
 import copy
+import logging
 import statistics
 import time
 
@@ -21,6 +22,8 @@ from .api import diff, report, rewrite
 from .ops import current_platform
 from .rewriter.apply import rewrites_of
 from .presentation.diffview import summary
+
+log = logging.getLogger("transfuse")
 
 __all__ = ["run_demo"]
 
@@ -53,7 +56,7 @@ def _load(model_type: str | None, checkpoint: str | None, dtype: torch.dtype, **
 
     model = load_model(checkpoint, dtype=dtype, **load_options)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
     except (OSError, ValueError):
         tokenizer = None
     return model, tokenizer, checkpoint
@@ -95,6 +98,7 @@ def run_demo(
     else:
         prompt = ids[:, :8]
     greedy = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    log.info("transfuse: generating %d tokens greedily with the original model", new_tokens)
     before = model.generate(prompt, **greedy)
     original = copy.deepcopy(model)
 
@@ -106,6 +110,7 @@ def run_demo(
     for line in summary(rewrites_of(model)):
         print(f"  {line}")
 
+    log.info("transfuse: generating %d tokens greedily with the rewritten model", new_tokens)
     after = model.generate(prompt, **greedy)
     same = torch.equal(before, after)
     print()
@@ -122,6 +127,7 @@ def run_demo(
 
         return run
 
+    log.info("transfuse: timing the forward of %d tokens, %d rounds of each model in turn", tokens, ROUNDS)
     times = _interleaved_ms(forward(original), forward(model))
     print(f"forward of {tokens} tokens on {current_platform().name}, {ROUNDS} rounds in turn (fastest / median / slowest):")
     for label, ms in zip(("original ", "rewritten"), times):

@@ -27,7 +27,7 @@ try:  # what configuration classes raise when their validators refuse them, wher
 except ImportError:
     _ConfigValidationError = ValueError
 
-__all__ = ["ModelError", "is_gguf", "load_gguf", "load_gguf_tokenizer", "load_model", "resolve_checkpoint", "tiny_causal_lm"]
+__all__ = ["ModelError", "not_in_cache", "is_gguf", "load_gguf", "load_gguf_tokenizer", "load_model", "resolve_checkpoint", "tiny_causal_lm"]
 
 
 class ModelError(Exception):
@@ -91,9 +91,29 @@ def resolve_checkpoint(spec: str) -> str | None:
 
         try:
             return snapshot_download(spec, local_files_only=True)
-        except Exception as exc:  # huggingface_hub raises several types for a missing cache entry
-            raise ModelError(f"{spec!r} is not in the local Hugging Face cache ({type(exc).__name__}).") from None
+        except Exception:  # huggingface_hub raises several types for a missing cache entry
+            raise ModelError(not_in_cache(spec)) from None
     return None
+
+
+def not_in_cache(spec: str, missing: str = "is not") -> str:
+    """What is true of a hub id that is not (or not wholly) in the local cache: transfuse reads local
+    files only, so nothing was downloaded, and how to download it."""
+    subject = f"{spec!r}" if missing == "is not" else f"a file of {spec!r}"
+    return (
+        f"{subject} {missing} in the local Hugging Face cache; transfuse reads local files only and "
+        f"downloaded nothing. Download it first with `hf download {spec}` (or `huggingface-cli download "
+        f"{spec}`), or pass a local directory."
+    )
+
+
+def _local_files_problem(spec: str, exc: OSError) -> str:
+    """A load from local files only that failed. transformers words a file missing from the cache as
+    a failure to connect; no connection was tried, so that is said as what it is."""
+    text = first_line(exc)
+    if not os.path.isdir(spec) and "connect" in text.lower():
+        return not_in_cache(spec, missing="is missing")
+    return f"cannot load {spec!r} from local files: {text}"
 
 
 def load_model(
@@ -159,7 +179,7 @@ def _from_pretrained(spec: str, directory: str, dtype, trust_remote_code: bool, 
     except SafetensorError as exc:
         raise ModelError(safetensors_problem(directory, exc)) from None
     except OSError as exc:
-        raise ModelError(f"cannot load {spec!r} from local files: {first_line(exc)}") from None
+        raise ModelError(_local_files_problem(spec, exc)) from None
     except ValueError as exc:
         raise ModelError(f"cannot load {spec!r}: {first_line(exc)}") from None
     _check_loaded(spec, directory, info, allow_missing)
@@ -188,7 +208,9 @@ def _config(spec: str, directory: str, trust_remote_code: bool):
         config = AutoConfig.from_pretrained(spec, trust_remote_code=trust_remote_code, local_files_only=True)
     except _ConfigValidationError as exc:
         raise ModelError(config_problem(path, exc)) from None
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        raise ModelError(_local_files_problem(spec, exc) if not os.path.isdir(spec) else f"{path}: {first_line(exc)}") from None
+    except ValueError as exc:
         raise ModelError(f"{path}: {first_line(exc)}") from None
     causal = type(config) in MODEL_FOR_CAUSAL_LM_MAPPING.keys() or "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
     if not causal:

@@ -7,6 +7,9 @@
   allows its level (by default warnings are shown and info is not, as for transformers' own
   messages): ``transformers.logging.set_verbosity_error()`` silences it, and
   ``TRANSFUSE_VERBOSITY`` (``error``, ``warning``, ``info``) overrides it.
+* ``step``: a line saying what a long wait (compiling, capturing) is doing, so that none is silent:
+  shown as a warning-level note (by default, then), or, where a caller set the ``transfuse``
+  logger's level (the ``transfuse`` command: info, or warning with ``-q``), at info level.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Iterable, TypeVar
 
 from . import settings
 
-__all__ = ["BAR_DELAY_S", "bar", "note"]
+__all__ = ["BAR_DELAY_S", "bar", "note", "step"]
 
 logger = logging.getLogger("transfuse")
 T = TypeVar("T")
@@ -41,6 +44,14 @@ def note(message: str, level: int = logging.WARNING) -> None:
     """Log ``message`` if the verbosity (transformers', or ``TRANSFUSE_VERBOSITY``) allows ``level``."""
     if level >= _verbosity():
         logger.log(level, message)
+
+
+def step(message: str) -> None:
+    """Say what a long wait is doing (see the module docstring)."""
+    if logger.level != logging.NOTSET:
+        logger.info(message)
+    else:
+        note(message, logging.WARNING)
 
 
 def bar(iterable: Iterable[T], *, total: int | None = None, desc: str = "") -> Iterable[T]:

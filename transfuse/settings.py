@@ -99,6 +99,7 @@ SWITCHES = {
         Switch("TRANSFUSE_STEP_GRAPHS", _flag, True, _FLAG, "on"),
         Switch("TRANSFUSE_DECODE_GRAPHS", _flag, True, _FLAG, "on"),
         Switch("TRANSFUSE_TRITON_FAST_LAUNCH", _flag, True, _FLAG, "on"),
+        Switch("TRANSFUSE_CACHE_DIR", str, None, "a directory (made if missing)", "$XDG_CACHE_HOME/transfuse/compile, else ~/.cache/transfuse/compile"),
         Switch("TRANSFUSE_CSRC", _directory, None, "an existing directory holding the CUDA sources", "the installed sources"),
     )
 }

@@ -51,8 +51,10 @@ made callable), so ``transfuse.compile(model)``, ``transfuse.compile.warm_up(mod
 from __future__ import annotations
 
 import builtins
+import contextlib
 import functools
 import itertools
+import os
 import sys
 import time
 import types
@@ -63,11 +65,12 @@ import torch
 from torch import nn
 
 from ..ops import batch_invariant as invariance
-from . import attention, backend, generate, layer_graphs, replay
+from . import attention, backend, cache, generate, layer_graphs, replay
 from .admission import CompileError, check, latent_cache_growth
 from .calls import DecodeCalls
 from . import eager_steps
 from .eager_steps import decode_steps
+from ..progress import step
 
 __all__ = ["CompileError", "compile", "decode_steps", "eager_steps", "is_compiled", "release", "warm_up"]
 
@@ -105,7 +108,10 @@ class _Compiled(DecodeCalls):
         # call and start at the model's forward wrapper instead, which every transformers model
         # shares (see ``_entry``). The model's own hooks are honoured by running those calls
         # eagerly (``_covers``); its submodules' hooks are traced as usual.
-        self.compiled = torch.compile(entry, backend=graph_backend, dynamic=options["dynamic"], **extra)
+        self.torch_compiled = torch.compile(entry, backend=graph_backend, dynamic=options["dynamic"], **extra)
+        self.compiled = self._compiled_call
+        self.cache_entry: cache.CompileCache | None = None
+        self.announced = False
         # Decode steps replayed without entering Dynamo (``replay.py``): inside a closed decoding
         # loop (``generate.py``: Dynamo's guards checked at a captured step's first replay in the
         # loop only), and by default anywhere else only where checking them is cheap
@@ -113,6 +119,24 @@ class _Compiled(DecodeCalls):
         self.replay_anywhere = options["trust_modules"] if options["replay"] is None else options["replay"]
         replays = options["replay"] is not False
         self.call_graphs = replay.CallGraphs(model, self.dynamo) if replays and options["cuda_graphs"] else None
+
+    def _compiled_call(self, *args: Any, **kwargs: Any) -> Any:
+        """The compiled entry, saying what it compiles: a line before the first call (which
+        compiles, and may take long), and the graphs and seconds of each call that compiled."""
+        if not self.announced:
+            self.announced = True
+            entry = self.cache_entry
+            where = "no compile cache" if entry is None else (
+                f"compiled code loaded from {entry.path}" if entry.loaded else f"to be kept in {entry.directory}"
+            )
+            step(f"transfuse.compile: compiling {type(self.model).__name__} at its first calls (Dynamo, Inductor; {where})")
+        before, start = backend._STATS["graphs"], time.perf_counter()
+        with self.cache_entry.recording() if self.cache_entry is not None else contextlib.nullcontext():
+            output = self.torch_compiled(*args, **kwargs)
+        made = backend._STATS["graphs"] - before
+        if made:
+            step(f"transfuse.compile: compiled {made} graph{'s' * (made > 1)} in {time.perf_counter() - start:.1f} s")
+        return output
 
     def static_pointers(self) -> set[int]:
         model = self.model
@@ -151,6 +175,7 @@ def compile(  # noqa: A001 - the name users call, as torch.compile
     replay: bool | None = None,
     lean_loop: bool = True,
     batch_invariant: bool | None = None,
+    cache_dir: str | os.PathLike | bool | None = None,
 ) -> nn.Module:
     """Compile ``model`` in place for inference and return it (see the module docstring).
 
@@ -181,7 +206,12 @@ def compile(  # noqa: A001 - the name users call, as torch.compile
 
     ``batch_invariant``: True puts the model in batch-invariant mode (as ``transfuse.rewrite(model,
     batch_invariant=True)`` does), False takes it out, None keeps the model's own; in the mode the
-    compiled code calls the dispatched ops as library ops (``docs/batch-invariance.md``)."""
+    compiled code calls the dispatched ops as library ops (``docs/batch-invariance.md``).
+
+    ``cache_dir``: where what Inductor compiles for this model is kept for the next process
+    (``transfuse/compile/cache.py``): None for ``TRANSFUSE_CACHE_DIR`` or the user's cache
+    directory, False for no cache. The entry is read here and written after ``warm_up`` and when
+    the process exits."""
     configs = check(model)
     if batch_invariant:
         invariance.enable(model)
@@ -196,20 +226,19 @@ def compile(  # noqa: A001 - the name users call, as torch.compile
             stacklevel=2,
         )
     attention.register()
-    compiled = _Compiled(
-        model,
-        configs,
-        {
-            "inductor": inductor,
-            "cuda_graphs": cuda_graphs,
-            "dynamic": dynamic,
-            "trust_modules": trust_modules,
-            "deferred_stop": deferred_stop,
-            "kv_store": kv_store,
-            "replay": replay,
-            "lean_loop": lean_loop,
-        },
-    )
+    options = {
+        "inductor": inductor,
+        "cuda_graphs": cuda_graphs,
+        "dynamic": dynamic,
+        "trust_modules": trust_modules,
+        "deferred_stop": deferred_stop,
+        "kv_store": kv_store,
+        "replay": replay,
+        "lean_loop": lean_loop,
+    }
+    entry = cache.open_for(model, options, cache_dir) if inductor else None
+    compiled = _Compiled(model, configs, options)
+    compiled.cache_entry = entry
     model._compiled_call_impl = compiled
     model._transfuse_compiled = compiled
     layer_graphs.enable(model)  # (for the calls the compiled path leaves to the model's own forward)
@@ -242,7 +271,8 @@ def warm_up(
     new_tokens: int = 4,
 ) -> dict[int, float]:
     """Compile and capture ahead of time: a short greedy ``generate`` per batch size, on random
-    tokens. Returns the seconds each batch size took (compile and capture included)."""
+    tokens, each announced and timed on the ``transfuse`` logger. Returns the seconds each batch
+    size took (compile and capture included). The compile cache's entry is written afterwards."""
     if not is_compiled(model):
         raise CompileError("warm_up takes a model transfuse.compile compiled")
     device = next(model.parameters()).device
@@ -250,7 +280,9 @@ def warm_up(
     seconds: dict[int, float] = {}
     for batch in batch_sizes:
         ids = torch.randint(0, vocab, (batch, prompt_length), device=device)
-        start = time.perf_counter()
+        step(f"transfuse.compile.warm_up: batch size {batch}: compiling and capturing a prompt of {prompt_length} "
+             f"tokens and {new_tokens} decode steps")
+        graphs, start = backend._STATS["graphs"], time.perf_counter()
         with torch.no_grad():
             model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
@@ -259,6 +291,11 @@ def warm_up(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds[batch] = time.perf_counter() - start
+        step(f"transfuse.compile.warm_up: batch size {batch}: {backend._STATS['graphs'] - graphs} graphs compiled, "
+             f"{seconds[batch]:.1f} s")
+    entry = model._transfuse_compiled.cache_entry
+    if entry is not None and entry.save():
+        step(f"transfuse.compile.warm_up: compiled code kept in {entry.path}")
     return seconds
 
 

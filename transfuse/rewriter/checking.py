@@ -174,11 +174,19 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _non_finite_parameter(module: nn.Module) -> str | None:
+def _non_finite_parameter(module: nn.Module, seen: dict[int, bool] | None = None) -> str | None:
     """The name of a floating parameter of ``module`` with a NaN or infinite value, else None
-    (buffers may hold -inf on purpose: attention masks)."""
+    (buffers may hold -inf on purpose: attention masks). ``seen``: parameter id -> finite, for
+    parameters already read (a decoder layer's are its attention's and MLP's too)."""
     for name, p in module.named_parameters():
-        if p.is_floating_point() and not p.is_meta and type(p.data) is torch.Tensor and not torch.isfinite(p).all():
+        if not (p.is_floating_point() and not p.is_meta and type(p.data) is torch.Tensor):
+            continue
+        finite = seen.get(id(p)) if seen is not None else None
+        if finite is None:
+            finite = bool(torch.isfinite(p).all())
+            if seen is not None:
+                seen[id(p)] = finite
+        if not finite:
             return name
     return None
 
@@ -195,8 +203,9 @@ def prepare(
         if instance.path in reached:
             donors.setdefault(class_key(instance.module), instance.path)
     checks: dict[str, Check] = {}
+    finite: dict[int, bool] = {}  # each parameter read once (the model's weights do not change here)
     for instance in bar(instances, total=len(instances), desc="transfuse: reference runs"):
-        broken = _non_finite_parameter(instance.module)
+        broken = _non_finite_parameter(instance.module, finite)
         if broken is not None:
             refuse(
                 instance,

@@ -1,0 +1,173 @@
+"""From a command to the first tokens: how long a fresh process waits.
+
+* ``compile``: in a fresh process per run, a tiny random model is built, rewritten and
+  ``transfuse.compile``d, then ``generate`` makes 16 tokens greedily; the time from ``compile``
+  returning to ``generate`` returning (an upper bound of the time to the first token), split by
+  torch's own timers (Dynamo, Inductor) and by what is left (capture and the steps). Runs come in
+  pairs, alternating: one with the transfuse cache empty (the baseline: torch's own caches warm, as
+  in any second process) and one with it filled by an earlier process. The median of the pairs.
+* ``cli``: ``transfuse --help`` and the time until ``transfuse explain llama`` prints its first line.
+* ``--gpu``: Llama-3-8B shapes with 8 layers in bfloat16 on CUDA (``--tiny`` shrinks them, for a
+  dry run on the CPU).
+
+    nice python benchmarks/startup.py --models llama qwen3_moe --pairs 5
+    python benchmarks/startup.py --gpu --pairs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+GPU_SHAPES = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                  num_hidden_layers=8, vocab_size=128256, head_dim=128)  # fmt: skip
+
+
+def child(options: dict) -> dict:
+    """One fresh process's run (``--child``): what it measured, as JSON on the last line."""
+    import torch
+
+    import transfuse
+    from torch._dynamo.utils import counters
+    from transfuse.tiny import tiny_model
+
+    device = options["device"]
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, options["dtype"])
+    overrides = options["shapes"]
+    if overrides:
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**overrides), dtype=dtype).eval()
+    else:
+        model = tiny_model(options["model"], dtype=dtype)
+    model = transfuse.rewrite(model.to(device))
+    start = time.perf_counter()
+    transfuse.compile(model, cache_dir=options["cache_dir"])
+    returned = time.perf_counter()
+    ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    done = time.perf_counter()
+    spent = _time_spent()
+    generate_s = done - returned
+    return {
+        "compile_call_s": returned - start,
+        "generate_s": generate_s,
+        "dynamo_s": spent.get("dynamo", 0.0),
+        "inductor_s": spent.get("inductor", 0.0),
+        "rest_s": max(generate_s - spent.get("dynamo", 0.0), 0.0),
+        "tokens": int(out.shape[1] - ids.shape[1]),
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "fxgraph_hits": counters["inductor"]["fxgraph_cache_hit"],
+        "fxgraph_misses": counters["inductor"]["fxgraph_cache_miss"],
+        "transfuse_cache": dict(counters["transfuse_cache"]),
+    }
+
+
+def _time_spent() -> dict:
+    """Dynamo's whole frame compilation (Inductor included) and Inductor's part of it, in seconds."""
+    from torch._dynamo import utils
+
+    try:
+        spent = utils.calculate_time_spent()
+    except Exception:  # noqa: BLE001 - a timer torch renamed: the split is left out
+        return {}
+    total = spent.get("entire_frame_compile", 0.0) or spent.get("_compile.compile_inner", 0.0)
+    inductor = spent.get("inductor_compile", 0.0) or spent.get("backend_compile", 0.0)
+    return {"dynamo": total, "inductor": inductor}
+
+
+def run_child(options: dict) -> dict:
+    command = [sys.executable, __file__, "--child", json.dumps(options)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    if result.returncode != 0:
+        raise SystemExit(f"the child failed:\n{result.stderr[-4000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def compile_startup(args: argparse.Namespace) -> None:
+    device = "auto" if args.gpu else "cpu"
+    dtype = "bfloat16" if args.gpu else "float32"
+    shapes = {}
+    if args.gpu:
+        shapes = dict(GPU_SHAPES)
+        if args.tiny:
+            shapes.update(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                          num_hidden_layers=2, vocab_size=256, head_dim=16)  # fmt: skip
+    models = ["llama-3-8b-shapes"] if args.gpu else args.models
+    for model in models:
+        with tempfile.TemporaryDirectory() as root:
+            cache = os.path.join(root, "transfuse-cache")
+            options = {"model": model, "device": device, "dtype": dtype, "shapes": shapes, "cache_dir": cache}
+            # Torch's own caches warm, and the transfuse cache filled, by a first process.
+            first = run_child(options)
+            rows = {"empty": [], "warm": []}
+            for _ in range(args.pairs):
+                for kind in ("empty", "warm"):
+                    chosen = dict(options, cache_dir=os.path.join(root, f"empty-{time.monotonic_ns()}") if kind == "empty" else cache)
+                    rows[kind].append(run_child(chosen))
+            print(f"\n{model} on {first['device']} ({dtype}), {args.pairs} pairs, first process {first['generate_s']:.2f} s")
+            print(f"  {'transfuse cache':16} {'generate(16) s':>14} {'dynamo s':>9} {'inductor s':>10} {'rest s':>7}  fx hits/misses  transfuse cache")
+            medians = {}
+            for kind, runs in rows.items():
+                med = {k: statistics.median(r[k] for r in runs) for k in ("generate_s", "dynamo_s", "inductor_s", "rest_s")}
+                medians[kind] = med
+                last = runs[-1]
+                print(f"  {kind:16} {med['generate_s']:14.2f} {med['dynamo_s']:9.2f} {med['inductor_s']:10.2f} {med['rest_s']:7.2f}"
+                      f"  {last['fxgraph_hits']}/{last['fxgraph_misses']}  {last['transfuse_cache']}")
+            print(f"  warm / empty: {medians['warm']['generate_s'] / medians['empty']['generate_s']:.0%}")
+
+
+def cli_startup(args: argparse.Namespace) -> None:
+    helps = []
+    for _ in range(args.pairs):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "transfuse", "--help"], capture_output=True, check=True)
+        helps.append(time.perf_counter() - start)
+    firsts = []
+    for _ in range(args.pairs):
+        start = time.perf_counter()
+        process = subprocess.Popen([sys.executable, "-m", "transfuse", "explain", "llama"], stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, text=True)  # fmt: skip
+        line = process.stderr.readline()
+        firsts.append(time.perf_counter() - start)
+        process.kill()
+        process.wait()
+    print(f"transfuse --help: median {statistics.median(helps):.2f} s ({', '.join(f'{t:.2f}' for t in helps)})")
+    print(f"transfuse explain llama, first line {line.strip()!r}: median {statistics.median(firsts):.2f} s")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--models", nargs="+", default=["llama", "qwen3_moe"])
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--gpu", action="store_true", help="Llama-3-8B shapes, 8 layers, bfloat16 on CUDA")
+    parser.add_argument("--tiny", action="store_true", help="with --gpu: tiny shapes (a dry run)")
+    parser.add_argument("--only", choices=("compile", "cli"), default=None)
+    args = parser.parse_args()
+    if args.child:
+        options = json.loads(args.child)
+        print(json.dumps(child(options)))
+        return 0
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; {' '.join(sys.argv)}")
+    if args.only in (None, "cli"):
+        cli_startup(args)
+    if args.only in (None, "compile"):
+        compile_startup(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
