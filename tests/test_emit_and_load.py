@@ -189,10 +189,13 @@ def test_emitted_moe_blocks_call_the_fused_ops_with_the_runtime_logits(model_typ
     # The weights are in the model's own layout, which the stock classes load too.
     stock = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert (_logits(stock, ids) - runtime).abs().max().item() <= 1e-5
-    # Rewriting the emitted model refuses nothing and fuses only classes the emit left unchanged.
+    # Rewriting the emitted model refuses nothing the first rewrite did not (a RoPE form it computes
+    # otherwise stays refused by name) and fuses only classes the emit left unchanged.
+    first = {(s.cls, s.kind, s.tag) for s in transfuse.report(model).skipped}
     again = transfuse.report(transfuse.rewrite(loaded))
     unchanged = {n.split(" is emitted unchanged")[0] for n in result.notes if "is emitted unchanged" in n}
-    assert again.skipped == [] and {f.cls for f in again.fusions} <= unchanged, (again, result.notes)
+    assert {(s.cls, s.kind, s.tag) for s in again.skipped} <= first, (again, first)
+    assert {f.cls for f in again.fusions} <= unchanged, (again, result.notes)
 
 
 def test_an_emitted_moe_block_refuses_attributes_its_plan_was_not_made_for(tmp_path):

@@ -58,6 +58,7 @@ class Opportunity:
     path: str
     cls: str
     detail: str = ""
+    parent_cls: str = ""  # the class of the module holding it (a mixture's block holds its experts)
 
     def describe(self) -> str:
         return f"{self.kind}:{self.path or '<model>'}{':' + self.detail if self.detail else ''}"
@@ -99,7 +100,7 @@ def _of_module(path: str, module: nn.Module, parent: nn.Module | None) -> list[O
     if _norm_like(module):
         found.append(Opportunity("rms_norm", path, cls))
     if _holds_experts(module, parent):
-        found.append(Opportunity("moe", path, cls))
+        found.append(Opportunity("moe", path, cls, parent_cls=type(parent).__name__ if parent is not None else ""))
     linears = {name for name, child in module.named_children() if isinstance(child, nn.Linear)}
     if len(linears) >= 2:
         for kind, names in _shared_inputs(type(module), frozenset(linears)):
@@ -376,8 +377,8 @@ def _refused(o: Opportunity, report: RewriteReport) -> bool:
             continue
         if s.path is not None and (s.path in places or (o.kind == "moe" and s.path.startswith(o.path + "."))):
             return True
-        if s.path is None and s.cls == o.cls:
-            return True
+        if s.path is None and (s.cls == o.cls or (o.kind == "moe" and o.parent_cls and s.cls == o.parent_cls)):
+            return True  # a refusal of the class (a mixture's: of the block holding the experts)
     return False
 
 

@@ -428,6 +428,12 @@ def forward_replaced(module: nn.Module) -> bool:
     """Whether something other than transfuse replaced the instance's ``forward`` (a parallel plan's
     wrapper, a hook library's): a fusion that stops calling the module would stop calling it too."""
     forward = module.__dict__.get("forward")
+    if "_hf_hook" in module.__dict__ and "_old_forward" in module.__dict__:
+        # accelerate's device hooks wrap the instance's own forward, kept as ``_old_forward``, which
+        # the rewrite replaces in their place (``rewriter/apply.py``): only that one matters.
+        forward = module.__dict__["_old_forward"]
+        if isinstance(forward, types.MethodType) and forward.__func__ is type(module).forward:
+            return False
     return forward is not None and rewrite_of(forward) is None
 
 

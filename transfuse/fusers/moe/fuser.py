@@ -231,6 +231,10 @@ def _members_without_loop(analysis: ClassAnalysis) -> Refusal | None:
     calls = max(lists.values(), key=len, default=[])
     if len(calls) < 2:
         return None
+    # A list of layers called in turn (norms, attentions) is no mixture: only a block that chooses
+    # among its members (a top-k, an arg-max or a sort of scores) is.
+    if not any(is_op(n, name) for n in graph.nodes for name in ("topk", "argmax", "sort", "argsort")):
+        return None
     owner = calls[0].target.rpartition(".")[0]
     if any(is_op(n, "repeat_interleave") for n in graph.nodes):
         return Refusal(
