@@ -220,3 +220,16 @@ def test_progress_bars_show_on_a_terminal_and_not_on_a_pipe_or_with_quiet(monkey
             hf_logging.enable_progress_bar()
             assert run_here("explain", "llama", *quiet).returncode == 0
     assert seen == {(False, True): True, (True, True): False, (False, False): False, (True, False): False}
+
+
+def test_a_submodule_is_an_attribute_of_the_package_before_anything_loads():
+    """``import transfuse`` loads lazily; ``transfuse.fusers`` (a submodule, not a public name) still
+    answers in a fresh process, as ``from transfuse import fusers`` does."""
+    code = (
+        "import sys, transfuse\n"
+        "assert 'torch' not in sys.modules\n"
+        "print(transfuse.fusers.default_kinds()[0], transfuse.ops.get_op('rms_norm').name)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["rms_norm", "rms_norm"]

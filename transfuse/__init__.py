@@ -67,6 +67,11 @@ def __getattr__(name: str) -> Any:
     if name in __all__ and not _LOADED:
         load()
         return globals()[name]
+    if not name.startswith("_"):  # a submodule not imported yet: ``transfuse.fusers.default_kinds()``
+        from importlib import import_module, util
+
+        if util.find_spec(f"{__name__}.{name}") is not None:  # (as ``from transfuse import fusers`` does)
+            return import_module(f".{name}", __name__)
     raise AttributeError(f"module 'transfuse' has no attribute {name!r}")
 
 
