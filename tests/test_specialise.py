@@ -185,3 +185,21 @@ def test_an_attribute_compared_with_none_is_specialised_both_ways_unless_assigne
         """
     )
     assert specialise(assigned, "self.rank", False) is None
+
+
+def test_an_elif_decided_by_the_specialisation_stays_an_elif_or_becomes_the_else():
+    """An ``elif`` sits where only an ``elif`` or an ``else`` can (older encoder-decoder attention:
+    ``if ...: elif key_value_states is None: ... else: ...``): folded in place, never flattened."""
+    source = (
+        "def forward(self, x, kv=None):\n"
+        "    if self.a:\n        y = 1\n    elif kv is None:\n        y = 2\n    else:\n        y = 3\n"
+        "    if self.b:\n        w = 1\n    elif kv is not None:\n        w = 2\n    else:\n        w = 3\n"
+        "    return y + w\n"
+    )
+    folded = specialise(cst.parse_module(source).body[0], "kv", True)
+    assert cst.Module(body=[folded]).code == (
+        "def forward(self, x, kv=None):\n"
+        "    if self.a:\n        y = 1\n    else:\n        y = 2\n"
+        "    if self.b:\n        w = 1\n    else:\n        w = 3\n"
+        "    return y + w\n"
+    )

@@ -241,6 +241,12 @@ class _Fold(cst.CSTTransformer):
     def __init__(self, params: set[str], known: dict[str, bool]):
         self.params = params  # always bound: reading one has no effect
         self.known = known  # expression code -> whether it is None
+        self.elifs: set[int] = set()  # ``elif`` nodes (an If's orelse): folded in place, not flattened
+
+    def visit_If(self, node):
+        if isinstance(node.orelse, cst.If):
+            self.elifs.add(id(node.orelse))
+        return True
 
     def leave_Comparison(self, original_node, updated_node):
         if len(updated_node.comparisons) != 1:
@@ -281,6 +287,12 @@ class _Fold(cst.CSTTransformer):
 
     def leave_If(self, original_node, updated_node):
         known, value = _known(updated_node.test)
+        if id(original_node) in self.elifs:  # an elif stands where only an elif or an else can
+            if not known:
+                return updated_node
+            if value:
+                return cst.Else(body=updated_node.body)
+            return updated_node.orelse if updated_node.orelse is not None else cst.RemovalSentinel.REMOVE
         if not known:
             empty = updated_node.orelse is None and all(_is_pass(s) for s in updated_node.body.body)
             if empty and _pure(updated_node.test, self.params) and not updated_node.leading_lines:
