@@ -104,3 +104,17 @@ def smollm2_dir(tmp_path_factory, smollm2_gguf):
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return str(out)
+
+
+@pytest.fixture(scope="module")
+def remote(request):
+    """``tests/remote_idioms.py`` loaded from its file as remote code is (a module of no package),
+    under a name of the test module's own, so each test module traces classes of its own."""
+    import importlib.util
+    import pathlib
+
+    name = "remote_code_" + request.module.__name__.rpartition(".")[2]
+    spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).with_name("remote_idioms.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

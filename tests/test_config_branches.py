@@ -6,23 +6,11 @@ from transformers or from transfuse's tests package."""
 from __future__ import annotations
 
 import copy
-import importlib.util
-import pathlib
 
 import pytest
 import torch
 
 import transfuse
-
-FILE = pathlib.Path(__file__).with_name("remote_idioms.py")
-
-
-@pytest.fixture(scope="module")
-def remote():
-    spec = importlib.util.spec_from_file_location("remote_code_idioms", FILE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _calls(module: torch.nn.Module) -> list[int]:

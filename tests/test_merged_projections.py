@@ -5,8 +5,6 @@ fusions around it. The modules are loaded from their file as remote code is."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 
 import libcst
 import pytest
@@ -15,16 +13,6 @@ import torch
 import transfuse
 from transfuse.rewriter.source import rewrite_of
 from transfuse.tiny import tiny_model
-
-FILE = pathlib.Path(__file__).with_name("remote_idioms.py")
-
-
-@pytest.fixture(scope="module")
-def remote():
-    spec = importlib.util.spec_from_file_location("remote_code_merged", FILE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _rewritten(model, x):
