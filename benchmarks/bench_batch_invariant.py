@@ -15,7 +15,9 @@ first difference), and compares the paths' logits of the prompts alone (bit-iden
 largest difference). A training-mode forward (dropout off) gives each sample's loss alone and in
 a batch. Cost: decode time per token at batch 1 and the largest batch (the time of ``--new``
 tokens less the time of one, over ``--new - 1``, median of ``--rounds``), and a forward over
-``--prefill`` tokens, each mode side by side in the same process. Writes DIR/batch_invariant.md
+``--prefill`` tokens, each mode side by side in the same run. Each model and mode runs in a fresh
+process of its own (``--same-process``: all in this one), so that the graphs and captures one mode
+compiled do not hold the device's memory while the next runs. Writes DIR/batch_invariant.md
 and .json.
 """
 
@@ -228,7 +230,7 @@ def run_model(name: str, args, device: str) -> dict:
     targets = random_prompts(args.prompts, vocab, lengths, device, seed=1)
     others = random_prompts(max(args.batches) * 2, vocab, lengths, device, seed=2)
     result: dict = {"model": name, "modes": {}}
-    for mode in MODES:
+    for mode in args.modes:
         per_mode: dict = {"paths": {}, "cost": {}}
         alone: dict[str, torch.Tensor] = {}
         for path in args.paths:
@@ -255,6 +257,30 @@ def run_model(name: str, args, device: str) -> dict:
                 torch.cuda.empty_cache()
         per_mode["across_paths"] = across_paths(alone)
         result["modes"][mode] = per_mode
+    return result
+
+
+def in_children(name: str, args, argv: list[str]) -> dict:
+    """``run_model`` for each mode in a fresh process of its own (the same arguments otherwise)."""
+    import subprocess
+    import tempfile
+
+    kept, skip = [], False
+    for arg in argv:  # drop the options each child is given anew
+        if arg in ("--model", "--modes", "--out"):
+            skip = True
+            continue
+        if skip and arg.startswith("--"):
+            skip = False
+        if not skip:
+            kept.append(arg)
+    result: dict = {"model": name, "modes": {}}
+    for mode in args.modes:
+        with tempfile.TemporaryDirectory() as out:
+            command = [sys.executable, os.path.abspath(__file__), *kept, "--model", name, "--modes", mode, "--out", out]
+            subprocess.run(command, check=True)
+            with open(os.path.join(out, "batch_invariant.json")) as f:
+                result["modes"].update(json.load(f)["results"][0]["modes"])
     return result
 
 
@@ -314,6 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-length", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on a CPU, few tokens: a dry run")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument(
+        "--same-process", action="store_true",
+        help="run every model and mode in this process (default: each model and mode in a fresh process, so that "
+             "one mode's compiled graphs and captures do not hold memory while the next runs)",
+    )
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     if args.tiny:
@@ -323,8 +355,11 @@ def main(argv: list[str] | None = None) -> int:
         args.paths = args.paths or ["eager", "steps"]
     args.paths = args.paths or ["eager", "steps", "compiled"]
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    results = [run_model(name, args, device) for name in args.model]
     os.makedirs(args.out, exist_ok=True)
+    if args.same_process or len(args.model) * len(args.modes) == 1:
+        results = [run_model(name, args, device) for name in args.model]
+    else:
+        results = [in_children(name, args, argv if argv is not None else sys.argv[1:]) for name in args.model]
     with open(os.path.join(args.out, "batch_invariant.json"), "w") as f:
         json.dump({"argv": sys.argv[1:], "results": results}, f, indent=1)
     text = markdown(results, args, device)

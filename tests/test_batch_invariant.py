@@ -313,6 +313,48 @@ def test_each_samples_training_loss_is_the_same_bits_alone_and_in_a_batch(invari
         model.zero_grad(set_to_none=True)
 
 
+def test_under_autograd_the_forward_runs_the_kernels_and_the_backward_is_the_reference_functions():
+    """A forward that needs a backward still runs what a no-grad forward runs (the invariant
+    kernels have no backward of their own; the native definition's products, kept by autograd,
+    would take rows x outputs x inputs memory): the same bits, no cumulative sum recorded, and the
+    gradients of ``F.linear`` / ``torch.bmm`` / SDPA at the same inputs."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 40, requires_grad=True)
+    w = torch.randn(24, 40, requires_grad=True)
+    b = torch.randn(24, requires_grad=True)
+    q, k, v = (torch.randn(2, 3, 6, 8, requires_grad=True) for _ in range(3))
+    a, c = torch.randn(4, 5, 7, requires_grad=True), torch.randn(4, 7, 3, requires_grad=True)
+    cases = [
+        (lambda: F.linear(x, w, b), lambda: F.linear(x, w, b), (x, w, b)),
+        (lambda: torch.matmul(a, c), lambda: torch.bmm(a, c), (a, c)),
+        (
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+            (q, k, v),
+        ),
+    ]
+    for invariant, reference, inputs in cases:
+        with mode():
+            with torch.no_grad():
+                plain = invariant()
+            out = invariant()
+        assert torch.equal(out, plain)
+        seen, stack = set(), [out.grad_fn]
+        while stack:  # every node of the recorded graph
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            stack += [n for n, _ in node.next_functions]
+        names = {type(n).__name__ for n in seen}
+        assert not any("Cumsum" in name for name in names), names
+        upstream = torch.randn_like(out)
+        got = torch.autograd.grad(out, inputs, upstream)
+        expected = torch.autograd.grad(reference(), inputs, upstream)
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e)
+
+
 def test_the_mode_off_leaves_the_model_and_dispatch_as_they_were(monkeypatch):
     model = tiny_model("llama").eval()
     transfuse.rewrite(model, verify=False)

@@ -98,7 +98,51 @@ INVARIANT_LINEAR = Op("invariant_linear", invariant_linear_native, library=True,
 
 def invariant_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """A linear layer whose outputs do not depend on the other rows (dispatched)."""
-    return INVARIANT_LINEAR(x, weight, bias)
+    return _with_reference_backward(INVARIANT_LINEAR, F.linear, x, weight, bias)
+
+
+class _ReferenceBackward(torch.autograd.Function):
+    """The op's value as computed without autograd (its invariant kernels, which have no backward
+    of their own), differentiated as ``reference`` (the torch function it computes) at the same
+    inputs: the backward recomputes ``reference`` there and takes its gradient. A gradient is a
+    sum over the batch in any case; what the mode promises is each row's forward."""
+
+    @staticmethod
+    def forward(ctx, op: Op, reference: Callable[..., Tensor], *args: Any) -> Tensor:
+        ctx.reference = reference
+        ctx.tensor_at = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
+        ctx.others = [None if isinstance(a, Tensor) else a for a in args]
+        ctx.save_for_backward(*(args[i] for i in ctx.tensor_at))
+        return op(*(a.detach() if isinstance(a, Tensor) else a for a in args))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+        args = list(ctx.others)
+        wanted = []
+        for i, saved in zip(ctx.tensor_at, ctx.saved_tensors):
+            args[i] = saved.detach().requires_grad_(ctx.needs_input_grad[i + 2])
+            if ctx.needs_input_grad[i + 2]:
+                wanted.append(i)
+        with torch.enable_grad():
+            out = ctx.reference(*args)
+        found = torch.autograd.grad(out, [args[i] for i in wanted], grad, allow_unused=True)
+        grads: list[Optional[Tensor]] = [None] * len(args)
+        for i, g in zip(wanted, found):
+            grads[i] = g
+        return (None, None, *grads)
+
+
+def _with_reference_backward(op: Op, reference: Callable[..., Tensor], *args: Any) -> Tensor:
+    """``op(*args)``; where autograd needs its backward (eagerly), through ``_ReferenceBackward``, so
+    that the forward still runs the invariant kernels (forward-only) rather than the native
+    definition's materialised products, which autograd would keep for the backward."""
+    if (
+        torch.compiler.is_compiling()
+        or not torch.is_grad_enabled()
+        or not any(isinstance(a, Tensor) and a.requires_grad for a in args)
+    ):
+        return op(*args)
+    return _ReferenceBackward.apply(op, reference, *args)
 
 
 def invariant_matmul(a: Tensor, b: Tensor) -> Tensor:
@@ -116,7 +160,9 @@ def invariant_matmul(a: Tensor, b: Tensor) -> Tensor:
     a, b = a.expand(*batch, *a.shape[-2:]), b.expand(*batch, *b.shape[-2:])
     m, n = a.shape[-2], b.shape[-1]
     dtype = torch.result_type(a, b)
-    flat = INVARIANT_BMM(a.reshape(-1, m, a.shape[-1]).to(dtype), b.reshape(-1, *b.shape[-2:]).to(dtype))
+    flat = _with_reference_backward(
+        INVARIANT_BMM, torch.bmm, a.reshape(-1, m, a.shape[-1]).to(dtype), b.reshape(-1, *b.shape[-2:]).to(dtype)
+    )
     return flat.reshape(*batch, m, n)
 
 
@@ -231,7 +277,13 @@ INVARIANT_ATTENTION = Op(
 
 def invariant_attention(query, key, value, attn_mask=None, is_causal=False, scale=None) -> Tensor:
     """Scaled-dot-product attention that computes each query the same way whatever the batch (dispatched)."""
-    return INVARIANT_ATTENTION(query, key, value, attn_mask, is_causal, scale)
+    return _with_reference_backward(
+        INVARIANT_ATTENTION, _sdpa_reference, query, key, value, attn_mask, is_causal, scale
+    )
+
+
+def _sdpa_reference(query, key, value, attn_mask=None, is_causal=False, scale=None) -> Tensor:
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
 
 
 # ---------------------------------------------------------------------------------------------
