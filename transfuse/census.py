@@ -13,7 +13,9 @@ forward source (``ast``, once per class; no forward pass, no trace):
 - ``moe``: a module holding a ``ModuleList`` of two or more modules of one class with two or more
   ``nn.Linear`` children each (expert MLPs), or a parameter of three dimensions (stacked experts; not
   a convolution of ``torch.nn``), beside a router: a 2-D weight with one row per expert outside the
-  experts, in the module or its parent, or ``topk`` in a forward;
+  experts, in the module or its parent, or ``topk`` in a forward; or a module whose forward adds
+  rows into a tensor (``index_add``) in a ``for`` loop, with ``topk`` in the forward of the module,
+  its parent or a child of its parent (experts held in any other shape);
 - ``rotary``: each call in the forward of a module-level function whose body multiplies by values
   named ``cos`` and ``sin``, calls a function named ``rotate*``, or uses ``view_as_complex`` or
   ``polar`` (one level of calls followed).
@@ -203,7 +205,22 @@ def _holds_experts(module: nn.Module, parent: nn.Module | None) -> bool:
             if sum(isinstance(g, nn.Linear) for g in child[0].children()) >= 2:
                 if _routes(module, len(child), {id(p) for p in child.parameters()}):
                     return True
+    if _adds_rows_in_loop(type(module)):
+        near = (module, *((parent, *parent.children()) if parent is not None else ()))
+        return any("topk" in _names(tree) for tree in (_forward_tree(type(h))[0] for h in near) if tree is not None)
     return False
+
+
+@functools.lru_cache(maxsize=4096)
+def _adds_rows_in_loop(cls: type) -> bool:
+    """The class's forward calls ``index_add`` (or ``index_add_``) inside a ``for`` loop."""
+    if cls.forward is nn.Module.forward:
+        return False
+    tree, _ = _forward_tree(cls)
+    if tree is None:
+        return False
+    loops = [n for n in ast.walk(tree) if isinstance(n, ast.For)]
+    return any(_names(loop) & {"index_add", "index_add_"} for loop in loops)
 
 
 def _routes(holder: nn.Module, experts: int, experts_own: set[int]) -> bool:
