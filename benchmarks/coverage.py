@@ -28,7 +28,8 @@ Opportunities, counted per module instance while the stock model runs once:
   projections of linear-attention blocks): what an n-way merge could fuse;
 - ``moe``: a module with a child named ``experts`` or whose class name ends with ``Experts``.
 
-"Fused" counts the report's fusions per kind; "complete" is a type where every opportunity was
+"Fused" counts the report's fusions per kind, and a GLU of an expert in the experts of a fused
+mixture (the fused op computes it: its gate/up projection, activation and product); "complete" is a type where every opportunity was
 fused. Every counted opportunity must also be accounted for by the report: a fusion at its module
 (of its kind, or of the other projection kind: a GLU pair merged as an n-way projection; for a
 mixture, at the module or its ``experts`` child), or a refusal of its kind for that module or its
@@ -214,6 +215,10 @@ def run_model(stock, row: dict, started: float, progress=None) -> dict:
     report = transfuse.report(fused)
     row["fused"] = {kind: report.counts().get(kind, 0) for kind in KINDS}
     row["fused"]["rotary"] = sum(census.fused(o, report) for o in found if o.kind == "rotary")
+    # An expert's GLU inside a fused mixture of experts is computed by the fused op (its gate/up projection).
+    row["fused"]["gate_up"] += sum(
+        census.absorbed(census.Opportunity("gate_up", e.split(":")[0], ""), report) for e in where.get("gate_up", [])
+    )
     row["silent"] = silent_opportunities(stock, where, report, found)
     row["unrecognised"] = sorted(f"{s.kind}:{s.path}" for s in report.skipped if s.tag.endswith(".unrecognised-form"))
     row["refusals"] = sorted({s.tag for s in report.skipped})
@@ -270,6 +275,8 @@ def silent_opportunities(stock, where: dict[str, list[str]], report, found=()) -
         kinds = _PROJECTIONS if kind in _PROJECTIONS else (kind,)
         for entry in entries:
             path = entry.split(":")[0]
+            if census.absorbed(census.Opportunity(kind, path, ""), report):
+                continue  # an expert's projections, computed by a fused mixture of experts
             # A mixture is counted at the module holding ``experts``; a fuser may take that child for the block.
             paths = [path, f"{path}.experts"] if kind == "moe" and _has(stock, f"{path}.experts") else [path]
             seen = [(p, type(stock.get_submodule(p)).__name__) for p in paths]

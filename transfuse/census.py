@@ -22,8 +22,9 @@ forward source (``ast``, once per class; no forward pass, no trace):
 
 Modules whose class's forward already calls transfuse (a rewritten instance, a class of an emitted
 modeling file), and what they hold, are left out: transfuse's own work. After a rewrite, ``account`` gives each counted structure that no fusion covers and no refusal names
-(of its kind, at its module or for its class; a projection counts with either projection kind; a
-mixture with its module's parent or children) a refusal tagged ``<kind>.unrecognised-form``, so the
+(of its kind, at its module or for its class; a projection counts with either projection kind, and
+inside the experts of a fused mixture, which computes it; a mixture with its module's parent or
+children) a refusal tagged ``<kind>.unrecognised-form``, so the
 report shows it.
 """
 
@@ -43,7 +44,7 @@ from .rewriter.report import RewriteReport, SkipRecord
 from .rewriter.standalone import RUNTIME_MODULE
 from .rewriter.tracer import unwrapped_forward
 
-__all__ = ["KINDS", "Opportunity", "account", "count", "fused", "unaccounted"]
+__all__ = ["KINDS", "Opportunity", "absorbed", "account", "count", "fused", "unaccounted"]
 
 KINDS = ("rms_norm", "qkv", "gate_up", "moe", "rotary")
 _PROJECTIONS = ("qkv", "gate_up")
@@ -375,6 +376,8 @@ def _accounted(o: Opportunity, report: RewriteReport) -> bool:
 
 def fused(o: Opportunity, report: RewriteReport) -> bool:
     """Whether a fusion in ``report`` covers ``o``."""
+    if absorbed(o, report):
+        return True
     kinds, places = _covering(o.kind), _places(o)
     for f in report.fusions:
         if f.kind not in kinds:
@@ -383,6 +386,21 @@ def fused(o: Opportunity, report: RewriteReport) -> bool:
             return True
         if f.path in places and _child(f.path, o.path) in f.replaced:
             return True
+    return False
+
+
+def absorbed(o: Opportunity, report: RewriteReport) -> bool:
+    """A projection inside a module that a fused mixture of experts computes in full (its experts):
+    an expert's gate and up projections are parts of the fused op's one gate/up projection, its
+    activation and product the op's own."""
+    if o.kind not in _PROJECTIONS:
+        return False
+    for f in report.fusions:
+        if f.kind == "moe":
+            for child in f.claimed:
+                place = f"{f.path}.{child}" if f.path else child
+                if o.path == place or o.path.startswith(place + "."):
+                    return True
     return False
 
 
