@@ -16,7 +16,8 @@ Opportunities, counted per module instance while the stock model runs once:
 
 - ``rms_norm``: a module whose class name contains ``rmsnorm`` (any case; not one that holds such a
   module, a gated wrapper of its norm: the child is counted), a leaf module with a
-  single 1-D ``weight`` whose forward source reads ``rsqrt``, or a leaf module with no parameters
+  single 1-D ``weight`` whose forward source reads ``rsqrt`` and subtracts no mean (cohere's
+  LayerNorm without a bias subtracts one: the root of a variance), or a leaf module with no parameters
   whose class source reads ``rsqrt`` and a ``mean`` (llama4's "L2" norm is a root mean square;
   dory's, a plain sum of squares, is not counted);
 - ``gate_up``: two ``nn.Linear`` children of one module called on the same tensor whose outputs
@@ -80,11 +81,31 @@ def _rms_norm_like(module) -> bool:
         return False
     try:
         if weighted:
-            return "rsqrt" in inspect.getsource(type(module).forward)
+            forward = inspect.getsource(type(module).forward)
+            return "rsqrt" in forward and not _subtracts_a_mean(forward)
         source = inspect.getsource(type(module))
     except (OSError, TypeError):
         return False
     return "rsqrt" in source and ".mean(" in source
+
+
+def _subtracts_a_mean(source: str) -> bool:
+    """The forward subtracts a mean from a value (``x - x.mean(...)``, or a name assigned one): a
+    LayerNorm without a bias (cohere's), whose root is that of a variance, not of a mean square."""
+    import ast
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(source))
+    except SyntaxError:
+        return False
+
+    def mean_call(node):
+        return any(isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "mean" for n in ast.walk(node))
+
+    means = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and mean_call(n.value) for t in n.targets if isinstance(t, ast.Name)}
+    subtractions = [n for n in ast.walk(tree) if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Sub)]
+    return any(mean_call(s.right) or (isinstance(s.right, ast.Name) and s.right.id in means) for s in subtractions)
 
 
 def _feeds_a_glu(path: str, pair: list[str], seen: dict, read: dict) -> bool:
