@@ -180,6 +180,53 @@ class SlicedWeightsMoE(nn.Module):
         return self.experts(x, top_weights, top_experts), weights
 
 
+class SplitExperts(nn.Module):
+    """``[E, out, in]`` weights applied to the rows of each expert, the rows sorted by expert and split by sizes."""
+
+    def __init__(self, experts, inp, out):
+        super().__init__()
+        self.num_experts = experts
+        self.weight = nn.Parameter(torch.randn(experts, out, inp) / inp**0.5)
+
+    def forward(self, rows, sizes):
+        parts = rows.split(sizes, dim=0)
+        return torch.cat([F.linear(parts[e], self.weight[e]) for e in range(self.num_experts)], dim=0)
+
+
+class SortedRowsMoE(nn.Module):
+    """(token, expert) rows sorted by expert, computed in one pass by split experts, weighted by a flat gate
+    per row and added back with one ``index_add`` → refused (moe.sorted-rows)."""
+
+    def __init__(self, hidden=32, inter=16, experts=4, top_k=2):
+        super().__init__()
+        self.num_experts, self.top_k = experts, top_k
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.input_linear = SplitExperts(experts, hidden, 2 * inter)
+        self.output_linear = SplitExperts(experts, inter, hidden)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        x = x.reshape(-1, h)
+        logits, ids = self.gate(x).topk(self.top_k, dim=1)
+        gates = torch.softmax(logits, dim=1).flatten()
+        sizes = torch.zeros(x.shape[0], self.num_experts).scatter(1, ids, 1).long().sum(0).tolist()
+        _, order = ids.flatten().sort(0)
+        token = order.div(self.top_k, rounding_mode="trunc")
+        gate, up = self.input_linear(x[token], sizes).chunk(2, dim=-1)
+        out = self.output_linear(F.silu(gate) * up, sizes) * gates[order][:, None]
+        return torch.zeros_like(x).index_add(0, token, out).view(b, s, h)
+
+
+def test_rows_sorted_by_expert_and_added_back_once_are_refused():
+    block = SortedRowsMoE()
+    model, x, (before, _) = _rewrite_toy(block)
+    assert model.block is block
+    (skip,) = [s for s in transfuse.report(model).skipped if s.kind == "moe"]
+    assert skip.tag == "moe.sorted-rows", skip
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
+
+
 def test_experts_given_their_sliced_weights_are_refused_and_counted():
     from transfuse import census
 

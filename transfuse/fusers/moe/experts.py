@@ -205,6 +205,15 @@ def _split_weight(mul: fx.Node, found: LoopMatch) -> tuple[fx.Node, fx.Node]:
                 found.nodes.update({selection, base})
                 found.weights = operand(base, 0)
                 return base, other
+    for gates in operands(mul)[:2]:
+        if is_op(gates, "getitem") and operand(gates, 1) == (slice(None), None):
+            raise NoMatch(
+                "moe.sorted-rows",
+                "the rows of every (token, expert) pair are computed in one pass, weighted by one flat gate per row "
+                "(gates[:, None]) and added back with one index_add, where the experts matcher follows a loop adding "
+                "weight · expert(rows) per expert.",
+                mul,
+            )  # fmt: skip
     raise NoMatch("moe.combine", "the expert output is not multiplied by its routing weight weights[token, slot].", mul)
 
 
