@@ -16,7 +16,8 @@ Opportunities, counted per module instance while the stock model runs once:
 
 - ``rms_norm``: a module whose class name contains ``rmsnorm`` (any case; not one that holds such a
   module, a gated wrapper of its norm: the child is counted), a leaf module with a
-  single 1-D ``weight`` whose forward source reads ``rsqrt``, or a leaf module with no parameters
+  single 1-D ``weight`` whose forward source reads ``rsqrt`` and subtracts no mean (cohere's
+  LayerNorm without a bias subtracts one: the root of a variance), or a leaf module with no parameters
   whose class source reads ``rsqrt`` and a ``mean`` (llama4's "L2" norm is a root mean square;
   dory's, a plain sum of squares, is not counted);
 - ``gate_up``: two ``nn.Linear`` children of one module called on the same tensor whose outputs
@@ -28,7 +29,8 @@ Opportunities, counted per module instance while the stock model runs once:
   projections of linear-attention blocks): what an n-way merge could fuse;
 - ``moe``: a module with a child named ``experts`` or whose class name ends with ``Experts``.
 
-"Fused" counts the report's fusions per kind; "complete" is a type where every opportunity was
+"Fused" counts the report's fusions per kind, and a GLU of an expert in the experts of a fused
+mixture (the fused op computes it: its gate/up projection, activation and product); "complete" is a type where every opportunity was
 fused. Every counted opportunity must also be accounted for by the report: a fusion at its module
 (of its kind, or of the other projection kind: a GLU pair merged as an n-way projection; for a
 mixture, at the module or its ``experts`` child), or a refusal of its kind for that module or its
@@ -79,11 +81,31 @@ def _rms_norm_like(module) -> bool:
         return False
     try:
         if weighted:
-            return "rsqrt" in inspect.getsource(type(module).forward)
+            forward = inspect.getsource(type(module).forward)
+            return "rsqrt" in forward and not _subtracts_a_mean(forward)
         source = inspect.getsource(type(module))
     except (OSError, TypeError):
         return False
     return "rsqrt" in source and ".mean(" in source
+
+
+def _subtracts_a_mean(source: str) -> bool:
+    """The forward subtracts a mean from a value (``x - x.mean(...)``, or a name assigned one): a
+    LayerNorm without a bias (cohere's), whose root is that of a variance, not of a mean square."""
+    import ast
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(source))
+    except SyntaxError:
+        return False
+
+    def mean_call(node):
+        return any(isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "mean" for n in ast.walk(node))
+
+    means = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and mean_call(n.value) for t in n.targets if isinstance(t, ast.Name)}
+    subtractions = [n for n in ast.walk(tree) if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Sub)]
+    return any(mean_call(s.right) or (isinstance(s.right, ast.Name) and s.right.id in means) for s in subtractions)
 
 
 def _feeds_a_glu(path: str, pair: list[str], seen: dict, read: dict) -> bool:
@@ -214,6 +236,10 @@ def run_model(stock, row: dict, started: float, progress=None) -> dict:
     report = transfuse.report(fused)
     row["fused"] = {kind: report.counts().get(kind, 0) for kind in KINDS}
     row["fused"]["rotary"] = sum(census.fused(o, report) for o in found if o.kind == "rotary")
+    # An expert's GLU inside a fused mixture of experts is computed by the fused op (its gate/up projection).
+    row["fused"]["gate_up"] += sum(
+        census.absorbed(census.Opportunity("gate_up", e.split(":")[0], ""), report) for e in where.get("gate_up", [])
+    )
     row["silent"] = silent_opportunities(stock, where, report, found)
     row["unrecognised"] = sorted(f"{s.kind}:{s.path}" for s in report.skipped if s.tag.endswith(".unrecognised-form"))
     row["refusals"] = sorted({s.tag for s in report.skipped})
@@ -270,6 +296,8 @@ def silent_opportunities(stock, where: dict[str, list[str]], report, found=()) -
         kinds = _PROJECTIONS if kind in _PROJECTIONS else (kind,)
         for entry in entries:
             path = entry.split(":")[0]
+            if census.absorbed(census.Opportunity(kind, path, ""), report):
+                continue  # an expert's projections, computed by a fused mixture of experts
             # A mixture is counted at the module holding ``experts``; a fuser may take that child for the block.
             paths = [path, f"{path}.experts"] if kind == "moe" and _has(stock, f"{path}.experts") else [path]
             seen = [(p, type(stock.get_submodule(p)).__name__) for p in paths]

@@ -278,3 +278,24 @@ class MeanSubtractedNorm(nn.Module):
 def test_a_mean_subtracted_norm_is_not_counted_as_a_root_mean_square():
     assert census.count(MeanSubtractedNorm()) == []
     assert _described(census.count(WeightFirstSqrtNorm(HIDDEN))) == ["rms_norm:<model>"]
+
+
+def test_an_experts_glu_inside_a_fused_mixture_is_covered_by_it():
+    from tests import toys
+
+    torch.manual_seed(0)
+    model = toys.TinyMoEModel(toys.ModuleListMoE(experts=4))
+    x = torch.randn(2, 7, HIDDEN)
+    found = [o for o in census.count(model) if o.kind == "gate_up"]
+    assert _described(found) == [f"gate_up:block.experts.{e}:w1+w3" for e in range(4)]
+    transfuse.rewrite(model, example_inputs=(x,))
+    report = transfuse.report(model)
+    (moe,) = [f for f in report.fusions if f.kind == "moe"]
+    assert moe.claimed == ("gate", "experts")
+    assert all(census.absorbed(o, report) and census.fused(o, report) for o in found)
+    assert not any(s.tag == "gate_up.unrecognised-form" for s in report.skipped), str(report)
+    # Only the children the mixture claimed: a GLU beside its experts (a shared expert) is not covered.
+    shared = census.Opportunity("gate_up", "block.shared", "GLUExpert", "w1+w3")
+    assert not census.absorbed(shared, report) and not census.fused(shared, report)
+    rms = census.Opportunity("rms_norm", "block.experts.0", "Norm")
+    assert not census.absorbed(rms, report)

@@ -10,6 +10,8 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import transfuse
 from tests import toys
@@ -106,6 +108,138 @@ class ShiftedExpertMoE(WhereEqualsMoE):
             rows, slot = torch.where(idx == (e + 1) % len(self.experts))
             out.index_add_(0, rows, self.experts[e](x[rows]) * w[rows, slot, None])
         return out.view(b, s, h)
+
+
+class SlicedGLU(nn.Module):
+    """One GLU module holding every expert's weights as 2-D parameters ``[E * I, H]``; the weights of
+    the expert to apply are passed to its forward."""
+
+    def __init__(self, hidden, inter, experts):
+        super().__init__()
+        self.hidden, self.inter, self.num_experts = hidden, inter, experts
+        self.w1 = nn.Parameter(torch.randn(experts * inter, hidden) / hidden**0.5)
+        self.v1 = nn.Parameter(torch.randn(experts * inter, hidden) / hidden**0.5)
+        self.w2 = nn.Parameter(torch.randn(experts * inter, hidden) / inter**0.5)
+
+    def forward(self, x, w1, v1, w2):
+        return (F.silu(x.matmul(w1.t())) * x.matmul(v1.t())).matmul(w2)
+
+
+class SlicedExperts(nn.Module):
+    """Loops over every expert index, slicing the per-expert weights out of 2-D parameters and passing
+    them to one shared GLU module."""
+
+    def __init__(self, hidden, inter, experts):
+        super().__init__()
+        self.num_experts = experts
+        self.mlp = SlicedGLU(hidden, inter, experts)
+
+    def forward(self, x, top_weights, top_experts):
+        b, s, h = x.shape
+        x = x.view(-1, h)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(top_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        shape = (self.num_experts, self.mlp.inter, self.mlp.hidden)
+        w1 = [w.squeeze(dim=0) for w in self.mlp.w1.view(shape).chunk(self.num_experts, dim=0)]
+        v1 = [w.squeeze(dim=0) for w in self.mlp.v1.view(shape).chunk(self.num_experts, dim=0)]
+        w2 = [w.squeeze(dim=0) for w in self.mlp.w2.view(shape).chunk(self.num_experts, dim=0)]
+        for e in range(self.num_experts):
+            slot, token = torch.where(mask[e])
+            if token.shape[0] == 0:
+                continue
+            rows = x[None, token].reshape(-1, h)
+            out.index_add_(0, token, self.mlp(rows, w1[e], v1[e], w2[e]) * top_weights[token, slot, None])
+        return out.reshape(b, s, h)
+
+
+class SlicedRouter(nn.Module):
+    def __init__(self, hidden, experts, top_k):
+        super().__init__()
+        self.top_k = top_k
+        self.layer = nn.Linear(hidden, experts, bias=False)
+
+    def forward(self, x):
+        weights = self.layer(x.view(-1, x.shape[-1])).softmax(dim=-1, dtype=torch.float32)
+        top_weights, top_experts = torch.topk(weights, self.top_k, dim=-1)
+        top_weights = top_weights / torch.norm(top_weights, p=1, dim=-1, keepdim=True)
+        return weights.to(x.dtype), top_weights.to(x.dtype), top_experts
+
+
+class SlicedWeightsMoE(nn.Module):
+    """A router child and an experts child that passes each expert's sliced weights to one GLU module
+    (the experts are neither a module list nor 3-D tensors) → refused (moe.expert-arguments), and
+    counted by the census."""
+
+    def __init__(self, hidden=32, inter=16, experts=4, top_k=2):
+        super().__init__()
+        self.router = SlicedRouter(hidden, experts, top_k)
+        self.experts = SlicedExperts(hidden, inter, experts)
+
+    def forward(self, x):
+        weights, top_weights, top_experts = self.router(x)
+        return self.experts(x, top_weights, top_experts), weights
+
+
+class SplitExperts(nn.Module):
+    """``[E, out, in]`` weights applied to the rows of each expert, the rows sorted by expert and split by sizes."""
+
+    def __init__(self, experts, inp, out):
+        super().__init__()
+        self.num_experts = experts
+        self.weight = nn.Parameter(torch.randn(experts, out, inp) / inp**0.5)
+
+    def forward(self, rows, sizes):
+        parts = rows.split(sizes, dim=0)
+        return torch.cat([F.linear(parts[e], self.weight[e]) for e in range(self.num_experts)], dim=0)
+
+
+class SortedRowsMoE(nn.Module):
+    """(token, expert) rows sorted by expert, computed in one pass by split experts, weighted by a flat gate
+    per row and added back with one ``index_add`` → refused (moe.sorted-rows)."""
+
+    def __init__(self, hidden=32, inter=16, experts=4, top_k=2):
+        super().__init__()
+        self.num_experts, self.top_k = experts, top_k
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.input_linear = SplitExperts(experts, hidden, 2 * inter)
+        self.output_linear = SplitExperts(experts, inter, hidden)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        x = x.reshape(-1, h)
+        logits, ids = self.gate(x).topk(self.top_k, dim=1)
+        gates = torch.softmax(logits, dim=1).flatten()
+        sizes = torch.zeros(x.shape[0], self.num_experts).scatter(1, ids, 1).long().sum(0).tolist()
+        _, order = ids.flatten().sort(0)
+        token = order.div(self.top_k, rounding_mode="trunc")
+        gate, up = self.input_linear(x[token], sizes).chunk(2, dim=-1)
+        out = self.output_linear(F.silu(gate) * up, sizes) * gates[order][:, None]
+        return torch.zeros_like(x).index_add(0, token, out).view(b, s, h)
+
+
+def test_rows_sorted_by_expert_and_added_back_once_are_refused():
+    block = SortedRowsMoE()
+    model, x, (before, _) = _rewrite_toy(block)
+    assert model.block is block
+    (skip,) = [s for s in transfuse.report(model).skipped if s.kind == "moe"]
+    assert skip.tag == "moe.sorted-rows", skip
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
+
+
+def test_experts_given_their_sliced_weights_are_refused_and_counted():
+    from transfuse import census
+
+    block = SlicedWeightsMoE()
+    model, x, (before, _) = _rewrite_toy(block)
+    assert model.block is block
+    found = [o for o in census.count(model) if o.kind == "moe"]
+    assert [(o.path, o.parent_cls) for o in found] == [("block.experts", "SlicedWeightsMoE")]
+    (skip,) = [s for s in transfuse.report(model).skipped if s.kind == "moe"]
+    assert skip.tag == "moe.expert-arguments" and "3 more tensors" in skip.reason, skip
+    assert census.unaccounted(found, transfuse.report(model)) == []
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
 
 
 @pytest.mark.parametrize("cls", [toys.RangeLoopMoE, WhereEqualsMoE, EnumeratedMoE], ids=lambda c: c.__name__)

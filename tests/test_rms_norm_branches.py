@@ -314,3 +314,54 @@ def test_real_norms_with_attribute_branches_fuse_and_logits_match(model_type):
     with torch.no_grad():
         after = model(input_ids=ids, use_cache=False).logits
     assert torch.equal(after, before)
+
+
+class CheckedInputNorm(nn.Module):
+    """The older remote-code form: ``if x.size(-1) != self.dim_norm: raise`` before the norm (a check
+    of the input whose arm only raises) → fuses; the inputs it accepts take the traced path."""
+
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps, self.dim_norm = eps, dim
+        self.weight = nn.Parameter(torch.randn(dim))
+
+    def forward(self, hidden_states):
+        if hidden_states.size(-1) != self.dim_norm:
+            raise AssertionError("hidden_states.size(-1) != self.dim_norm")
+        old_dtype = hidden_states.dtype
+        variance = hidden_states.to(torch.float32).pow(2).mean(dim=-1, keepdim=True)
+        return (hidden_states * torch.rsqrt(variance + self.eps)).to(old_dtype) * self.weight
+
+
+class CheckedThenScaledNorm(CheckedInputNorm):
+    """The same test, whose arm rescales the input instead of raising → refused (rms_norm.control-flow)."""
+
+    def forward(self, hidden_states):
+        if hidden_states.size(-1) != self.dim_norm:
+            hidden_states = hidden_states[..., : self.dim_norm]
+        old_dtype = hidden_states.dtype
+        variance = hidden_states.to(torch.float32).pow(2).mean(dim=-1, keepdim=True)
+        return (hidden_states * torch.rsqrt(variance + self.eps)).to(old_dtype) * self.weight
+
+
+def test_a_check_of_the_input_that_only_raises_does_not_stop_the_fusion():
+    torch.manual_seed(0)
+    model = _rewrite_and_compare(_Norms(CheckedInputNorm(32), CheckedInputNorm(32)), torch.randn(3, 7, 32))
+    assert all(isinstance(n, RMSNorm) for n in model.norms), transfuse.report(model)
+    assert not [s for s in transfuse.report(model).skipped if s.kind == "rms_norm"]
+    with pytest.raises(RuntimeError):  # an input of another width: the fused op raises too
+        model.norms[0](torch.randn(2, 16))
+
+
+def test_a_check_of_the_input_whose_arm_computes_stays_refused():
+    norm = CheckedThenScaledNorm(32)
+    model = toys.TinyNormModel(norm)
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        before = model(x)
+    transfuse.rewrite(model, example_inputs=(x,))
+    assert model.norm is norm
+    (skip,) = [s for s in transfuse.report(model).skipped if s.kind == "rms_norm"]
+    assert skip.tag == "rms_norm.control-flow", skip
+    with torch.no_grad():
+        assert torch.equal(model(x), before)

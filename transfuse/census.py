@@ -13,15 +13,18 @@ forward source (``ast``, once per class; no forward pass, no trace):
 - ``moe``: a module holding a ``ModuleList`` of two or more modules of one class with two or more
   ``nn.Linear`` children each (expert MLPs), or a parameter of three dimensions (stacked experts; not
   a convolution of ``torch.nn``), beside a router: a 2-D weight with one row per expert outside the
-  experts, in the module or its parent, or ``topk`` in a forward;
+  experts, in the module or its parent, or ``topk`` in a forward; or a module whose forward adds
+  rows into a tensor (``index_add``) in a ``for`` loop, with ``topk`` in the forward of the module,
+  its parent or a child of its parent (experts held in any other shape);
 - ``rotary``: each call in the forward of a module-level function whose body multiplies by values
   named ``cos`` and ``sin``, calls a function named ``rotate*``, or uses ``view_as_complex`` or
   ``polar`` (one level of calls followed).
 
 Modules whose class's forward already calls transfuse (a rewritten instance, a class of an emitted
 modeling file), and what they hold, are left out: transfuse's own work. After a rewrite, ``account`` gives each counted structure that no fusion covers and no refusal names
-(of its kind, at its module or for its class; a projection counts with either projection kind; a
-mixture with its module's parent or children) a refusal tagged ``<kind>.unrecognised-form``, so the
+(of its kind, at its module or for its class; a projection counts with either projection kind, and
+inside the experts of a fused mixture, which computes it; a mixture with its module's parent or
+children) a refusal tagged ``<kind>.unrecognised-form``, so the
 report shows it.
 """
 
@@ -41,7 +44,7 @@ from .rewriter.report import RewriteReport, SkipRecord
 from .rewriter.standalone import RUNTIME_MODULE
 from .rewriter.tracer import unwrapped_forward
 
-__all__ = ["KINDS", "Opportunity", "account", "count", "fused", "unaccounted"]
+__all__ = ["KINDS", "Opportunity", "absorbed", "account", "count", "fused", "unaccounted"]
 
 KINDS = ("rms_norm", "qkv", "gate_up", "moe", "rotary")
 _PROJECTIONS = ("qkv", "gate_up")
@@ -203,7 +206,22 @@ def _holds_experts(module: nn.Module, parent: nn.Module | None) -> bool:
             if sum(isinstance(g, nn.Linear) for g in child[0].children()) >= 2:
                 if _routes(module, len(child), {id(p) for p in child.parameters()}):
                     return True
+    if _adds_rows_in_loop(type(module)):
+        near = (module, *((parent, *parent.children()) if parent is not None else ()))
+        return any("topk" in _names(tree) for tree in (_forward_tree(type(h))[0] for h in near) if tree is not None)
     return False
+
+
+@functools.lru_cache(maxsize=4096)
+def _adds_rows_in_loop(cls: type) -> bool:
+    """The class's forward calls ``index_add`` (or ``index_add_``) inside a ``for`` loop."""
+    if cls.forward is nn.Module.forward:
+        return False
+    tree, _ = _forward_tree(cls)
+    if tree is None:
+        return False
+    loops = [n for n in ast.walk(tree) if isinstance(n, ast.For)]
+    return any(_names(loop) & {"index_add", "index_add_"} for loop in loops)
 
 
 def _routes(holder: nn.Module, experts: int, experts_own: set[int]) -> bool:
@@ -358,6 +376,8 @@ def _accounted(o: Opportunity, report: RewriteReport) -> bool:
 
 def fused(o: Opportunity, report: RewriteReport) -> bool:
     """Whether a fusion in ``report`` covers ``o``."""
+    if absorbed(o, report):
+        return True
     kinds, places = _covering(o.kind), _places(o)
     for f in report.fusions:
         if f.kind not in kinds:
@@ -366,6 +386,21 @@ def fused(o: Opportunity, report: RewriteReport) -> bool:
             return True
         if f.path in places and _child(f.path, o.path) in f.replaced:
             return True
+    return False
+
+
+def absorbed(o: Opportunity, report: RewriteReport) -> bool:
+    """A projection inside a module that a fused mixture of experts computes in full (its experts):
+    an expert's gate and up projections are parts of the fused op's one gate/up projection, its
+    activation and product the op's own."""
+    if o.kind not in _PROJECTIONS:
+        return False
+    for f in report.fusions:
+        if f.kind == "moe":
+            for child in f.claimed:
+                place = f"{f.path}.{child}" if f.path else child
+                if o.path == place or o.path.startswith(place + "."):
+                    return True
     return False
 
 

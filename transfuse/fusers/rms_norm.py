@@ -41,13 +41,14 @@ from torch import nn
 from ..ops import GATE_ACTIVATIONS, RMSNormSpec, layer
 from ..ops.layers import Assumption, GatedRMSNorm
 from ..rewriter.analysis import ClassAnalysis
-from ..rewriter.branches import traced_path
+from ..rewriter.branches import raises_only, traced_path
 from ..rewriter.fusion import Fused, Fuser, Refusal
 from ..rewriter.graph import (
     Cast, NoMatch, ancestors, calls_fused_op, cast_of, is_op, op_name, operand, operands, peel_casts, value,
 )  # fmt: skip
-from ..rewriter.source import EditContext, forward_replaced
+from ..rewriter.source import EditContext, forward_replaced, method_source
 from ..rewriter.syntax import comment_line
+from ..rewriter.tracer import unwrapped_forward
 
 __all__ = ["RMSNormFuser", "RMSNormMatch"]
 
@@ -266,6 +267,16 @@ def _check_assumed(assumes) -> None:
             )
 
 
+def _raises_only(cls: type, location: tuple[str, int] | None) -> bool:
+    """The forward's ``if`` at ``location`` (a test of the input's shape) has no ``else`` and only
+    raises: a check of the input, whose other arm is the traced path; every input it accepts takes
+    that path."""
+    source = method_source(unwrapped_forward(cls))
+    if source is None or location is None or location[0] != source.filename:
+        return False
+    return any(source.line(node) == location[1] and raises_only(node) for node in m.findall(source.node, m.If()))
+
+
 def _looks_like_a_norm(analysis: ClassAnalysis) -> bool:
     """Refusals are reported for classes named like a norm, that compute an inverse root, or the
     square root of a mean (``x / sqrt(mean(x²) + eps)``)."""
@@ -284,8 +295,9 @@ def _match_graph(analysis: ClassAnalysis) -> tuple[RMSNormMatch, fx.Node | None]
     trace = analysis.trace
     if trace.partial:
         raise NoMatch("rms_norm.partial-trace", f"the forward could not be traced to the end ({trace.describe_stop()}).")
-    if trace.shape_guards:
-        guard = trace.shape_guards[0]
+    guards = [g for g in trace.shape_guards if not _raises_only(analysis.cls, g.location)]
+    if guards:
+        guard = guards[0]
         raise NoMatch(
             "rms_norm.control-flow",
             f"the forward's control flow depends on the input's shape ({guard.describe()}); the fused op "

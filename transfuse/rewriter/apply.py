@@ -539,6 +539,7 @@ def _record(model: nn.Module, applied: list[_Instance], report: RewriteReport) -
                 FusionRecord(
                     instance.path, type(instance.module).__name__, plan.fuser.kind, plan.fused.replaced,
                     plan.fused.into, instance.check or report.verification,
+                    plan.fuser.claimed_children(plan.found),
                 )
             )
 

@@ -4,7 +4,10 @@ A trace shows one path. A fuser that replaces a whole module must know no other 
 branch, loop, ``with``, ``try`` or early return in the forward and the helpers it calls is refused,
 except a branch whose test reads only ``self``'s attributes and constants (``if self.with_scale``,
 ``if self.weight is not None``), which is decided as the traced instance decided it; the attributes
-it read, with their values, are what the match assumes of every other instance. A global of the
+it read, with their values, are what the match assumes of every other instance. An ``if`` with no
+``else`` whose arm only raises (a check of the input, ``if x.size(-1) != self.dim: raise ...``) is
+passed: the inputs it accepts take the traced path, and the fused code computes that path (where the
+original raises it computes it too, or its op raises). A global of the
 model's module that is None (``if fused_kernel is not None and x.is_cuda``, the kernel's import having
 failed) is decided as None too; the fused code checks it per call and runs the original otherwise.
 
@@ -30,7 +33,15 @@ from .graph import NoMatch, value
 from .source import MethodSource, helper_functions, method_source, self_method_calls
 from .tracer import unwrapped_forward
 
-__all__ = ["TracedPath", "constant_tests", "traced_path"]
+__all__ = ["TracedPath", "constant_tests", "raises_only", "traced_path"]
+
+
+def raises_only(node: cst.If) -> bool:
+    """``if test: raise ...`` with no ``else``: a check whose failing arm only raises; the path the
+    accepted inputs take is the one after it."""
+    body = node.body.body
+    simple = all(isinstance(s, cst.SimpleStatementLine) and all(isinstance(b, cst.Raise) for b in s.body) for s in body)
+    return node.orelse is None and bool(body) and simple
 
 
 def traced_path(analysis: ClassAnalysis, kind: str) -> TracedPath:
@@ -136,6 +147,8 @@ class TracedPath(cst.CSTVisitor):
         )
 
     def visit_If(self, node: cst.If) -> bool:
+        if raises_only(node):
+            return False  # a check of the input: every input it accepts goes on past it, as the trace did
         branch = node.body if self._decide(node.test, node) else node.orelse
         if branch is not None:
             branch.visit(self)

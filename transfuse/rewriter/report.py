@@ -22,6 +22,7 @@ class FusionRecord:
     replaced: tuple[str, ...]
     into: str
     check: str = ""  # how it was verified, or why it was not
+    claimed: tuple[str, ...] = ()  # children (dotted) the fused op computes in full (a mixture's router and experts)
 
 
 @dataclass(frozen=True)

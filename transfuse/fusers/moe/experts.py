@@ -205,6 +205,15 @@ def _split_weight(mul: fx.Node, found: LoopMatch) -> tuple[fx.Node, fx.Node]:
                 found.nodes.update({selection, base})
                 found.weights = operand(base, 0)
                 return base, other
+    for gates in operands(mul)[:2]:
+        if is_op(gates, "getitem") and operand(gates, 1) == (slice(None), None):
+            raise NoMatch(
+                "moe.sorted-rows",
+                "the rows of every (token, expert) pair are computed in one pass, weighted by one flat gate per row "
+                "(gates[:, None]) and added back with one index_add, where the experts matcher follows a loop adding "
+                "weight · expert(rows) per expert.",
+                mul,
+            )  # fmt: skip
     raise NoMatch("moe.combine", "the expert output is not multiplied by its routing weight weights[token, slot].", mul)
 
 
@@ -344,6 +353,15 @@ def _member(call: fx.Node, found: LoopMatch, index: str = "0") -> fx.Node:
     """``self.experts[e](rows)``: the representative member ``<list>.0`` (of an unrolled loop, member
     ``index``) called on the rows alone."""
     owner, _, called = call.target.rpartition(".")
+    passed = [a for a in (*call.args[1:], *call.kwargs.values()) if isinstance(value(a), torch.Tensor)]
+    if passed and (called != index or not owner):
+        raise NoMatch(
+            "moe.expert-arguments",
+            f"each expert is {call.target} called on the rows and {len(passed)} more tensors; the experts matcher "
+            "follows a member of a module list, or tensors indexed by the expert, computing the expert from the "
+            "rows alone.",
+            call,
+        )  # fmt: skip
     if called != index or not owner or len(call.args) != 1 or call.kwargs:
         raise NoMatch(
             "moe.expert-form", f"the expert call {call.target} is not a member of a module list on the rows.", call

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import inspect
 import math
 from dataclasses import dataclass, replace
 from typing import Any
@@ -70,7 +71,13 @@ class MoEFuser(Fuser[MoEMatch]):
     kind = "moe"
 
     def wants(self, module: nn.Module) -> bool:
-        """A child holding 3-D parameters (packed experts) or a list of small modules (per-expert MLPs)."""
+        """A child holding 3-D parameters (packed experts) or a list of small modules (per-expert MLPs),
+        or a child whose forward adds rows into a tensor (``index_add``) beside a ``topk`` in the block
+        or another child (experts held in another shape, found by the match; a module holding a whole
+        mixture, routing and experts in one child, is not one)."""
+        adding = [c for c in module.children() if _calls(type(c), "index_add_", "index_add")]
+        if adding and any(_calls(type(c), "topk") for c in (module, *module.children()) if c not in adding):
+            return True
         for child in module.children():
             # Packed experts are [E, in, out]; a convolution's weight has 3 or more dimensions too.
             if not isinstance(child, nn.modules.conv._ConvNd) and any(
@@ -314,6 +321,13 @@ def _match_dense_block(analysis: ClassAnalysis, call: fx.Node) -> MoEMatch:
         plan, call.target, None, routing, _prefixed(p.alpha, prefix), _prefixed(p.limit, prefix), None, branches,
         input=x_input.target, routed_scale=output.routed_scale,
     )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4096)
+def _calls(cls: type, *names: str) -> bool:
+    """Whether the class's own forward names one of ``names`` (an attribute or a global it reads)."""
+    code = getattr(inspect.unwrap(unwrapped_forward(cls)), "__code__", None)
+    return code is not None and not set(names).isdisjoint(code.co_names)
 
 
 def _small_members(members: nn.ModuleList) -> bool:
