@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-SCHEMES = ["torchao-int8", "bnb-int8", "bnb-nf4", "bnb-fp4", "bnb-nf4-double", "quanto-int8"]
+SCHEMES = ["torchao-int8", "torchao-int4", "torchao-float8", "bnb-int8", "bnb-nf4", "bnb-fp4", "bnb-nf4-double", "quanto-int8"]
 MODELS = ["llama", "qwen3", "qwen3_moe"]
 
 
@@ -38,6 +38,14 @@ def config(scheme: str):
         from torchao.quantization import Int8WeightOnlyConfig
 
         return TorchAoConfig(Int8WeightOnlyConfig())
+    if scheme == "torchao-int4":  # torchao's int4 weight-only for CPU (tinygemm's _weight_int4pack_mm_for_cpu)
+        from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+
+        return TorchAoConfig(PrototypeInt4WeightOnlyConfig(group_size=32))
+    if scheme == "torchao-float8":
+        from torchao.quantization import Float8WeightOnlyConfig
+
+        return TorchAoConfig(Float8WeightOnlyConfig())
     if scheme == "bnb-int8":
         return BitsAndBytesConfig(load_in_8bit=True)
     if scheme.startswith("bnb-"):
