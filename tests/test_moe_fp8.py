@@ -60,6 +60,8 @@ def fp8_model(model, block=(32, 32)):
             q, s = quantize_blocks(weights[f"{name}.{tensor}"], block)
             setattr(module, tensor, torch.nn.Parameter(q, requires_grad=False))
             setattr(module, scale, torch.nn.Parameter(s, requires_grad=False))
+    # transformers' FP8 experts loop over the experts as written: its grouped and batched forms are CUDA kernels
+    model.config._experts_implementation = "eager"
     return model
 
 
@@ -105,3 +107,26 @@ def test_fp8_experts_op_refuses_scales_that_are_not_per_block():
     with pytest.raises(ValueError, match=r"not one scale per 64x32 block"):
         moe_experts_fp8(x, weights, ids, module.gate_up_proj, module.gate_up_proj_scale_inv, module.down_proj,
                         module.down_proj_scale_inv, (64, 32))  # fmt: skip
+
+
+def test_a_qwen3_moe_block_over_fp8_experts_is_fused_into_the_fp8_experts_op(dequantising_fp8):
+    from transfuse.ops.moe_layer import MoE
+
+    stock, model = (fp8_model(tiny_model("qwen3_moe")) for _ in range(2))
+    model.load_state_dict(stock.state_dict())
+    ids = torch.randint(0, 200, (2, 9), generator=torch.Generator().manual_seed(2))
+    transfuse.rewrite(model)
+    report = transfuse.report(model)
+    assert report.counts().get("moe") == model.config.num_hidden_layers, report
+    block = model.model.layers[0].mlp
+    assert isinstance(block, MoE) and block.plan.experts.w13_scale == "experts.gate_up_proj_scale_inv"
+    experts = block.experts
+    assert experts.gate_up_proj.dtype == torch.float8_e4m3fn  # the FP8 experts themselves, not a copy
+    with torch.no_grad():
+        want = stock(ids).logits
+        got = model(ids).logits
+    assert got.abs().max() > 0
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert list(model.state_dict()) == list(stock.state_dict())
+    assert all(torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8) if b.element_size() == 1 else b)
+               for a, b in zip(model.state_dict().values(), stock.state_dict().values()))

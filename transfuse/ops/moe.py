@@ -26,7 +26,8 @@ Two ops, each a native definition plus providers:
   ``[E, 2I, H]`` and ``w2`` ``[E, H, I]`` applied as ``F.linear``. The native definition
   dequantises each expert that received rows, block by block, into the tokens' dtype at run time
   (nothing dequantised is kept) and applies it as transformers computes an FP8 layer it
-  dequantises: ``F.linear`` with the weight times its blocks' scales.
+  dequantises: ``F.linear`` with the weight times its blocks' scales. It combines as transformers'
+  FP8 experts do: each output times its weight cast to the output's dtype, summed in float32.
 
 All are ``torch.library`` ops with fake implementations, so ``torch.compile`` sees them.
 """
@@ -342,9 +343,10 @@ def moe_experts_fp8_native(
     h = _fp8_grouped_linear(rows, w13, w13_scale_inv, block, offsets)
     h = gated_activation(h, activation, interleaved, gate_first, alpha, limit)
     out = _fp8_grouped_linear(h, w2, w2_scale_inv, block, offsets)
-    contributions = _Permute.apply(out, inverse, order) * weights.reshape(-1, 1)
-    total = contributions.view(tokens, top_k, -1).sum(dim=1)
-    return total if total.dtype == x.dtype else total.to(x.dtype)
+    # As transformers' FP8 experts do: each output times its weight cast to the output's dtype, the k
+    # of a token summed in float32, then rounded to the token dtype.
+    contributions = _Permute.apply(out, inverse, order) * weights.reshape(-1, 1).to(out.dtype)
+    return contributions.float().view(tokens, top_k, -1).sum(dim=1).to(x.dtype)
 
 
 def _group_ends(sorted_ids: Tensor, experts: int) -> Tensor:
