@@ -220,8 +220,34 @@ def test_quanto_int4_is_refused_naming_its_packing():
     module.a, module.b = torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 32, bias=False)
     quantize(module, weights=qint4)
     freeze(module)
-    with pytest.raises(MergeError, match=r"optimum-quanto: a is optimum-quanto qint4 WeightQBitsTensor: its PackedTensor"):
+    match = r"optimum-quanto: a is optimum-quanto qint4 WeightQBitsTensor: its PackedTensor puts grouped rows i and i \+ n/2"
+    with pytest.raises(MergeError, match=match):
         merge_linears(module, "ab", ["a", "b"])
+
+
+def test_quanto_int4_for_tinygemm_merges_its_code_rows_bit_for_bit():
+    if importlib.util.find_spec("optimum") is None or importlib.util.find_spec("optimum.quanto") is None:
+        pytest.skip("optimum-quanto is not installed")
+    from optimum.quanto import freeze, qint4, quantize
+
+    module = torch.nn.Module()  # bfloat16, groups of 128, on a CPU: quanto packs int4 for tinygemm
+    for name, width in (("a", 64), ("b", 32), ("c", 32)):
+        setattr(module, name, torch.nn.Linear(256, width, bias=False, dtype=torch.bfloat16))
+    quantize(module, weights=qint4)
+    freeze(module)
+    parts = [module.a, module.b, module.c]
+    assert {type(p.weight).__name__ for p in parts} == {"TinyGemmWeightQBitsTensor"}
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    with torch.no_grad():
+        want = [p(x) for p in parts]
+        merged = merge_linears(module, "abc", ["a", "b", "c"])
+        got = merged(x).split(merged.split_sizes, dim=-1)
+        again = [p(x) for p in parts]
+    assert merged.storage == "optimum-quanto qint4 TinyGemmWeightQBitsTensor"
+    assert all(torch.equal(g, w) and torch.equal(a, w) for g, w, a in zip(got, want, again))
+    codes = merged.kernel[0]._data._data
+    # the code rows are views of the merged codes; the scales [in / group, out, 2] stay each part's own
+    assert all(_inside(p.weight._data._data, [codes]) and not _inside(p.weight._scale_shift, [merged.kernel[0]._scale_shift]) for p in parts)
 
 
 def _fp8_attention(widths, block=(32, 32), in_features=64):
