@@ -130,3 +130,32 @@ def test_a_qwen3_moe_block_over_fp8_experts_is_fused_into_the_fp8_experts_op(deq
     assert list(model.state_dict()) == list(stock.state_dict())
     assert all(torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8) if b.element_size() == 1 else b)
                for a, b in zip(model.state_dict().values(), stock.state_dict().values()))
+
+
+# Under Triton's interpreter (no GPU) bfloat16 casts truncate (a consistent scale error of a few percent
+# through the kernels' roundings), so there the kernels are checked in float32 and float16; on a GPU in bfloat16 too.
+TRITON_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("dtype", TRITON_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(64, 32, 8, (32, 32), 1), (96, 48, 6, (32, 64), 5)], ids=["decode", "ragged-blocks"])
+def test_the_triton_fp8_experts_compute_the_native_definition(dtype, shape):
+    triton_fp8 = pytest.importorskip("transfuse.ops.triton.moe_fp8", reason="triton is part of the dev dependencies")
+    from transfuse.ops.moe import moe_experts_fp8_native
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hidden, intermediate, experts, block, tokens = shape
+    module = _experts(hidden, intermediate, experts, block)
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(tokens, hidden, generator=generator).to(dtype)
+    ids = torch.rand(tokens, experts, generator=generator).topk(2, dim=-1).indices
+    weights = torch.rand(tokens, 2, generator=generator).softmax(-1).to(dtype)
+    args = [x, weights, ids, module.gate_up_proj.data, module.gate_up_proj_scale_inv.data, module.down_proj.data,
+            module.down_proj_scale_inv.data, *block, "silu", False, True, 1.0, float("inf")]  # fmt: skip
+    args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+    want = moe_experts_fp8_native(*args)
+    got = triton_fp8.moe_experts_fp8(*args)
+    assert got.dtype == want.dtype and want.abs().max() > 0
+    # the same roundings; the products summed in another order (float32 accumulators)
+    tolerance = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
+    assert (got.float() - want.float()).abs().max() <= tolerance * want.float().abs().max()
