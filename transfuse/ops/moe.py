@@ -303,7 +303,9 @@ def dequantize_fp8_blocks(weight: Tensor, scale_inv: Tensor, block_n: int, block
     return weight.to(dtype) * scale
 
 
-def _fp8_grouped_linear(rows: Tensor, weight: Tensor, scale_inv: Tensor, block: tuple[int, int], offsets: Tensor) -> Tensor:
+def _fp8_grouped_linear(
+    rows: Tensor, weight: Tensor, scale_inv: Tensor, block: tuple[int, int], offsets: Tensor
+) -> Tensor:
     """Each expert's rows times its dequantised ``[out, in]`` weight (``F.linear``); only the experts that
     received rows are dequantised, one at a time (one host sync for the group sizes)."""
     pieces, start = [], 0
@@ -655,7 +657,9 @@ def moe_experts_fp8(
             f"weights {tuple(weights.shape)}, ids {tuple(ids.shape)}."
         )
     if spec.w13_transposed or spec.w2_transposed:
-        raise ValueError("moe_experts_fp8 takes [E, out, in] expert weights (applied as F.linear), not transposed ones.")
+        raise ValueError(
+            "moe_experts_fp8 takes [E, out, in] expert weights (applied as F.linear), not transposed ones."
+        )
     for name, w, s in (("w13", w13, w13_scale_inv), ("w2", w2, w2_scale_inv)):
         want = (w.shape[0], -(-w.shape[1] // block[0]), -(-w.shape[2] // block[1]))
         if w.element_size() != 1 or tuple(s.shape) != want:

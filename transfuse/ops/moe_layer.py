@@ -477,11 +477,11 @@ def _block_compute(layer: nn.Module, hidden_states: Tensor, *, plan: MoEPlan, ro
     if shards is not None:  # this rank's experts only; the ranks' outputs are summed below
         rows, row_weights, row_ids = shards.local_routes(rows, row_weights, row_ids)
     if e.w13_scale is not None:
+        w13, s13, w2, s2 = (local_tensor(_tensor(layer, p)) for p in (e.w13, e.w13_scale, e.w2, e.w2_scale))
+        block = tuple(_tensor(layer, e.block))
         out = moe_experts_fp8(
-            rows, row_weights, row_ids, local_tensor(_tensor(layer, e.w13)), local_tensor(_tensor(layer, e.w13_scale)),
-            local_tensor(_tensor(layer, e.w2)), local_tensor(_tensor(layer, e.w2_scale)), tuple(_tensor(layer, e.block)),
-            e.spec, alpha=numbers.alpha, limit=numbers.limit,
-        )  # fmt: skip
+            rows, row_weights, row_ids, w13, s13, w2, s2, block, e.spec, alpha=numbers.alpha, limit=numbers.limit
+        )
     else:
         out = moe_experts(
             rows, row_weights, row_ids, local_tensor(_tensor(layer, e.w13)), local_tensor(_tensor(layer, e.w2)), e.spec,

@@ -396,7 +396,8 @@ def _quantized_projection(node: fx.Node, expert: fx.Node, nodes: set[fx.Node]) -
         return None
     weight, scale = _indexed_param(operand(node, 1), expert), _indexed_param(operand(node, 2), expert)
     if weight is None or scale is None:
-        raise NoMatch("moe.expert-form", f"the {node.target.scheme} projection does not read this expert's weight and scales.", node)
+        what = f"the {node.target.scheme} projection does not read this expert's weight and scales."
+        raise NoMatch("moe.expert-form", what, node)
     if len(node.args) > 3 or any(v is not None for v in node.kwargs.values()):
         raise NoMatch("moe.quantized", f"the {node.target.scheme} projection applies a static activation scale.", node)
     nodes.update({node, operand(node, 1), operand(node, 2)})
@@ -441,7 +442,8 @@ def _packed(expert_out: fx.Node, expert: fx.Node, children: Lookup, found: LoopM
     if quantized is not None:
         second = _quantized_projection(projection, expert, found.nodes)
         if second is None:
-            raise NoMatch("moe.quantized", "the down projection is quantized and the gate/up projection is not.", projection)
+            what = "the down projection is quantized and the gate/up projection is not."
+            raise NoMatch("moe.quantized", what, projection)
         rows, w13, s13 = second
         spec = ExpertsSpec(activation, interleaved, gate_first)
         return PackedExpert(w13, w2, spec, None, None, alpha, limit, s13, s2), rows

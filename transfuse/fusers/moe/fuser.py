@@ -1015,7 +1015,9 @@ def _validate(module: nn.Module, found: MoEMatch) -> None:
         experts = _check_packed(module, found)
     if e.w13_scale is not None:
         if shards is not None:
-            raise NoMatch("moe.quantized", "the block-FP8 experts are shared out over ranks, which moe_experts_fp8 does not compute.")
+            raise NoMatch(
+                "moe.quantized", "the block-FP8 experts are shared out over ranks, which moe_experts_fp8 does not compute."
+            )
         owner = module.get_submodule(e.w13.rpartition(".")[0])
         tensors = (_tensor(module, p) for p in (e.w13, e.w2, e.w13_scale, e.w2_scale))
         reason = check_fp8_experts(owner, *tensors)

@@ -64,8 +64,8 @@ class Quanto(Scheme):
                     "scale per layer: merged layers would need one scale for all."
                 )
             if type(weight).__name__ == "TinyGemmWeightQBitsTensor":
-                first_weight = first.weight
-                if weight._group_size != first_weight._group_size or weight._scale_shift.dtype != first_weight._scale_shift.dtype:
+                other = first.weight
+                if weight._group_size != other._group_size or weight._scale_shift.dtype != other._scale_shift.dtype:
                     raise SchemeError(f"{name} and {names[0]} are {self.name} weights quantized differently.")
                 if weight._data._data.shape[0] != weight.shape[0] or weight._scale_shift.shape[1] != weight.shape[0]:
                     raise SchemeError(f"{name} ({self.describe(module)}) has no tinygemm rows per output.")

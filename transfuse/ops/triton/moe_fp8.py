@@ -63,8 +63,9 @@ def _fp8_gate_up_kernel(
         a = tl.load(x_ptr + token * stride_xm + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         g = tl.load(w_base + gate_n[:, None].to(tl.int64) * stride_wn + kk[None, :] * stride_wk, mask=ok, other=0.0)
         u = tl.load(w_base + up_n[:, None].to(tl.int64) * stride_wn + kk[None, :] * stride_wk, mask=ok, other=0.0)
-        gs = tl.load(s_base + (gate_n // SCALE_N)[:, None] * stride_sn + (kk // SCALE_K)[None, :] * stride_sk, mask=ok, other=0.0)
-        us = tl.load(s_base + (up_n // SCALE_N)[:, None] * stride_sn + (kk // SCALE_K)[None, :] * stride_sk, mask=ok, other=0.0)
+        s_k = (kk // SCALE_K)[None, :] * stride_sk
+        gs = tl.load(s_base + (gate_n // SCALE_N)[:, None] * stride_sn + s_k, mask=ok, other=0.0)
+        us = tl.load(s_base + (up_n // SCALE_N)[:, None] * stride_sn + s_k, mask=ok, other=0.0)
         g = (g.to(tl.float32) * gs.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         u = (u.to(tl.float32) * us.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         acc_gate += g * a
