@@ -159,3 +159,18 @@ def test_the_triton_fp8_experts_compute_the_native_definition(dtype, shape):
     # the same roundings; the products summed in another order (float32 accumulators)
     tolerance = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
     assert (got.float() - want.float()).abs().max() <= tolerance * want.float().abs().max()
+
+
+def test_fp8_experts_with_static_activation_scales_are_refused_with_the_reason(dequantising_fp8):
+    model = fp8_model(tiny_model("qwen3_moe"))
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        experts.activation_scheme = "static"  # one input scale per expert and projection, as static checkpoints hold
+        experts.gate_up_proj_activation_scale = torch.nn.Parameter(torch.ones(experts.num_experts))
+        experts.down_proj_activation_scale = torch.nn.Parameter(torch.ones(experts.num_experts))
+    transfuse.rewrite(model)
+    report = transfuse.report(model)
+    refused = [s for s in report.skipped if s.kind == "moe"]
+    assert "moe" not in report.counts() and refused, report
+    assert {s.tag for s in refused} == {"moe.quantized"}
+    assert all("static activation scale" in s.reason for s in refused)
