@@ -13,6 +13,15 @@ each gives the same tensors bit for bit.
 
 quanto int4 needs optimum-quanto's C++ extension (built on first use, minutes): ``--schemes`` with
 ``quanto-int4`` to include it.
+
+``fp8-blocks`` is transformers' fine-grained FP8 (e4m3 with 32x32 block scales, ``FP8Linear`` and, for
+MoE models, ``FP8Experts``). transformers dequantises FP8 checkpoints when no GPU is present and
+its FP8 kernels are CUDA only, so here both models are built by transformers' own replacement
+(``replace_with_fp8_linear``) from the tiny model, their weights quantized per block, and the stock
+model runs with transformers' ``fp8_linear`` computing the block-dequantised reference (the eager
+experts loop). Its MoE blocks count as opportunities too (``moe``: fused into ``moe_experts_fp8`` on
+the FP8 experts' own tensors). Round trip: the two ``save_pretrained`` outputs are compared; a stock
+load would dequantise them, so loads are not.
 """
 
 from __future__ import annotations
@@ -27,7 +36,10 @@ from pathlib import Path
 
 import torch
 
-SCHEMES = ["torchao-int8", "bnb-int8", "bnb-nf4", "bnb-fp4", "bnb-nf4-double", "quanto-int8"]
+SCHEMES = [
+    "torchao-int8", "torchao-int4", "torchao-float8", "bnb-int8", "bnb-nf4", "bnb-fp4", "bnb-nf4-double", "quanto-int8",
+    "fp8-blocks",
+]  # fmt: skip
 MODELS = ["llama", "qwen3", "qwen3_moe"]
 
 
@@ -38,6 +50,14 @@ def config(scheme: str):
         from torchao.quantization import Int8WeightOnlyConfig
 
         return TorchAoConfig(Int8WeightOnlyConfig())
+    if scheme == "torchao-int4":  # torchao's int4 weight-only for CPU (tinygemm's _weight_int4pack_mm_for_cpu)
+        from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+
+        return TorchAoConfig(PrototypeInt4WeightOnlyConfig(group_size=32))
+    if scheme == "torchao-float8":
+        from torchao.quantization import Float8WeightOnlyConfig
+
+        return TorchAoConfig(Float8WeightOnlyConfig())
     if scheme == "bnb-int8":
         return BitsAndBytesConfig(load_in_8bit=True)
     if scheme.startswith("bnb-"):
@@ -50,7 +70,54 @@ def config(scheme: str):
     raise ValueError(scheme)
 
 
-PACKAGE = {"torchao": "torchao", "bnb": "bitsandbytes", "quanto": "optimum"}
+PACKAGE = {"torchao": "torchao", "bnb": "bitsandbytes", "quanto": "optimum", "fp8": "transformers"}
+FP8_BLOCK = (32, 32)
+
+
+def _quantize_blocks(weight: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [..., N, K]`` as e4m3 with one float32 scale per block (``[..., ⌈N/bn⌉, ⌈K/bk⌉]``)."""
+    import torch.nn.functional as F
+
+    *lead, n, k = weight.shape
+    bn, bk = block
+    pn, pk = -n % bn, -k % bk
+    tiles = F.pad(weight.float(), (0, pk, 0, pn)).reshape(*lead, (n + pn) // bn, bn, (k + pk) // bk, bk)
+    scale = tiles.abs().amax(dim=(-3, -1)).clamp(min=1e-8) / 448.0
+    q = (tiles / scale[..., :, None, :, None]).reshape(*lead, n + pn, k + pk)[..., :n, :k]
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def _fp8_model(path: Path):
+    """The tiny model at ``path`` with transformers' FP8 layers and experts, its weights quantized per block."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+    from transformers.integrations import finegrained_fp8 as fp8
+
+    model = AutoModelForCausalLM.from_pretrained(path, device_map="cpu").eval()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    config = FineGrainedFP8Config(weight_block_size=FP8_BLOCK, modules_to_not_convert=["lm_head"])
+    fp8.replace_with_fp8_linear(model, modules_to_not_convert=["lm_head"], quantization_config=config)
+    for name, module in model.named_modules():
+        pairs = {fp8.FP8Linear: [("weight", "weight_scale_inv")],
+                 fp8.FP8Experts: [("gate_up_proj", "gate_up_proj_scale_inv"), ("down_proj", "down_proj_scale_inv")]}
+        for tensor, scale in next((v for k, v in pairs.items() if isinstance(module, k)), []):
+            q, s = _quantize_blocks(weights[f"{name}.{tensor}"], FP8_BLOCK)
+            setattr(module, tensor, torch.nn.Parameter(q, requires_grad=False))
+            setattr(module, scale, torch.nn.Parameter(s, requires_grad=False))
+    model.config._experts_implementation = "eager"  # the grouped and batched FP8 experts are CUDA kernels
+    model.config.quantization_config = config
+    return model
+
+
+def _dequantising_fp8_linear():
+    """transformers' ``fp8_linear`` computing what transformers computes on FP8 weights it dequantises."""
+    import torch.nn.functional as F
+    from transformers.integrations import finegrained_fp8 as fp8
+
+    def linear(input, weight, weight_scale_inv, block_size=None, bias=None, activation_scale=None, *args):
+        out = F.linear(input, fp8._dequantize_fp8_weight(weight.clone(), weight_scale_inv, block_size, input.dtype))
+        return out + bias if bias is not None else out
+
+    fp8.fp8_linear = linear
 
 
 def _flat(tensor):
@@ -86,7 +153,12 @@ def measure(model_type: str, scheme: str, workdir: Path) -> dict:
     if not path.exists():
         tiny_model(model_type).save_pretrained(path)
     load = lambda p=path, **kw: AutoModelForCausalLM.from_pretrained(p, device_map="cpu", **kw).eval()  # noqa: E731
-    stock, model = load(quantization_config=config(scheme)), load(quantization_config=config(scheme))
+    fp8 = scheme == "fp8-blocks"
+    if fp8:
+        _dequantising_fp8_linear()
+        stock, model = _fp8_model(path), _fp8_model(path)
+    else:
+        stock, model = load(quantization_config=config(scheme)), load(quantization_config=config(scheme))
     stock_parts = {name: m for name, m in stock.named_modules()}
     ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # the rewrite runs the model too (bitsandbytes repacks 4-bit layers on a first run)
@@ -108,6 +180,7 @@ def measure(model_type: str, scheme: str, workdir: Path) -> dict:
             storage.add(module.storage)
             quantized_bytes += module.quantized_bytes()
     opportunities = sum(report.counts().get(k, 0) for k in kinds) + len(refused)
+    moe_refused = [s for s in report.skipped if s.kind == "moe"]
     with torch.no_grad():
         got = model(ids).logits
     row = {
@@ -118,7 +191,8 @@ def measure(model_type: str, scheme: str, workdir: Path) -> dict:
         "storage": ", ".join(sorted(storage)) or "-",
         "bytes": quantized_bytes,
         "max_logit_diff": (got.float() - want.float()).abs().max().item(),
-        "refusals": sorted({f"{s.tag}: {s.reason[:110]}" for s in refused}),
+        "refusals": sorted({f"{s.tag}: {s.reason[:110]}" for s in refused + moe_refused}),
+        "moe": f"{report.counts().get('moe', 0)}/{report.counts().get('moe', 0) + len(moe_refused)}",
     }
     try:
         stock.save_pretrained(workdir / "stock")
@@ -132,6 +206,9 @@ def measure(model_type: str, scheme: str, workdir: Path) -> dict:
         bad += _differ(load_file(workdir / "stock" / name), load_file(workdir / "rewritten" / name))
     configs = [json.loads((workdir / d / "config.json").read_text()).get("quantization_config") for d in ("stock", "rewritten")]
     bad += [] if configs[0] == configs[1] else ["quantization_config"]
+    if fp8:
+        row["round_trip"] = "saved same (loads dequantise on CPU)" if not bad else f"differs: {bad[:3]}"
+        return row
     bad += _differ(load(workdir / "stock").state_dict(), load(workdir / "rewritten").state_dict())
     row["round_trip"] = "ok" if not bad else f"differs: {bad[:3]}"
     return row
@@ -156,12 +233,15 @@ def main() -> int:
             with tempfile.TemporaryDirectory() as tmp:
                 rows.append(measure(model_type, scheme, Path(tmp)))
             print(json.dumps(rows[-1]), file=sys.stderr)
-    print("| scheme | model | fused / opportunities | storage kept (type) | quantized bytes kept | max logit diff | round trip |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| scheme | model | fused / opportunities | storage kept (type) | quantized bytes kept | moe fused | "
+        "max logit diff | round trip |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['scheme']} | {r['model']} | {r['fused']}/{r['opportunities']} | {r['storage']} | {r['bytes']} | "
-            f"{r['max_logit_diff']:.3g} | {r['round_trip']} |"
+            f"{r['moe']} | {r['max_logit_diff']:.3g} | {r['round_trip']} |"
         )
     print()
     for scheme in dict.fromkeys(r["scheme"] for r in rows):

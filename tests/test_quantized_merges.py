@@ -29,6 +29,20 @@ def _torchao_int8():
     return TorchAoConfig(Int8WeightOnlyConfig())
 
 
+def _torchao_int4():  # int4 weight-only for CPU (Int4OpaqueTensor, tinygemm's _weight_int4pack_mm_for_cpu)
+    from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+    from transformers import TorchAoConfig
+
+    return TorchAoConfig(PrototypeInt4WeightOnlyConfig(group_size=32))
+
+
+def _torchao_float8():
+    from torchao.quantization import Float8WeightOnlyConfig
+    from transformers import TorchAoConfig
+
+    return TorchAoConfig(Float8WeightOnlyConfig())
+
+
 def _bnb(**kwargs):
     from transformers import BitsAndBytesConfig
 
@@ -43,12 +57,15 @@ def _quanto_int8():
 
 SCHEMES = {
     "torchao-int8": ("torchao", _torchao_int8),
+    "torchao-int4": ("torchao", _torchao_int4),
+    "torchao-float8": ("torchao", _torchao_float8),
     "bnb-int8": ("bitsandbytes", lambda: _bnb(load_in_8bit=True)),
     "bnb-nf4": ("bitsandbytes", lambda: _bnb(load_in_4bit=True, bnb_4bit_quant_type="nf4")),
     "bnb-fp4": ("bitsandbytes", lambda: _bnb(load_in_4bit=True, bnb_4bit_quant_type="fp4")),
     "quanto-int8": ("optimum.quanto", _quanto_int8),
 }
-SAVABLE = ("torchao-int8", "bnb-int8", "bnb-nf4")  # transformers cannot save quanto models
+# transformers cannot save quanto models, nor torchao's Int4OpaqueTensor
+SAVABLE = ("torchao-int8", "torchao-float8", "bnb-int8", "bnb-nf4")
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +140,10 @@ def test_a_quantized_merge_computes_its_parts_bit_for_bit_in_their_storage(check
     stored = [t for m in [merged.kernel] if isinstance(m, torch.nn.Module) for t in scheme_of.tensors(m)]
     stored = stored or [t for t in _flat(merged.kernel[0])]
     for part in parts:  # each part's quantized tensors lie in the merged storage: nothing stored twice
-        assert all(_inside(t, stored) for t in scheme_of.tensors(part))
+        apart = [t for t in scheme_of.tensors(part) if not _inside(t, stored)]
+        # except Int4OpaqueTensor's scale_and_zero, [in / group, out, 2]: its kernel reads a part's columns
+        # as contiguous, so the merged layer holds the scales once more (ops/quantized/torchao.py)
+        assert apart == ([part.weight.scale_and_zero] if scheme == "torchao-int4" else [])
     assert merged.quantized_bytes() == sum(t.numel() * t.element_size() for t in stored)
     with torch.no_grad():
         got = merged(x).split(merged.split_sizes, dim=-1)
@@ -200,8 +220,34 @@ def test_quanto_int4_is_refused_naming_its_packing():
     module.a, module.b = torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 32, bias=False)
     quantize(module, weights=qint4)
     freeze(module)
-    with pytest.raises(MergeError, match=r"optimum-quanto: a is optimum-quanto qint4 WeightQBitsTensor: its PackedTensor"):
+    match = r"optimum-quanto: a is optimum-quanto qint4 WeightQBitsTensor: its PackedTensor puts grouped rows i and i \+ n/2"
+    with pytest.raises(MergeError, match=match):
         merge_linears(module, "ab", ["a", "b"])
+
+
+def test_quanto_int4_for_tinygemm_merges_its_code_rows_bit_for_bit():
+    if importlib.util.find_spec("optimum") is None or importlib.util.find_spec("optimum.quanto") is None:
+        pytest.skip("optimum-quanto is not installed")
+    from optimum.quanto import freeze, qint4, quantize
+
+    module = torch.nn.Module()  # bfloat16, groups of 128, on a CPU: quanto packs int4 for tinygemm
+    for name, width in (("a", 64), ("b", 32), ("c", 32)):
+        setattr(module, name, torch.nn.Linear(256, width, bias=False, dtype=torch.bfloat16))
+    quantize(module, weights=qint4)
+    freeze(module)
+    parts = [module.a, module.b, module.c]
+    assert {type(p.weight).__name__ for p in parts} == {"TinyGemmWeightQBitsTensor"}
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    with torch.no_grad():
+        want = [p(x) for p in parts]
+        merged = merge_linears(module, "abc", ["a", "b", "c"])
+        got = merged(x).split(merged.split_sizes, dim=-1)
+        again = [p(x) for p in parts]
+    assert merged.storage == "optimum-quanto qint4 TinyGemmWeightQBitsTensor"
+    assert all(torch.equal(g, w) and torch.equal(a, w) for g, w, a in zip(got, want, again))
+    codes = merged.kernel[0]._data._data
+    # the code rows are views of the merged codes; the scales [in / group, out, 2] stay each part's own
+    assert all(_inside(p.weight._data._data, [codes]) and not _inside(p.weight._scale_shift, [merged.kernel[0]._scale_shift]) for p in parts)
 
 
 def _fp8_attention(widths, block=(32, 32), in_features=64):

@@ -21,7 +21,15 @@ Two ops, each a native definition plus providers:
   multiplied by its weight, then the k contributions of a token are summed and rounded to
   the token dtype. The Triton provider is forward-only (inference on a GPU).
 
-Both are ``torch.library`` ops with fake implementations, so ``torch.compile`` sees them.
+* ``moe_experts_fp8``: the same over block-scaled FP8 experts (the DeepSeek/Qwen FP8 layout:
+  ``w13``/``w2`` in e4m3, one float32 scale per ``block`` of each expert's matrix), with ``w13``
+  ``[E, 2I, H]`` and ``w2`` ``[E, H, I]`` applied as ``F.linear``. The native definition
+  dequantises each expert that received rows, block by block, into the tokens' dtype at run time
+  (nothing dequantised is kept) and applies it as transformers computes an FP8 layer it
+  dequantises: ``F.linear`` with the weight times its blocks' scales. It combines as transformers'
+  FP8 experts do: each output times its weight cast to the output's dtype, summed in float32.
+
+All are ``torch.library`` ops with fake implementations, so ``torch.compile`` sees them.
 """
 
 from __future__ import annotations
@@ -43,7 +51,10 @@ __all__ = [
     "MOE_ROUTE",
     "ExpertsSpec",
     "RoutingSpec",
+    "MOE_EXPERTS_FP8",
     "moe_experts",
+    "moe_experts_fp8",
+    "moe_experts_fp8_native",
     "moe_experts_native",
     "moe_route",
     "moe_route_native",
@@ -284,6 +295,62 @@ def moe_experts_native(
 _FUSED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
 
+def dequantize_fp8_blocks(weight: Tensor, scale_inv: Tensor, block_n: int, block_k: int, dtype: torch.dtype) -> Tensor:
+    """``weight`` (``[out, in]`` e4m3) times its block's scale (``scale_inv [⌈out/block_n⌉, ⌈in/block_k⌉]``),
+    in ``dtype``: the e4m3 values and the scales each cast to ``dtype``, then multiplied there."""
+    rows, cols = weight.shape
+    scale = scale_inv.to(dtype).repeat_interleave(block_n, dim=0)[:rows].repeat_interleave(block_k, dim=1)[:, :cols]
+    return weight.to(dtype) * scale
+
+
+def _fp8_grouped_linear(
+    rows: Tensor, weight: Tensor, scale_inv: Tensor, block: tuple[int, int], offsets: Tensor
+) -> Tensor:
+    """Each expert's rows times its dequantised ``[out, in]`` weight (``F.linear``); only the experts that
+    received rows are dequantised, one at a time (one host sync for the group sizes)."""
+    pieces, start = [], 0
+    for expert, end in enumerate(offsets.tolist()):
+        if end > start:
+            matrix = dequantize_fp8_blocks(weight[expert], scale_inv[expert], block[0], block[1], rows.dtype)
+            pieces.append(F.linear(rows[start:end], matrix))
+        start = end
+    return torch.cat(pieces) if pieces else rows.new_zeros((0, weight.shape[-2]))
+
+
+def moe_experts_fp8_native(
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    w13: Tensor,
+    w13_scale_inv: Tensor,
+    w2: Tensor,
+    w2_scale_inv: Tensor,
+    block_n: int,
+    block_k: int,
+    activation: str,
+    interleaved: bool,
+    gate_first: bool,
+    alpha: float,
+    limit: float,
+) -> Tensor:
+    """``moe_experts_native`` over block-FP8 experts ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` (e4m3) and their
+    block scales, each expert dequantised into ``x``'s dtype when it has rows."""
+    tokens, top_k = ids.shape
+    experts = w13.shape[0]
+    sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
+    inverse = torch.argsort(order)
+    offsets = _group_ends(sorted_ids, experts)
+    rows = _GatherSorted.apply(x, order, inverse, top_k)
+    block = (block_n, block_k)
+    h = _fp8_grouped_linear(rows, w13, w13_scale_inv, block, offsets)
+    h = gated_activation(h, activation, interleaved, gate_first, alpha, limit)
+    out = _fp8_grouped_linear(h, w2, w2_scale_inv, block, offsets)
+    # As transformers' FP8 experts do: each output times its weight cast to the output's dtype, the k
+    # of a token summed in float32, then rounded to the token dtype.
+    contributions = _Permute.apply(out, inverse, order) * weights.reshape(-1, 1).to(out.dtype)
+    return contributions.float().view(tokens, top_k, -1).sum(dim=1).to(x.dtype)
+
+
 def _group_ends(sorted_ids: Tensor, experts: int) -> Tensor:
     """The end of each expert's rows in expert order, as ``torch._grouped_mm`` takes them (int32): for
     each expert e, how many sorted ids are at most e. One fixed size, so the shape never depends on
@@ -486,6 +553,10 @@ class _ExpertsSampler(Sampler):
         return (*new, *args[3:]), dict(kwargs)
 
 
+class _FP8ExpertsSampler(_ExpertsSampler):
+    grads = ("x", "weights")  # the FP8 weights and scales are frozen
+
+
 def _route_fake(logits, correction_bias, top_k, scoring, float32, grouped, n_group, topk_group, renormalize,
                 renorm_eps, renorm_min, scale, out_dtype):  # fmt: skip
     dtype = out_dtype or (torch.float32 if (float32 and scoring != "sigmoid") else logits.dtype)
@@ -503,6 +574,12 @@ MOE_ROUTE = Op(
 # The native definition groups tokens with data-dependent sizes: compiled, it would break the graph.
 MOE_EXPERTS = Op(
     "moe_experts", moe_experts_native, sampler=_ExpertsSampler(), library=True, fake=_experts_fake,
+    compile_default="library",
+)  # fmt: skip
+
+
+MOE_EXPERTS_FP8 = Op(
+    "moe_experts_fp8", moe_experts_fp8_native, sampler=_FP8ExpertsSampler(), library=True, fake=_experts_fake,
     compile_default="library",
 )  # fmt: skip
 
@@ -556,3 +633,40 @@ def moe_experts(
         )
     args = (x, weights, ids, w13, w2, b13, b2, *spec.flags(), float(alpha), float(limit))
     return MOE_EXPERTS(*args)
+
+
+def moe_experts_fp8(
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    w13: Tensor,
+    w13_scale_inv: Tensor,
+    w2: Tensor,
+    w2_scale_inv: Tensor,
+    block: tuple[int, int],
+    spec: ExpertsSpec = ExpertsSpec(),
+    *,
+    alpha: float = 1.0,
+    limit: float = math.inf,
+) -> Tensor:
+    """``moe_experts`` over block-FP8 experts: ``w13 [E, 2I, H]`` and ``w2 [E, H, I]`` in FP8 with one scale
+    per ``block`` (``[E, ⌈rows/block[0]⌉, ⌈cols/block[1]⌉]`` each)."""
+    if x.dim() != 2 or weights.shape != ids.shape or ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"moe_experts_fp8 takes tokens [T, H] with weights and ids [T, k]; got x {tuple(x.shape)}, "
+            f"weights {tuple(weights.shape)}, ids {tuple(ids.shape)}."
+        )
+    if spec.w13_transposed or spec.w2_transposed:
+        raise ValueError(
+            "moe_experts_fp8 takes [E, out, in] expert weights (applied as F.linear), not transposed ones."
+        )
+    for name, w, s in (("w13", w13, w13_scale_inv), ("w2", w2, w2_scale_inv)):
+        want = (w.shape[0], -(-w.shape[1] // block[0]), -(-w.shape[2] // block[1]))
+        if w.element_size() != 1 or tuple(s.shape) != want:
+            raise ValueError(
+                f"moe_experts_fp8: {name} {tuple(w.shape)} {w.dtype} with scales {tuple(s.shape)} is not one scale per "
+                f"{block[0]}x{block[1]} block of an FP8 weight (scales {want} expected)."
+            )
+    args = (x, weights, ids, w13, w13_scale_inv, w2, w2_scale_inv, int(block[0]), int(block[1]),
+            spec.activation, spec.interleaved, spec.gate_first, float(alpha), float(limit))  # fmt: skip
+    return MOE_EXPERTS_FP8(*args)

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from .graphs import SmallBatchGraphs
 from .hooks import watched
-from .moe import ExpertsSpec, RoutingSpec, moe_experts, moe_route
+from .moe import ExpertsSpec, RoutingSpec, moe_experts, moe_experts_fp8, moe_route
 from .sharding import ExpertShards, expert_shards, is_sharded, local_tensor
 
 __all__ = [
@@ -106,6 +106,8 @@ class ExpertsPlan:
 
     weights_on_input: each routing weight scales its token's row before the expert, whose output
         is then added unweighted (llama4's experts run on rows scaled by their scores).
+    w13_scale, w2_scale, block: block-FP8 experts: w13 and w2 are e4m3 with these per-block scales, the
+        block size read from the attribute at ``block`` on each call (``moe_experts_fp8``).
     """
 
     w13: str
@@ -114,6 +116,10 @@ class ExpertsPlan:
     b13: str | None = None
     b2: str | None = None
     weights_on_input: bool = False
+    # Block-FP8 experts (``moe_experts_fp8``): the scales of w13 and w2, and the attribute holding the block.
+    w13_scale: str | None = None
+    w2_scale: str | None = None
+    block: str | None = None
 
 
 @dataclass(frozen=True)
@@ -470,12 +476,19 @@ def _block_compute(layer: nn.Module, hidden_states: Tensor, *, plan: MoEPlan, ro
     shards = layer_expert_shards(layer, plan)
     if shards is not None:  # this rank's experts only; the ranks' outputs are summed below
         rows, row_weights, row_ids = shards.local_routes(rows, row_weights, row_ids)
-    out = moe_experts(
-        rows, row_weights, row_ids, local_tensor(_tensor(layer, e.w13)), local_tensor(_tensor(layer, e.w2)), e.spec,
-        b13=local_tensor(_tensor(layer, e.b13)) if e.b13 is not None else None,
-        b2=local_tensor(_tensor(layer, e.b2)) if e.b2 is not None else None,
-        alpha=numbers.alpha, limit=numbers.limit,
-    )  # fmt: skip
+    if e.w13_scale is not None:
+        w13, s13, w2, s2 = (local_tensor(_tensor(layer, p)) for p in (e.w13, e.w13_scale, e.w2, e.w2_scale))
+        block = tuple(_tensor(layer, e.block))
+        out = moe_experts_fp8(
+            rows, row_weights, row_ids, w13, s13, w2, s2, block, e.spec, alpha=numbers.alpha, limit=numbers.limit
+        )
+    else:
+        out = moe_experts(
+            rows, row_weights, row_ids, local_tensor(_tensor(layer, e.w13)), local_tensor(_tensor(layer, e.w2)), e.spec,
+            b13=local_tensor(_tensor(layer, e.b13)) if e.b13 is not None else None,
+            b2=local_tensor(_tensor(layer, e.b2)) if e.b2 is not None else None,
+            alpha=numbers.alpha, limit=numbers.limit,
+        )  # fmt: skip
     if e.weights_on_input:
         out = out.view(ids.shape[0], ids.shape[1], -1).sum(dim=1)
     if shards is not None:

@@ -183,7 +183,8 @@ def _non_finite_parameter(module: nn.Module, seen: dict[int, bool] | None = None
             continue
         finite = seen.get(id(p)) if seen is not None else None
         if finite is None:
-            finite = bool(torch.isfinite(p).all())
+            # (torch has no isfinite for 8-bit floats: read through bfloat16, which holds each of their values)
+            finite = bool(torch.isfinite(p if p.element_size() > 1 else p.to(torch.bfloat16)).all())
             if seen is not None:
                 seen[id(p)] = finite
         if not finite:

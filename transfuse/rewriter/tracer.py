@@ -613,6 +613,26 @@ def _with_fused_ops_as_leaves(fn: Callable) -> Callable:
     return copy
 
 
+@contextlib.contextmanager
+def _methods_as_leaves(module: nn.Module):
+    """A quantization scheme's projection methods of ``module`` (``ops.quantized.projection_leaves``:
+    block-FP8 experts' ``linear``) are one leaf node each while its forward is traced, valued on
+    meta tensors: their kernels are the scheme's, not code to follow. Set on the instance and
+    removed after."""
+    from ..ops.quantized.fp8_experts import projection_leaves
+
+    leaves = projection_leaves(module)
+    own = {name: module.__dict__[name] for name in leaves if name in module.__dict__}
+    for name, leaf in leaves.items():
+        module.__dict__[name] = leaf_callable(leaf)
+    try:
+        yield
+    finally:
+        for name in leaves:
+            module.__dict__.pop(name, None)
+        module.__dict__.update(own)
+
+
 def is_kv_cache(value: Any) -> bool:
     """A transformers KV cache (any ``Cache`` subclass): state that a call changes in place."""
     return any(c.__name__ == "Cache" and c.__module__.endswith("cache_utils") for c in type(value).__mro__)
@@ -734,7 +754,7 @@ def trace_module(
             tracer.self_node = tracer.graph.placeholder("self")
             tracer.self_node.meta["val"] = module
             with _patched_module_call(tracer), _attention_interface_as_leaf():
-                with _self_state_as_nodes(tracer, module) as attr_nodes:
+                with _self_state_as_nodes(tracer, module) as attr_nodes, _methods_as_leaves(module):
                     trace.self_attrs = attr_nodes
                     try:
                         args, kwargs = _bind_inputs(tracer, fn, example)

@@ -49,6 +49,9 @@ class PackedExpert:
     b2: str | None = None
     alpha: Source | None = None
     limit: Source | None = None
+    # Quantized experts (a scheme's projection leaf, ``ops.quantized.fp8_experts``): each weight's scales.
+    w13_scale: str | None = None
+    w2_scale: str | None = None
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class LoopMatch:
     accumulate_fp32: bool = False  # the outputs are added into float32 zeros (the sum is cast back)
     member_calls: list[fx.Node] = field(default_factory=list)  # every member called (one per unrolled iteration)
     unrolled: int | None = None  # a loop over every expert index, unrolled by tracing: how many iterations
+    weights_cast: bool = False  # each routing weight is cast to its expert output's dtype before the product
 
 
 def match_loop(trace: Trace, children: Lookup) -> LoopMatch:
@@ -194,8 +198,15 @@ def _chain(nodes: set[fx.Node], top: fx.Node, bottom: fx.Node) -> None:
 
 
 def _split_weight(mul: fx.Node, found: LoopMatch) -> tuple[fx.Node, fx.Node]:
-    """``expert_out * weights[t, s, None]`` (either order; ``[t, s].unsqueeze(-1)`` too)."""
+    """``expert_out * weights[t, s, None]`` (either order; ``[t, s].unsqueeze(-1)`` too; the weight may be
+    cast to the expert output's dtype, as block-FP8 experts write it, which ``moe_experts_fp8`` computes:
+    ``weights_cast`` records it, and ``_packed`` refuses it for other experts)."""
     for selection, other in (operands(mul)[:2], operands(mul)[1::-1]):
+        peeled, casts = peel_casts(selection)
+        if len(casts) == 1 and casts[0].like is other:
+            found.nodes.add(selection)
+            found.weights_cast = True
+            selection = peeled
         base = selection
         if is_op(base, "unsqueeze") and operand(base, 1, "dim") in (-1, 1):
             base = operand(base, 0)
@@ -266,13 +277,22 @@ def _expert_index(where: fx.Node, outputs: tuple[int, int], found: LoopMatch) ->
 def _check_loop(trace: Trace, expert: fx.Node, mask: fx.Node, found: LoopMatch) -> None:
     """The expert index is the element of a loop over ``nonzero(mask.sum(...) > 0)``, and every place
     the trace assumed something is that loop, a skip of the sentinel id, or the member lookup."""
+    def flattened(node) -> bool:  # nonzero().view(-1): the loop runs over its elements
+        return is_op(node, "view", "reshape") and tuple(operands(node)[1:]) in ((-1,), ((-1,),))
+
     element = expert
     while is_op(element, "getitem") and operand(element, 1) == 0 and not is_op(operand(element, 0), "nonzero"):
+        if flattened(operand(element, 0)):
+            break
         found.nodes.add(element)
         element = operand(element, 0)
-    if not (is_op(element, "getitem") and is_op(operand(element, 0), "nonzero")):
+    looped = operand(element, 0) if is_op(element, "getitem") else None
+    flat = None
+    if flattened(looped):
+        flat, looped = looped, operand(looped, 0)
+    if not is_op(looped, "nonzero"):
         raise NoMatch("moe.loop-form", "the expert index is not an element of nonzero() over the hit experts.", expert)
-    nonzero = operand(element, 0)
+    nonzero = looped
     hit = operand(nonzero, 0)
     counts = operand(hit, 0)
     if not (
@@ -282,11 +302,11 @@ def _check_loop(trace: Trace, expert: fx.Node, mask: fx.Node, found: LoopMatch) 
         and operand(counts, 0) is mask
     ):
         raise NoMatch("moe.loop-form", "the loop does not run over exactly the experts that received tokens.", nonzero)
-    found.nodes.update({element, nonzero, hit, counts})
+    found.nodes.update({element, nonzero, hit, counts, *([flat] if flat is not None else [])})
     source = method_source(unwrapped_forward(trace.cls))
     for assumption in trace.assumptions:
         node = assumption.node
-        if assumption.kind == "loop" and node is nonzero:
+        if assumption.kind == "loop" and node in (nonzero, flat):
             continue
         if assumption.kind == "index" and node in (expert, element):
             continue  # the member lookup self.experts[e]: checked where the member is called
@@ -385,6 +405,23 @@ def _indexed_param(node, expert: fx.Node) -> str | None:
     return None
 
 
+def _quantized_projection(node: fx.Node, expert: fx.Node, nodes: set[fx.Node]) -> tuple[fx.Node, str, str] | None:
+    """A scheme's projection leaf on this expert's quantized weight and scales (``ExpertProjection``:
+    ``linear(h, W[e], S[e])`` with no static activation scale) → (h, W, S); None for other nodes."""
+    from ...ops.quantized.fp8_experts import ExpertProjection
+
+    if node.op != "call_function" or not isinstance(node.target, ExpertProjection):
+        return None
+    weight, scale = _indexed_param(operand(node, 1), expert), _indexed_param(operand(node, 2), expert)
+    if weight is None or scale is None:
+        what = f"the {node.target.scheme} projection does not read this expert's weight and scales."
+        raise NoMatch("moe.expert-form", what, node)
+    if len(node.args) > 3 or any(v is not None for v in node.kwargs.values()):
+        raise NoMatch("moe.quantized", f"the {node.target.scheme} projection applies a static activation scale.", node)
+    nodes.update({node, operand(node, 1), operand(node, 2)})
+    return operand(node, 0), weight, scale
+
+
 def _projection(node: fx.Node, expert: fx.Node, nodes: set[fx.Node]) -> tuple[fx.Node, str, str | None, bool]:
     """``linear(h, W[e][, b[e]])`` or ``h @ W[e] [+ b[e]]`` → (h, W, b, transposed)."""
     bias = None
@@ -412,9 +449,27 @@ def _projection(node: fx.Node, expert: fx.Node, nodes: set[fx.Node]) -> tuple[fx
 
 def _packed(expert_out: fx.Node, expert: fx.Node, children: Lookup, found: LoopMatch) -> tuple[PackedExpert, fx.Node]:
     """The packed expert computing ``expert_out``, and the rows it reads."""
-    h, w2, b2, w2_t = _projection(expert_out, expert, found.nodes)
+    quantized = _quantized_projection(expert_out, expert, found.nodes)
+    if quantized is not None:
+        h, w2, s2 = quantized
+        b2, w2_t = None, False
+    else:
+        h, w2, b2, w2_t = _projection(expert_out, expert, found.nodes)
     gate, up, activation, alpha, limit = gated(h, children, found.nodes)
     projection, (interleaved, gate_first) = split_halves(gate, up, found.nodes)
+    if quantized is not None:
+        second = _quantized_projection(projection, expert, found.nodes)
+        if second is None:
+            what = "the down projection is quantized and the gate/up projection is not."
+            raise NoMatch("moe.quantized", what, projection)
+        rows, w13, s13 = second
+        spec = ExpertsSpec(activation, interleaved, gate_first)
+        return PackedExpert(w13, w2, spec, None, None, alpha, limit, s13, s2), rows
+    if found.weights_cast:
+        raise NoMatch(
+            "moe.combine", "each routing weight is cast to its expert output's dtype before the product, which "
+            "moe_experts does not do (it multiplies in the wider dtype).", expert_out,
+        )  # fmt: skip
     rows, w13, b13, w13_t = _projection(projection, expert, found.nodes)
     spec = ExpertsSpec(activation, interleaved, gate_first, w13_t, w2_t)
     return PackedExpert(w13, w2, spec, b13, b2, alpha, limit), rows

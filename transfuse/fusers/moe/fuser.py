@@ -18,6 +18,7 @@ from torch import nn
 from ...ops import layer
 from ...ops.hooks import hooked
 from ...ops.moe import ExpertsSpec
+from ...ops.quantized.fp8_experts import BLOCK_ATTRIBUTE, check_fp8_experts
 from ...ops.moe_layer import (
     HIDDEN, IDS, LOGITS, WEIGHTS, ExpertNumbers, ExpertsPlan, MoEPlan, RouterPlan, RoutingNumbers, SharedPlan,
     StackedExperts, expert_sharding,
@@ -146,8 +147,8 @@ class MoEFuser(Fuser[MoEMatch]):
         """None for per-expert modules (an emitted file would have to stack them on every call) and
         for plans that assume values no literal writes."""
         plan = getattr(fused.replacement, "plan", None)
-        if found.member is not None or not isinstance(plan, MoEPlan):
-            return None
+        if found.member is not None or not isinstance(plan, MoEPlan) or plan.experts.w13_scale is not None:
+            return None  # (an emitted file's runtime has no FP8 experts op: a quantized block stays as written)
         plan = replace(plan, assumes=found.plan.assumes)  # the emitted block has its own attributes too
         if any(not isinstance(v, (bool, int, float, str, type(None))) for _, v in plan.assumes):
             return None
@@ -499,7 +500,8 @@ def _match_block(analysis: ClassAnalysis, loop: LoopMatch, call: fx.Node | None)
     )
     x = inlined[used[0]]
     router, routing = _match_router(analysis, inlined, routers, ids, weights, x)
-    if loop.accumulate_fp32 and not _float32_weights(routing):
+    quantized = loop.packed is not None and loop.packed.w13_scale is not None  # moe_experts_fp8 sums in float32
+    if loop.accumulate_fp32 and not _float32_weights(routing) and not quantized:
         raise NoMatch(
             "moe.combine",
             "the experts add their outputs into float32 zeros, which the fused layer's sum matches only when the "
@@ -570,9 +572,12 @@ def _experts_plan(analysis: ClassAnalysis, loop: LoopMatch, call: fx.Node | None
     """(plan, owning child, member roles, alpha, limit, skipped id) of the experts."""
     if call is not None:
         prefix, p = f"{call.target}.", loop.packed
+        quantized = p.w13_scale is not None
         plan = ExpertsPlan(
             prefix + p.w13, prefix + p.w2, p.spec,
             prefix + p.b13 if p.b13 else None, prefix + p.b2 if p.b2 else None,
+            w13_scale=prefix + p.w13_scale if quantized else None, w2_scale=prefix + p.w2_scale if quantized else None,
+            block=prefix + BLOCK_ATTRIBUTE if quantized else None,
         )  # fmt: skip
         return (
             plan,
@@ -1022,6 +1027,16 @@ def _validate(module: nn.Module, found: MoEMatch) -> None:
         experts = _check_members(module.get_submodule(found.experts_child), found.member)
     else:
         experts = _check_packed(module, found)
+    if e.w13_scale is not None:
+        if shards is not None:
+            raise NoMatch(
+                "moe.quantized", "the block-FP8 experts are shared out over ranks, which moe_experts_fp8 does not compute."
+            )
+        owner = module.get_submodule(e.w13.rpartition(".")[0])
+        tensors = (_tensor(module, p) for p in (e.w13, e.w2, e.w13_scale, e.w2_scale))
+        reason = check_fp8_experts(owner, *tensors)
+        if reason is not None:
+            raise NoMatch("moe.quantized", f"{e.w13.rpartition('.')[0]} ({type(owner).__name__}): {reason}")
     if found.routing is not None:
         _check_routing(module, found, experts)
     if found.unrolled is not None and found.unrolled != experts:

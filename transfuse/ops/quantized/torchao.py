@@ -5,6 +5,12 @@ A subclass's inner tensors (``__tensor_flatten__``) that have one row per output
 per-channel and per-group scales and zero points) concatenate exactly along the output dimension,
 and the merged weight is rebuilt with the subclass's own ``__tensor_unflatten__``. An inner tensor
 without one row per output (a per-tensor scale) cannot: the merge is refused, naming it.
+
+Most inner tensors have the outputs as their first dimension; those that do not (``_OUTPUT_AXES``:
+the CPU int4 ``Int4OpaqueTensor``'s ``scale_and_zero``, ``[in / group, out, 2]`` for
+``_weight_int4pack_mm_for_cpu``) concatenate along their output axis too, but a part's slice of
+that axis is not contiguous and the kernel reads it as if it were: the merged layer holds such a
+tensor concatenated once more (the scales, not the codes), and the parts keep their own.
 """
 
 from __future__ import annotations
@@ -22,6 +28,22 @@ __all__ = ["TorchAO"]
 
 def _is_torchao(tensor) -> bool:
     return type(tensor).__module__.startswith("torchao.") and hasattr(type(tensor), "__tensor_flatten__")
+
+
+# (subclass name, inner tensor name) -> the inner tensor's output axis, where it is not the first.
+_OUTPUT_AXES = {("Int4OpaqueTensor", "scale_and_zero"): 1}
+
+
+def _axis(weight, key: str) -> int:
+    return _OUTPUT_AXES.get((type(weight).__name__, key), 0)
+
+
+def _context(weight, context):
+    """The subclass's attributes without the one that is its own shape (``Int4OpaqueTensor.shape``): the
+    parts differ there, and the merged weight's is the merged shape."""
+    if isinstance(context, dict):
+        return {k: v for k, v in context.items() if not (k == "shape" and tuple(v) == tuple(weight.shape))}
+    return context
 
 
 def _inner(weight) -> tuple[dict[str, torch.Tensor | None], object]:
@@ -55,7 +77,7 @@ class TorchAO(Scheme):
             if weight.dim() != 2:
                 raise SchemeError(f"{name}.weight of {self.describe(module)} is not a 2-d weight.")
             inner, context = _inner(weight)
-            if context != context0 or inner.keys() != inner0.keys():
+            if _context(weight, context) != _context(first, context0) or inner.keys() != inner0.keys():
                 raise SchemeError(
                     f"{name}.weight and {names[0]}.weight are {self.describe(module)}s quantized differently "
                     f"({context} vs {context0})."
@@ -63,12 +85,14 @@ class TorchAO(Scheme):
             for key, tensor in inner.items():
                 if (tensor is None) != (inner0[key] is None):
                     raise SchemeError(f"{name}.weight has {key} and {names[0]}.weight has not, or the reverse.")
-                if tensor is not None and (tensor.dim() == 0 or tensor.shape[0] != weight.shape[0]):
+                axis = _axis(weight, key)
+                if tensor is not None and (tensor.dim() <= axis or tensor.shape[axis] != weight.shape[0]):
                     raise SchemeError(
                         f"{name}.weight is a {self.describe(module)} whose {key} {tuple(tensor.shape)} is not one row "
                         f"per output ({weight.shape[0]}): one {key} for the whole tensor cannot be concatenated."
                     )
-                if tensor is not None and tensor.shape[1:] != inner0[key].shape[1:]:
+                others = lambda t: t.shape[:axis] + t.shape[axis + 1 :]  # noqa: E731
+                if tensor is not None and others(tensor) != others(inner0[key]):
                     raise SchemeError(f"{name}.weight's {key} is {tuple(tensor.shape)}, {names[0]}'s {tuple(inner0[key].shape)}.")
 
     def merge(self, modules: Sequence[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -76,11 +100,14 @@ class TorchAO(Scheme):
         inner0, context = _inner(weights[0])
         parts = [_inner(w)[0] for w in weights]
         merged = {
-            key: (torch.cat([p[key] for p in parts]) if inner0[key] is not None else None) for key in inner0
+            key: (torch.cat([p[key] for p in parts], dim=_axis(weights[0], key)) if inner0[key] is not None else None)
+            for key in inner0
         }
         rows = sum(w.shape[0] for w in weights)
         size = torch.Size([rows, weights[0].shape[1]])
         flat = {k: v for k, v in merged.items() if v is not None}
+        if isinstance(context, dict) and "shape" in context and tuple(context["shape"]) == tuple(weights[0].shape):
+            context = {**context, "shape": size}
         weight = type(weights[0]).__tensor_unflatten__(flat, context, size, (size[1], 1))
         for key, value in merged.items():
             if value is None and getattr(weight, key, None) is not None:
@@ -92,7 +119,7 @@ class TorchAO(Scheme):
         merged, _ = _inner(weight)
         for module, (start, end) in zip(modules, split_points(sizes)):
             for key, tensor in merged.items():
-                if tensor is not None:
+                if tensor is not None and _axis(weight, key) == 0:  # others stay the part's own (module doc)
                     setattr(module.weight, key, alone(tensor[start:end]))
         point_bias(bias, modules, sizes)
 

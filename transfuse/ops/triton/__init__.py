@@ -30,7 +30,7 @@ from ..decode_attention import DECODE_ATTENTION
 from ..dispatch import Provider
 from ..fused_add_rms_norm import FUSED_ADD_RMS_NORM
 from ..linear_cross_entropy import CROSS_ENTROPY_GRAD, SCALE_
-from ..moe import MOE_EXPERTS, MOE_ROUTE
+from ..moe import MOE_EXPERTS, MOE_EXPERTS_FP8, MOE_ROUTE
 from ..platform import current_platform
 from ..rms_norm import GATED_RMS_NORM, RMS_NORM
 from ..rotary import ROTARY
@@ -194,6 +194,15 @@ def _triton_runs_experts(x, weights, ids, w13, w2, b13, b2, activation, *flags) 
     return ids.dtype in (torch.int32, torch.int64) and x.shape[0] > 0
 
 
+def _triton_runs_fp8_experts(x, weights, ids, w13, s13, w2, s2, block_n, block_k, activation, *flags) -> bool:
+    if activation not in _MOE_ACTIVATIONS or not on_device(x, weights, ids, w13, s13, w2, s2):
+        return False
+    if x.dim() != 2 or ids.dim() != 2 or x.dtype not in KERNEL_DTYPES or ids.dtype not in (torch.int32, torch.int64):
+        return False
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    return w13.dtype in fp8 and w2.dtype in fp8 and s13.dtype == s2.dtype == torch.float32 and x.shape[0] > 0
+
+
 def _experts_thresholds(x, weights, ids, w13, *rest) -> dict:
     """The token counts at which ``moe_configs.regime`` moves to another path or tiles."""
     return {"tokens": token_thresholds(ids.shape[-1], w13.shape[0])}
@@ -281,6 +290,9 @@ MOE_EXPERTS.register(
         tolerance=_tolerance,
     )
 )  # fmt: skip
+MOE_EXPERTS_FP8.register(
+    Provider("triton", _lazy("moe_fp8", "moe_experts_fp8"), available, _triton_runs_fp8_experts, tolerance=_tolerance)
+)
 
 
 def _invariant_linear_args(x, weight, bias=None) -> bool:
