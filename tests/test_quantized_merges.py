@@ -315,5 +315,9 @@ def test_qlora_on_a_rewritten_4bit_model_matches_stock_peft(checkpoint):
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, QuantizedProjection)
     assert torch.equal(got, want)
     assert want_grads.keys() == got_grads.keys() and len(want_grads) == 2 * len(targets) * 2
+    # The gradients: the merged layer's input gradient is one product over the concatenated
+    # outputs where stock PEFT adds three, a different summation order (bit-equal where bitsandbytes
+    # repacks the weights for AVX512-BF16 CPUs, whose backward dequantises the same way for both):
+    # equal within float32 rounding of those sums.
     for name, grad in want_grads.items():
-        assert torch.equal(got_grads[name], grad), name
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
