@@ -107,6 +107,30 @@ class SlicingAttention(nn.Module):
         return self.o_proj(out)
 
 
+class SdpaFallbackAttention(SlicingAttention):
+    """The SDPA subclass of the slicing attention: its own forward, which hands a call that asks for
+    the attention weights to the base class's forward (``super().forward``), whose sliced arm reads
+    the projections' weights."""
+
+    def forward(self, hidden_states, output_attentions=False):
+        if output_attentions:
+            return super().forward(hidden_states)
+        query_states = _heads(self.q_proj(hidden_states), self.num_heads)
+        key_states = _heads(self.k_proj(hidden_states), self.num_heads)
+        value_states = _heads(self.v_proj(hidden_states), self.num_heads)
+        out = F.scaled_dot_product_attention(query_states, key_states, value_states)
+        b, n, s, d = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, n * d))
+
+
+class PrunableAttention(SdpaFallbackAttention):
+    """An attention with a method that rebinds a projection (``prune_heads``): a merged projection
+    would then compute a module no longer there."""
+
+    def prune_heads(self, keep):
+        self.q_proj = nn.Linear(self.hidden_size, keep, bias=False)
+
+
 class SlicingMLP(nn.Module):
     """Llama-1 remote-code MLP: ``if self.pretraining_tp > 1`` (an attribute copied off the config)."""
 

@@ -93,3 +93,33 @@ def test_only_tests_of_configuration_values_are_decided(remote):
     assert constant_tests(attention) == (("self.config.pretraining_tp > 1", False),)
     mlp = _analysis(remote.SlicingMLP(remote.config(pretraining_tp=1)), x)
     assert constant_tests(mlp) == (("self.pretraining_tp > 1", False),)
+
+
+def test_a_base_forward_that_reads_the_projections_is_no_obstacle(remote):
+    """A subclass's forward that falls back to the base class's (``super().forward``, which slices
+    the weights on a configuration value) merges its projections: the base forward reads the parts
+    left under the original names, views of the merged weight, and computes what it did."""
+    torch.manual_seed(0)
+    for tp in (1, 2):
+        attention = remote.SdpaFallbackAttention(remote.config(pretraining_tp=tp))
+        original = copy.deepcopy(attention)
+        x = torch.randn(2, 5, 32)
+        transfuse.rewrite(attention, example_inputs=(x,))
+        report = transfuse.report(attention)
+        assert report.counts().get("qkv") == 1, report.skipped
+        merged = _calls(attention.qkv_proj)
+        with torch.no_grad():
+            for output_attentions in (False, True):
+                got, want = attention(x, output_attentions), original(x, output_attentions)
+                assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+        assert merged[0] == 1  # the fast path ran the merged projection, the fallback its parts
+
+
+def test_a_method_that_rebinds_a_projection_is_refused(remote):
+    torch.manual_seed(0)
+    attention = remote.PrunableAttention(remote.config())
+    transfuse.rewrite(attention, example_inputs=(torch.randn(2, 5, 32),))
+    report = transfuse.report(attention)
+    assert "qkv" not in report.counts()
+    refused = [s for s in report.skipped if s.kind == "qkv"]
+    assert [s.tag for s in refused] == ["qkv.other-use"] and "rebound by another method" in refused[0].reason

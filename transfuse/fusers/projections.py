@@ -83,9 +83,9 @@ def single_call(tree: cst.FunctionDef, name: str, context: EditContext, kind: st
         raise NoMatch(tag, f"self.{name}(...) is written {len(calls)} times in {tree.name.value}, not once.")
     if len(self_references(tree, name)) != 1:
         raise NoMatch(f"{kind}.other-use", f"self.{name} is used other than in its one call.")
-    line = context.uses_elsewhere(name)
+    line = context.rebinds_elsewhere(name)
     if line is not None:
-        raise NoMatch(f"{kind}.other-use", f"self.{name} is also used by another method (line {line}).")
+        raise NoMatch(f"{kind}.other-use", f"self.{name} is rebound by another method (line {line}).")
     call = calls[0]
     if len(call.args) != 1 or call.args[0].keyword is not None or call.args[0].star:
         raise NoMatch(f"{kind}.input-expression", f"self.{name} is not called with one positional argument.")
