@@ -229,6 +229,21 @@ def qkv_examples(draw) -> Example:
         ordered.insert(1, f"{x}.mul_(2.0)")
     if miss == "branch":
         ordered[2] = f"if {x}.shape[0] > 0:\n            {ordered[2]}\n        else:\n            {ordered[2]}"
+    # bart's shared attention: q above a test on the cache, k and v projected in each arm of it.
+    cache_arms = miss is None and not inline and draw(st.booleans())
+    if cache_arms:
+        body += [
+            calls[0],
+            "if cache is not None:",
+            f"    k_out = self.{names[1]}({x}) + cache[0]",
+            f"    v_out = self.{names[2]}({x}) + cache[1]",
+            "else:",
+            f"    k_out = self.{names[1]}({x})",
+            f"    v_out = self.{names[2]}({x})",
+            "return self.o_proj(_attend(q_out, k_out, v_out))",
+        ]
+        source = _module(init, f"{x}, cache=None", body, _ATTEND)
+        return Example("qkv", "cache-arms", source, "fuse", draw(_DTYPES), flat_inputs=False)
     if inline and miss is None:
         body.append(f"return self.o_proj(_attend(self.{names[0]}({x}), self.{names[1]}({x}), self.{names[2]}({x})))")
     else:

@@ -107,6 +107,68 @@ class SlicingAttention(nn.Module):
         return self.o_proj(out)
 
 
+class SdpaFallbackAttention(SlicingAttention):
+    """The SDPA subclass of the slicing attention: its own forward, which hands a call that asks for
+    the attention weights to the base class's forward (``super().forward``), whose sliced arm reads
+    the projections' weights."""
+
+    def forward(self, hidden_states, output_attentions=False):
+        if output_attentions:
+            return super().forward(hidden_states)
+        query_states = _heads(self.q_proj(hidden_states), self.num_heads)
+        key_states = _heads(self.k_proj(hidden_states), self.num_heads)
+        value_states = _heads(self.v_proj(hidden_states), self.num_heads)
+        out = F.scaled_dot_product_attention(query_states, key_states, value_states)
+        b, n, s, d = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, n * d))
+
+
+class PrunableAttention(SdpaFallbackAttention):
+    """An attention with a method that rebinds a projection (``prune_heads``): a merged projection
+    would then compute a module no longer there."""
+
+    def prune_heads(self, keep):
+        self.q_proj = nn.Linear(self.hidden_size, keep, bias=False)
+
+
+class SharedCrossAttention(nn.Module):
+    """Bart's attention of the 4.3x-4.4x releases, used for self- and cross-attention: q from
+    ``hidden_states``; k and v from ``key_value_states`` when given, reused from the cache in
+    cross-attention, else projected from ``hidden_states`` and appended to the cache."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.q_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=True)
+        self.k_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=True)
+        self.v_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=True)
+        self.out_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=True)
+
+    def forward(self, hidden_states, key_value_states=None, past_key_value=None):
+        is_cross_attention = key_value_states is not None
+        # get query proj
+        query_states = self.q_proj(hidden_states) * 0.5
+        if is_cross_attention and past_key_value is not None:
+            key_states = past_key_value[0]
+            value_states = past_key_value[1]
+        elif is_cross_attention:
+            key_states = _heads(self.k_proj(key_value_states), self.num_heads)
+            value_states = _heads(self.v_proj(key_value_states), self.num_heads)
+        elif past_key_value is not None:
+            key_states = _heads(self.k_proj(hidden_states), self.num_heads)
+            value_states = _heads(self.v_proj(hidden_states), self.num_heads)
+            key_states = torch.cat([past_key_value[0], key_states], dim=2)
+            value_states = torch.cat([past_key_value[1], value_states], dim=2)
+        else:
+            key_states = _heads(self.k_proj(hidden_states), self.num_heads)
+            value_states = _heads(self.v_proj(hidden_states), self.num_heads)
+        past_key_value = (key_states, value_states)
+        query_states = _heads(query_states, self.num_heads)
+        out = _attend_heads(query_states, key_states, value_states)
+        return self.out_proj(out), past_key_value
+
+
 class SlicingMLP(nn.Module):
     """Llama-1 remote-code MLP: ``if self.pretraining_tp > 1`` (an attribute copied off the config)."""
 

@@ -93,3 +93,111 @@ def test_only_tests_of_configuration_values_are_decided(remote):
     assert constant_tests(attention) == (("self.config.pretraining_tp > 1", False),)
     mlp = _analysis(remote.SlicingMLP(remote.config(pretraining_tp=1)), x)
     assert constant_tests(mlp) == (("self.pretraining_tp > 1", False),)
+
+
+def test_a_base_forward_that_reads_the_projections_is_no_obstacle(remote):
+    """A subclass's forward that falls back to the base class's (``super().forward``, which slices
+    the weights on a configuration value) merges its projections: the base forward reads the parts
+    left under the original names, views of the merged weight, and computes what it did."""
+    torch.manual_seed(0)
+    for tp in (1, 2):
+        attention = remote.SdpaFallbackAttention(remote.config(pretraining_tp=tp))
+        original = copy.deepcopy(attention)
+        x = torch.randn(2, 5, 32)
+        transfuse.rewrite(attention, example_inputs=(x,))
+        report = transfuse.report(attention)
+        assert report.counts().get("qkv") == 1, report.skipped
+        merged = _calls(attention.qkv_proj)
+        with torch.no_grad():
+            for output_attentions in (False, True):
+                got, want = attention(x, output_attentions), original(x, output_attentions)
+                assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+        assert merged[0] == 1  # the fast path ran the merged projection, the fallback its parts
+
+
+def test_a_method_that_rebinds_a_projection_is_refused(remote):
+    torch.manual_seed(0)
+    attention = remote.PrunableAttention(remote.config())
+    transfuse.rewrite(attention, example_inputs=(torch.randn(2, 5, 32),))
+    report = transfuse.report(attention)
+    assert "qkv" not in report.counts()
+    refused = [s for s in report.skipped if s.kind == "qkv"]
+    assert [s.tag for s in refused] == ["qkv.other-use"] and "rebound by another method" in refused[0].reason
+
+
+def test_shared_self_and_cross_attention_fuses_on_the_self_attention_path(remote):
+    """Bart's shared attention class: with ``key_value_states`` None, q, k and v read
+    ``hidden_states`` on both arms of the cache test (q above it, moved into each arm); the merged
+    projection runs there, with a cache and without, and cross-attention runs the original code."""
+    torch.manual_seed(0)
+    attention = remote.SharedCrossAttention(remote.config())
+    original = copy.deepcopy(attention)
+    x, memory = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
+    transfuse.rewrite(attention, example_inputs=(x,))
+    report = transfuse.report(attention)
+    assert report.counts().get("qkv") == 1, report.skipped
+    merged = _calls(attention.qkv_proj)
+
+    def same(got, want):
+        for g, w in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+            assert (g - w).abs().max().item() <= 1e-5 * w.abs().max().item()
+
+    with torch.no_grad():
+        out, cache = attention(x)
+        want, want_cache = original(x)
+        same((out, cache), (want, want_cache))
+        step = torch.randn(2, 1, 32)
+        same(attention(step, past_key_value=cache), original(step, past_key_value=want_cache))
+        assert merged[0] == 2  # the prefill and the cached step each ran the merged projection
+        cross, cross_cache = attention(x, key_value_states=memory)
+        same((cross, cross_cache), original(x, key_value_states=memory))
+        same(attention(x, memory, cross_cache), original(x, memory, cross_cache))
+        assert merged[0] == 2  # cross-attention (k and v of another value) ran the parts
+
+
+def _sink(code: str) -> str:
+    import libcst as cst
+
+    from transfuse.fusers.projections import _sunk_into_arms
+
+    function = cst.parse_module(code).body[0]
+    return cst.Module(body=[_sunk_into_arms(function, ("q", "k", "v"))]).code.strip()
+
+
+_ABOVE = """
+def forward(self, x, cache=None):
+    y = x * 2
+    q = self.q(x)
+    if cache is not None:
+        k, v = self.k(x), self.v(x)
+    else:
+        k, v = self.k(y), self.v(y)
+    return q, k, v
+"""
+
+
+def test_the_statements_above_an_if_move_into_both_arms():
+    assert _sink(_ABOVE) == """def forward(self, x, cache=None):
+    y = x * 2
+    if cache is not None:
+        q = self.q(x)
+        k, v = self.k(x), self.v(x)
+    else:
+        q = self.q(x)
+        k, v = self.k(y), self.v(y)
+    return q, k, v"""
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        ("q = self.q(x)", "q = self.q(x); cache = None"),  # the moved statements rebind what the test reads
+        ("if cache is not None:", "if x.shape[0] > 1:"),  # a test with an effect, or on data: order matters
+        ("if cache is not None:", "if self.cached:"),  # an attribute read: a property may run code
+        ("q = self.q(x)", "q = self.q(x) + self.q(y)"),  # a projection called twice above the if
+        ("else:\n        k, v = self.k(y), self.v(y)", "else:\n        k, v = self.k(y), y"),  # v not in each arm
+    ],
+)
+def test_nothing_moves_where_the_order_could_matter(change):
+    code = _ABOVE.replace(*change)
+    assert _sink(code) == code.strip()

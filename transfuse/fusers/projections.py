@@ -17,7 +17,7 @@ from ..rewriter.analysis import ClassAnalysis
 from ..rewriter.fusion import Refusal
 from ..rewriter.graph import NoMatch
 from ..rewriter.source import EditContext, self_calls, self_references
-from ..rewriter.specialise import decide, guarded_by
+from ..rewriter.specialise import decide, guarded_by, pure
 from ..rewriter.syntax import (
     ParentMap,
     assigned_names,
@@ -83,9 +83,9 @@ def single_call(tree: cst.FunctionDef, name: str, context: EditContext, kind: st
         raise NoMatch(tag, f"self.{name}(...) is written {len(calls)} times in {tree.name.value}, not once.")
     if len(self_references(tree, name)) != 1:
         raise NoMatch(f"{kind}.other-use", f"self.{name} is used other than in its one call.")
-    line = context.uses_elsewhere(name)
+    line = context.rebinds_elsewhere(name)
     if line is not None:
-        raise NoMatch(f"{kind}.other-use", f"self.{name} is also used by another method (line {line}).")
+        raise NoMatch(f"{kind}.other-use", f"self.{name} is rebound by another method (line {line}).")
     call = calls[0]
     if len(call.args) != 1 or call.args[0].keyword is not None or call.args[0].star:
         raise NoMatch(f"{kind}.input-expression", f"self.{name} is not called with one positional argument.")
@@ -205,8 +205,12 @@ def in_each_arm(tree: cst.FunctionDef, names: tuple[str, ...], edit: Edit, kind:
     """``edit`` made in each arm of the one ``if``/``else`` whose two arms each call every projection
     in ``names`` once (a GLU written alike in both arms of a dtype test): each arm is edited as the
     forward with only that arm in place of the ``if``, and the two edited arms go back under the
-    test. NoMatch where there is no such ``if``, a projection is used in its test or outside it, or
-    an arm's edit is refused or changes the forward outside the arm."""
+    test. Projections called once in the statements right above the ``if`` and not in it (bart's
+    ``query_states = self.q_proj(hidden_states)`` above ``if past_key_value is not None:``, whose
+    arms each project k and v) are first moved into both arms with those statements
+    (``_sunk_into_arms``). NoMatch where there is no such ``if``, a projection is used in its test
+    or outside it, or an arm's edit is refused or changes the forward outside the arm."""
+    tree = _sunk_into_arms(tree, names)
     branch = next((b for b in m.findall(tree.body, m.If()) if _calls_once_in_each_arm(b, names)), None)
     if branch is None:
         raise NoMatch(f"{kind}.called-twice", f"{', '.join(names)} are not called once in each arm of one if/else.")
@@ -224,6 +228,46 @@ def in_each_arm(tree: cst.FunctionDef, names: tuple[str, ...], edit: Edit, kind:
     arms = [marked.body, other.body]
     both = branch.with_changes(body=arms[0], orelse=branch.orelse.with_changes(body=arms[1]))
     return replace_nodes(edited, [(marked, both)])
+
+
+def _sunk_into_arms(tree: cst.FunctionDef, names: tuple[str, ...]) -> cst.FunctionDef:
+    """``tree`` with the simple statements right above an ``if``/``else`` moved to the start of both
+    its arms, where those statements call once each projection of ``names`` the ``if`` does not use,
+    and each arm calls the others once; else ``tree`` as it is. Exact where the test has no effect
+    and reads only parameters (``past_key_value is not None``) that the moved statements do not
+    rebind: it then has the value it had after them, and they run once on either path."""
+    parents = ParentMap(tree)
+    params = {p.name.value for p in (*tree.params.posonly_params, *tree.params.params, *tree.params.kwonly_params)}
+    for branch in m.findall(tree.body, m.If()):
+        inside = tuple(n for n in names if self_references(branch, n))
+        outside = [n for n in names if n not in inside]
+        block = parents.parent(branch)
+        if not (inside and outside and isinstance(block, cst.IndentedBlock) and _calls_once_in_each_arm(branch, inside)):
+            continue
+        index = next(i for i, statement in enumerate(block.body) if statement is branch)
+        first = index
+        while first > 0 and isinstance(block.body[first - 1], cst.SimpleStatementLine):
+            first -= 1
+        while first < index and not any(self_references(block.body[first], n) for n in outside):
+            first += 1
+        moved = block.body[first:index]
+        once = all(
+            sum(len(self_calls(s, n)) for s in moved) == sum(len(self_references(s, n)) for s in moved) == 1
+            for n in outside
+        )
+        bound = set().union(*(assigned_names(s) for s in moved)) if moved else set()
+        read = {name.value for name in m.findall(branch.test, m.Name())}
+        if not once or not pure(branch.test, params) or read & bound:
+            continue
+        head = [moved[0].with_changes(leading_lines=[]), *moved[1:]]
+        sunk = branch.with_changes(
+            body=branch.body.with_changes(body=[*head, *branch.body.body]),
+            orelse=branch.orelse.with_changes(body=branch.orelse.body.with_changes(body=[*head, *branch.orelse.body.body])),
+            leading_lines=[*moved[0].leading_lines, *branch.leading_lines],
+        )
+        body = [*block.body[:first], sunk, *block.body[index + 1 :]]
+        return replace_nodes(tree, [(block, block.with_changes(body=body))])
+    return tree
 
 
 def _calls_once_in_each_arm(branch: cst.If, names: tuple[str, ...]) -> bool:

@@ -13,7 +13,7 @@ between the projections, the two or more called before it merge and the rest sta
 are read from the merged module at run time, never written into the source.
 
 What one trace cannot show is proved on the source before the edit: each projection is
-called exactly once as ``self.<name>(<name>)`` and used nowhere else in the class; the
+called exactly once as ``self.<name>(<name>)`` and used nowhere else in the forward; the
 calls read the same variable; the calls sit in sibling statements, and between the first and
 the last nothing rebinds that variable, writes a tensor in place, or hands the variable to
 another call; no other linear reads it there. The merged call goes right before the first of
@@ -30,7 +30,11 @@ body under that test and the original otherwise. Failing those, the proof is tri
 traced instance takes of the branches whose tests read only configuration values, plain
 attributes and constant globals (a ``pretraining_tp > 1`` arm that slices the weights, which is
 then no other use of them), guarded the same way, and in each arm of an if/else that calls every
-projection once in each (``fusers/projections.py``).
+projection once in each (``fusers/projections.py``), on the whole body or on a specialised one;
+a projection called right above that if/else moves into both arms first (bart's q above ``if
+past_key_value is not None:``, on the path where ``key_value_states`` is None). Another method
+that only reads a projection (a base class's forward a subclass falls back to) is no obstacle: the
+merge leaves a part under its name that computes what it did; one that rebinds it is.
 """
 
 from __future__ import annotations
@@ -153,12 +157,15 @@ class QKVFuser(SourceFuser[QKVMatch]):
             # A forward with two paths (an attention class shared by self- and cross-attention, MLA
             # with or without a low-rank query, a projection that may be None): on one, the
             # projections may provably read one value.
+            # On that path, the projections may also be called alike in both arms of an if/else
+            # (bart's k and v with a cache and without, q above the if).
             for specialised, tests in _paths(tree):
-                try:
-                    edited = merge_calls(specialised, found.parts, found.into, found.linears, context, self.kind)
-                except NoMatch:
-                    continue
-                return guarded_by(tree, edited, tests, f"{', '.join(found.parts)} read one value")
+                for attempt in (merged, lambda body: in_each_arm(body, found.parts, merged, self.kind)):
+                    try:
+                        edited = attempt(specialised)
+                    except NoMatch:
+                        continue
+                    return guarded_by(tree, edited, tests, f"{', '.join(found.parts)} read one value")
             # Branches on configuration values (a weight-slicing arm for ``pretraining_tp > 1``), or
             # the projections written alike in both arms of one if/else.
             why = f"{', '.join(found.parts)} read one value"

@@ -224,29 +224,36 @@ class EditContext:
         self.imports[alias] = (module, name)
         return alias
 
-    def uses_elsewhere(self, attr: str) -> int | None:
-        """Line of a ``self.<attr>`` in another method of the class (or its bases in source), else None."""
+    def rebinds_elsewhere(self, attr: str) -> int | None:
+        """Line of another method of the class (or its bases in source), ``__init__`` aside, that
+        rebinds ``self.<attr>`` or an attribute under it (``self.q_proj = prune(self.q_proj)``,
+        ``self.q_proj.weight = ...``, ``del self.q_proj``), else None. A method that only reads it
+        (calls it, slices its weight: a base class's forward that a subclass's forward falls back
+        to) is no obstacle to merging it: the merge leaves under that name a part that computes what
+        the original did, over views of the merged weight."""
         for klass in self.cls.__mro__:
-            for value in vars(klass).values():
+            for key, value in vars(klass).items():
                 fn = inspect.unwrap(value) if callable(value) else None
-                if fn is None or fn is self.source.function or not hasattr(fn, "__code__"):
+                if fn is None or fn is self.source.function or not hasattr(fn, "__code__") or key == "__init__":
                     continue
                 if attr not in fn.__code__.co_names:
                     continue
                 other = method_source(fn)
-                if other is not None and _reads(other.node, attr):
+                if other is not None and _writes(other.node, attr):
                     return other.line()
         return None
 
 
-def _reads(tree: cst.CSTNode, attr: str) -> bool:
-    """Whether ``self.<attr>`` is read in ``tree`` (being assigned, as in ``__init__``, is not a read)."""
-    targets = {
-        id(t.target)
-        for a in m.findall(tree, m.Assign())
-        for t in a.targets
-    } | {id(a.target) for a in m.findall(tree, m.AnnAssign())}
-    return any(id(ref) not in targets for ref in self_references(tree, attr))
+def _writes(tree: cst.CSTNode, attr: str) -> bool:
+    """Whether ``tree`` assigns or deletes ``self.<attr>`` or anything under it."""
+    targets = [t.target for t in m.findall(tree, m.AssignTarget() | m.AugAssign() | m.AnnAssign() | m.Del())]
+    targets += [e.value for t in targets if isinstance(t, (cst.Tuple, cst.List)) for e in t.elements]
+    for written in targets:
+        while isinstance(written, (cst.Attribute, cst.Subscript)):
+            if m.matches(written, m.Attribute(value=m.Name("self"), attr=m.Name(attr))):
+                return True
+            written = written.value
+    return False
 
 
 def _resolve(module: str, name: str):

@@ -33,7 +33,7 @@ from libcst.metadata import ExpressionContext, ExpressionContextProvider, Metada
 
 from .syntax import comment_line
 
-__all__ = ["cases", "decide", "guarded", "guarded_by", "specialise"]
+__all__ = ["cases", "decide", "guarded", "guarded_by", "pure", "specialise"]
 
 _CONSTANTS = {"True": True, "False": False, "None": None}
 _MAX_PASSES = 16
@@ -295,7 +295,7 @@ class _Fold(cst.CSTTransformer):
             return updated_node.orelse if updated_node.orelse is not None else cst.RemovalSentinel.REMOVE
         if not known:
             empty = updated_node.orelse is None and all(_is_pass(s) for s in updated_node.body.body)
-            if empty and _pure(updated_node.test, self.params) and not updated_node.leading_lines:
+            if empty and pure(updated_node.test, self.params) and not updated_node.leading_lines:
                 return cst.RemovalSentinel.REMOVE  # `if x is not None: pass`, left by a fold
             return updated_node
         if value:
@@ -322,18 +322,18 @@ def _is_pass(statement: cst.BaseStatement) -> bool:
     return m.matches(statement, m.SimpleStatementLine(body=[m.Pass()]))
 
 
-def _pure(test: cst.BaseExpression, params: set[str]) -> bool:
+def pure(test: cst.BaseExpression, params: set[str]) -> bool:
     """A test whose evaluation has no effect: parameters and constants compared by identity,
     negated or joined by ``and``/``or``."""
     if isinstance(test, cst.Name):
         return test.value in params or test.value in _CONSTANTS
     if isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not):
-        return _pure(test.expression, params)
+        return pure(test.expression, params)
     if isinstance(test, cst.BooleanOperation):
-        return _pure(test.left, params) and _pure(test.right, params)
+        return pure(test.left, params) and pure(test.right, params)
     if isinstance(test, cst.Comparison):
         identities = all(isinstance(c.operator, (cst.Is, cst.IsNot)) for c in test.comparisons)
-        return identities and all(_pure(e, params) for e in (test.left, *(c.comparator for c in test.comparisons)))
+        return identities and all(pure(e, params) for e in (test.left, *(c.comparator for c in test.comparisons)))
     return False
 
 
