@@ -21,9 +21,10 @@ Opportunities, counted per module instance while the stock model runs once:
   whose class source reads ``rsqrt`` and a ``mean`` (llama4's "L2" norm is a root mean square;
   dory's, a plain sum of squares, is not counted);
 - ``gate_up``: two ``nn.Linear`` children of one module called on the same tensor whose outputs
-  feed another child of that module as ``act(one) * other`` (checked on the values, for silu,
-  gelu, gelu-tanh, relu, squared relu and sigmoid; the child is the down projection, or a norm before it as in
-  bitnet): a GLU;
+  feed another child of that module as ``act(one) * other``, or are the module's own output so
+  (checked on the values, for silu, gelu, gelu-tanh, relu, squared relu and sigmoid; the child is
+  the down projection, or a norm before it as in bitnet; a module computing the gated product
+  alone, with the down projection in its parent, returns it): a GLU;
 - ``qkv``: any other set of two or more ``nn.Linear`` children of one module called on the same
   tensor (q, k and v; with a gate; k and v of cross-attention; MLA's low-rank pair; the input
   projections of linear-attention blocks): what an n-way merge could fuse;
@@ -108,9 +109,12 @@ def _subtracts_a_mean(source: str) -> bool:
     return any(mean_call(s.right) or (isinstance(s.right, ast.Name) and s.right.id in means) for s in subtractions)
 
 
+OUTPUT = "<output>"  # in ``read``: a module's own output, beside its children's inputs
+
+
 def _feeds_a_glu(path: str, pair: list[str], seen: dict, read: dict) -> bool:
-    """Another child of the same module (``read``: its first input) reads ``act(one) * other`` of the
-    pair's outputs (a GLU)."""
+    """Another child of the same module (``read``: its first input), or the module's own output
+    (``read`` under ``OUTPUT``), is ``act(one) * other`` of the pair's outputs (a GLU)."""
     import torch
     import torch.nn.functional as F
 
@@ -155,9 +159,15 @@ def count_opportunities(model, ids) -> tuple[dict[str, int], dict[str, list[str]
         for name, child in module.named_children()
     }
 
+    owners = {module: path for path, module in model.named_modules() if any(isinstance(c, nn.Linear) for c in module.children())}
+
     def reader_hook(child, args):
         if args and torch.is_tensor(args[0]):
             read.setdefault(readers[child], args[0])
+
+    def output_hook(module, args, output):
+        if torch.is_tensor(output):
+            read.setdefault((owners[module], OUTPUT), output)
 
     def hook(child, args, output):
         if args and torch.is_tensor(args[0]) and torch.is_tensor(output):
@@ -168,6 +178,7 @@ def count_opportunities(model, ids) -> tuple[dict[str, int], dict[str, list[str]
 
     handles = [child.register_forward_hook(hook) for child in parent_of]
     handles += [child.register_forward_pre_hook(reader_hook) for child in readers]
+    handles += [module.register_forward_hook(output_hook) for module in owners]
     try:
         with torch.no_grad():
             model(input_ids=ids, use_cache=False)
