@@ -227,6 +227,10 @@ def run_model(stock, row: dict, started: float, progress=None) -> dict:
     row["parameters"] = sum(p.numel() for p in stock.parameters())
     if progress is not None:
         progress(dict(row))  # what a worker that dies later (out of memory) still reports
+    # The copy to rewrite is taken as the model was built: a model that keeps state between calls
+    # (recurrent_gemma's recurrent state, sized by the last batch) is rewritten as a user who loads
+    # and rewrites it would have it, not as the stock runs below leave it.
+    fused = copy.deepcopy(stock)
     try:
         vocab = stock.config.get_text_config().vocab_size
         ids = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -239,7 +243,6 @@ def run_model(stock, row: dict, started: float, progress=None) -> dict:
     opportunities["rotary"] = sum(o.kind == "rotary" for o in found)
     where["rotary"] = [o.describe().partition(":")[2] for o in found if o.kind == "rotary"]
     row.update(opportunities=opportunities, where=where)
-    fused = copy.deepcopy(stock)
     try:
         transfuse.rewrite(fused)
     except Exception as exc:  # noqa: BLE001 - recorded: a crash inside transfuse
