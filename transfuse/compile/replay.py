@@ -155,8 +155,8 @@ class DynamoEntries:
     def __init__(self, function: Callable[..., Any], model: nn.Module | None = None):
         self.code = function.__code__
         # The model every call passes as the function's first argument (its local ``model``),
-        # which ``serving`` adds to the locals it is given; held weakly, as Dynamo's own entries
-        # hold what their frames were given.
+        # which ``serving`` adds to the locals it is given; held weakly, so that whatever keeps
+        # this object (the compile backend reaches it) never keeps the model.
         self.model = None if model is None else weakref.ref(model)
         # compile id -> ``frame_effects()`` of that compile (None: nothing outside the graph).
         self.effects: dict[str, str | None] = {}
