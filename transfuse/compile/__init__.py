@@ -150,8 +150,8 @@ class _Compiled(DecodeCalls):
 
 class _Weakly:
     """A bound method called through a weak reference to its object, for what a compiled model
-    hands to torch that torch keeps past the model's life. Called once the object is gone (never,
-    by what only the model's compiled calls call), it raises."""
+    hands to torch that torch keeps past the model's life. Only the model's own compiled calls
+    call it, so it is not called once the object is gone; if it were, it raises."""
 
     def __init__(self, method: Any):
         self.method = weakref.WeakMethod(method)
