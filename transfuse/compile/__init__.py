@@ -59,6 +59,7 @@ import sys
 import time
 import types
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -90,16 +91,20 @@ class _Compiled(DecodeCalls):
 
     def __init__(self, model: nn.Module, configs: list[Any], options: dict[str, Any]):
         super().__init__(model, configs, options)
-        entry = _entry(model.forward)
+        entry = _entry()
         # Dynamo's compiled entries of ``entry``: which one a call would run, what each changes
         # outside its graph (``replay.py``).
-        self.dynamo = replay.DynamoEntries(entry)
+        self.dynamo = replay.DynamoEntries(entry, model)
+        # Dynamo's entries of ``entry`` (their guards and compiled graphs) live as long as its code.
+        weakref.finalize(self, _forget, entry.__code__).atexit = False
+        # Dynamo keeps every backend it is given for the life of the process (to reset it), and
+        # with it whatever the backend holds: the backend reaches this object weakly.
         graph_backend = functools.partial(
             backend.compile_graph,
             inductor=options["inductor"],
             cuda_graphs=options["cuda_graphs"],
-            static_pointers=self.static_pointers,
-            on_frame=self.dynamo.record,
+            static_pointers=_Weakly(self.static_pointers),
+            on_frame=_Weakly(self.dynamo.record),
         )
         extra: dict[str, Any] = {}
         if options["trust_modules"] and hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"):
@@ -132,7 +137,7 @@ class _Compiled(DecodeCalls):
             step(f"transfuse.compile: compiling {type(self.model).__name__} at its first calls (Dynamo, Inductor; {where})")
         before, start = backend._STATS["graphs"], time.perf_counter()
         with self.cache_entry.recording() if self.cache_entry is not None else contextlib.nullcontext():
-            output = self.torch_compiled(*args, **kwargs)
+            output = self.torch_compiled(self.model, *args, **kwargs)
         made = backend._STATS["graphs"] - before
         if made:
             step(f"transfuse.compile: compiled {made} graph{'s' * (made > 1)} in {time.perf_counter() - start:.1f} s")
@@ -143,15 +148,36 @@ class _Compiled(DecodeCalls):
         return {t.data_ptr() for t in (*model.parameters(), *model.buffers())}
 
 
-def _entry(call: Any) -> Any:
-    """A function of its own that calls ``call``. Dynamo keeps compiled graphs (and counts them
-    against its recompile limit, 8) per code object; every transformers model's forward goes
-    through the same few wrapper functions, so without this every compiled model in a process
-    would share one budget, and the ninth graph of any of them would run uncompiled."""
+class _Weakly:
+    """A bound method called through a weak reference to its object, for what a compiled model
+    hands to torch that torch keeps past the model's life. Only the model's own compiled calls
+    call it, so it is not called once the object is gone; if it were, it raises."""
+
+    def __init__(self, method: Any):
+        self.method = weakref.WeakMethod(method)
+        self.name = method.__qualname__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        method = self.method()
+        if method is None:
+            raise CompileError(f"{self.name} called after the model transfuse.compile compiled was freed")
+        return method(*args, **kwargs)
+
+
+def _entry() -> Any:
+    """A function of its own, ``transfuse_compiled_call(model, *args, **kwargs)``, that calls
+    ``model.forward``. Dynamo keeps compiled graphs (and counts them against its recompile limit,
+    8) per code object; every transformers model's forward goes through the same few wrapper
+    functions, so without this every compiled model in a process would share one budget, and the
+    ninth graph of any of them would run uncompiled.
+
+    The model is the function's argument, not a global or a closure's: Dynamo keeps its compiled
+    entries on the function's code, and with them their guards and the globals those read, which a
+    garbage collection does not see into; a model reached from there would never be freed."""
     import linecache
 
-    namespace = {"call": call}
-    source = "def transfuse_compiled_call(*args, **kwargs):\n    return call(*args, **kwargs)\n"
+    namespace: dict[str, Any] = {}
+    source = "def transfuse_compiled_call(model, /, *args, **kwargs):\n    return model.forward(*args, **kwargs)\n"
     filename = f"<transfuse.compile {next(_ENTRIES)}>"
     # With its source known, Dynamo traces the function itself; a function whose source file it
     # cannot find, some torch versions (2.11) wrap in a shared helper, whose budget is shared again.
@@ -161,6 +187,19 @@ def _entry(call: Any) -> Any:
 
 
 _ENTRIES = itertools.count()
+
+
+def _forget(code: types.CodeType) -> None:
+    """Drop Dynamo's entries of ``code`` (their guards, transformed code and compiled graphs) once
+    the compiled model whose entry function it is is gone. They live on the code, which they keep
+    alive in cycles a garbage collection does not see into (Dynamo's map from transformed code to
+    the code it came from, the globals its compiled graphs are written into); where a torch
+    version lacks the call, they stay, as a stock compiled function's do."""
+    try:
+        from torch._C._dynamo.eval_frame import reset_code
+    except ImportError:
+        return
+    reset_code(code)
 
 
 def compile(  # noqa: A001 - the name users call, as torch.compile

@@ -43,6 +43,7 @@ import operator
 import re
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -135,12 +136,12 @@ def _same(a: Any, b: Any) -> bool:
 
 def _described(var: Any) -> str:
     """A variable's source as a reader names it: ``model.model.norm`` for Dynamo's
-    ``G['call'].__self__._modules['model']._modules['norm']``."""
+    ``L['model']._modules['model']._modules['norm']``."""
     try:
         name = var.source.name
     except Exception:  # noqa: BLE001 - a source without a name
         return type(var).__name__
-    name = name.replace("G['call'].__self__", "model")
+    name = name.replace("L['model']", "model")
     return re.sub(r"\._(?:modules|parameters|buffers)\['([^']+)'\]", r".\1", name)
 
 
@@ -151,8 +152,12 @@ class DynamoEntries:
     while Dynamo compiles). Uses Dynamo's private cache-entry list; where a torch version lacks
     it, ``available`` is False and no entry is ever found."""
 
-    def __init__(self, function: Callable[..., Any]):
+    def __init__(self, function: Callable[..., Any], model: nn.Module | None = None):
         self.code = function.__code__
+        # The model every call passes as the function's first argument (its local ``model``),
+        # which ``serving`` adds to the locals it is given; held weakly, so that whatever keeps
+        # this object (the compile backend reaches it) never keeps the model.
+        self.model = None if model is None else weakref.ref(model)
         # compile id -> ``frame_effects()`` of that compile (None: nothing outside the graph).
         self.effects: dict[str, str | None] = {}
         self.available = _entry_list() is not None
@@ -165,10 +170,16 @@ class DynamoEntries:
             self.effects[str(compile_id)] = frame_effects()
 
     def serving(self, f_locals: dict[str, Any]) -> Any:
-        """The entry Dynamo would run for these locals, as (transformed code, compile id), or None."""
+        """The entry Dynamo would run for these locals (the model's, where given, added), as
+        (transformed code, compile id), or None."""
         entries = _entry_list()
         if entries is None:
             return None
+        if self.model is not None:
+            model = self.model()
+            if model is None:
+                return None
+            f_locals = {"model": model, **f_locals}
         try:
             for entry in entries(self.code):
                 if entry.guard_manager.check(f_locals):
