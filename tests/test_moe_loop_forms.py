@@ -2,7 +2,9 @@
 ``enumerate``), which tracing unrolls into one ``index_add_`` per expert, with the mask sliced per
 expert or ``torch.where(ids == e)`` and an optional skip of experts no token chose (→ fuses); tokens
 repeated ``top_k`` times and written back by mask (→ refused, moe.repeated-tokens); near misses of
-the unrolled form (→ refused, each with its tag)."""
+the unrolled form (→ refused, each with its tag); experts handed their rows' routing weights and
+multiplying them onto their output as their last operation, rows indexed by ``.tolist()`` lists
+(→ fuses), or multiplying them anywhere else (→ refused, moe.combine)."""
 
 from __future__ import annotations
 
@@ -47,6 +49,87 @@ class EnumeratedMoE(toys.ModuleListMoE):
             rows, slot = torch.where(idx == e)
             out.index_add_(0, rows, expert(x[rows]) * w[rows, slot, None])
         return out.view(b, s, h)
+
+
+class WeightedGLUExpert(toys.GLUExpert):
+    """An expert handed its rows' routing weights, multiplied onto its output as its last operation."""
+
+    def forward(self, hidden_states, routing_weights):
+        current = self.act_fn(self.w1(hidden_states)) * self.w3(hidden_states)
+        current = self.w2(current)
+        return routing_weights * current
+
+
+class InnerWeightedGLUExpert(toys.GLUExpert):
+    """Multiplies the routing weights onto the gated product, before the down projection."""
+
+    def forward(self, hidden_states, routing_weights):
+        return self.w2(routing_weights * self.act_fn(self.w1(hidden_states)) * self.w3(hidden_states))
+
+
+class TwiceWeightedGLUExpert(toys.GLUExpert):
+    """Reads the routing weights twice: on its input and on its output."""
+
+    def forward(self, hidden_states, routing_weights):
+        hidden_states = hidden_states * routing_weights
+        return routing_weights * self.w2(self.act_fn(self.w1(hidden_states)) * self.w3(hidden_states))
+
+
+class ExpertWeightsInsideMoE(toys.ModuleListMoE):
+    """The older Mixtral form: a loop over every expert index, rows and weights indexed by ``.tolist()``
+    lists, each expert handed its rows' routing weights (``expert(rows, w[t, s, None])``) → fuses."""
+
+    expert_cls = WeightedGLUExpert
+
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList([self.expert_cls(32, 16) for _ in range(self.num_experts)])
+
+    def forward(self, hidden_states):
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        hidden_states = hidden_states.view(-1, hidden_dim)
+        router_logits = self.gate(hidden_states)
+        routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+        routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
+        routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
+        routing_weights = routing_weights.to(hidden_states.dtype)
+        final = torch.zeros((batch_size * sequence_length, hidden_dim), dtype=hidden_states.dtype)
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        for expert_idx in range(self.num_experts):
+            expert_layer = self.experts[expert_idx]
+            idx, top_x = torch.where(expert_mask[expert_idx])
+            if top_x.shape[0] == 0:
+                continue
+            top_x_list, idx_list = top_x.tolist(), idx.tolist()
+            current_state = hidden_states[None, top_x_list].reshape(-1, hidden_dim)
+            current = expert_layer(current_state, routing_weights[top_x_list, idx_list, None])
+            final.index_add_(0, top_x, current.to(hidden_states.dtype))
+        return final.reshape(batch_size, sequence_length, hidden_dim), router_logits
+
+
+class HitExpertsWeightsInsideMoE(ExpertWeightsInsideMoE):
+    """The loop over the experts that received tokens, each expert handed its rows' weights → fuses."""
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.view(-1, h)
+        logits = self.gate(x)
+        w, ids = torch.topk(F.softmax(logits, dim=1, dtype=torch.float), self.top_k, dim=-1)
+        w = (w / w.sum(dim=-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(ids, num_classes=self.num_experts).permute(2, 1, 0)
+        for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
+            slot, token = torch.where(mask[e].squeeze(0))
+            out.index_add_(0, token, self.experts[e](x[token], w[token, slot, None]))
+        return out.view(b, s, h), logits
+
+
+class InnerWeightedMoE(ExpertWeightsInsideMoE):
+    expert_cls = InnerWeightedGLUExpert
+
+
+class TwiceWeightedMoE(ExpertWeightsInsideMoE):
+    expert_cls = TwiceWeightedGLUExpert
 
 
 class RepeatedTokensMoE(toys.ModuleListMoE):
@@ -242,7 +325,11 @@ def test_experts_given_their_sliced_weights_are_refused_and_counted():
         assert torch.equal(model(x), before)
 
 
-@pytest.mark.parametrize("cls", [toys.RangeLoopMoE, WhereEqualsMoE, EnumeratedMoE], ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "cls",
+    [toys.RangeLoopMoE, WhereEqualsMoE, EnumeratedMoE, ExpertWeightsInsideMoE, HitExpertsWeightsInsideMoE],
+    ids=lambda c: c.__name__,
+)
 def test_loops_over_every_expert_index_fuse_with_the_originals_numbers(cls):
     block = cls()
     original = copy.deepcopy(block)
@@ -258,6 +345,9 @@ def test_loops_over_every_expert_index_fuse_with_the_originals_numbers(cls):
     model(x1).square().sum().backward()
     plain(x2).square().sum().backward()
     torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-5, atol=1e-6)
+    # The weights: the router's gradient (the routing weights' path) and the down projections'.
+    torch.testing.assert_close(model.block.gate.weight.grad, plain.block.gate.weight.grad, rtol=1e-5, atol=1e-6)
+    assert model.block.gate.weight.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize(
@@ -267,6 +357,8 @@ def test_loops_over_every_expert_index_fuse_with_the_originals_numbers(cls):
         (SkipsBusyExpertsMoE, "moe.loop-form"),
         (MissesLastExpertMoE, "moe.unrolled-loop"),
         (ShiftedExpertMoE, "moe.unrolled-loop"),
+        (InnerWeightedMoE, "moe.combine"),
+        (TwiceWeightedMoE, "moe.combine"),
     ],
     ids=lambda v: v if isinstance(v, str) else v.__name__,
 )

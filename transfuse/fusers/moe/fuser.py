@@ -585,7 +585,9 @@ def _experts_plan(analysis: ClassAnalysis, loop: LoopMatch, call: fx.Node | None
     member_trace = _trace_of(analysis.child(loop.member_call.target))
     if member_trace is None:
         raise NoMatch("moe.expert-form", "the expert module was not traced.", loop.member_call)
-    member = match_glu_member(member_trace, lambda p: _trace_of(analysis.child(f"{loop.member_call.target}.{p}")))
+    member = match_glu_member(
+        member_trace, lambda p: _trace_of(analysis.child(f"{loop.member_call.target}.{p}")), loop.member_weight
+    )
     owner = loop.member_list
     plan = ExpertsPlan(f"{owner}.w13", f"{owner}.w2", ExpertsSpec(member.activation))
     return plan, owner, member, None, None, loop.skip_ids_from
