@@ -280,8 +280,8 @@ def _match_sorted_block(analysis: ClassAnalysis) -> MoEMatch:
     children = lambda path: _trace_of(analysis.child(path))  # noqa: E731
     found = match_sorted_experts(trace.graph, children)
     first, second = found.first, found.second
-    w13, experts = split_linear_experts(children(first.target), found.sizes, "gate/up")
-    w2, experts_2 = split_linear_experts(children(second.target), found.sizes, "down")
+    w13, experts = split_linear_experts(children(first.target), "gate/up")
+    w2, experts_2 = split_linear_experts(children(second.target), "down")
     if experts != experts_2:
         raise NoMatch("moe.sorted-rows", f"the two projections hold {experts} and {experts_2} experts.", second)
     routers = _router_calls((found.token, found.gates, found.sizes), {first, second})

@@ -10,7 +10,8 @@ That is the routed mixture as a grouped product over sorted rows, which the fuse
 (only the order of each token's sum may differ).
 
 The children's traces take the sizes as the list recorded in the probe call (the tracer reads a
-list of numbers as its value), so the split is checked against that value.
+list of numbers as its value), so that the split reads the sizes argument is checked in the
+children's source: their one ``split`` is by that parameter, which the forward never assigns.
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import libcst as cst
+import libcst.matchers as m
 import torch
 import torch.fx as fx
 
 from ...ops.moe import ExpertsSpec
 from ...rewriter.graph import NoMatch, is_op, operand, operands, peel_casts, value
-from ...rewriter.tracer import Trace
+from ...rewriter.source import method_source
+from ...rewriter.tracer import Trace, unwrapped_forward
 from .experts import Lookup, gated, split_halves
 
 __all__ = ["SortedExperts", "SortedRows", "match_sorted_experts", "match_sorted_rows"]
@@ -114,7 +118,27 @@ def match_sorted_experts(graph: fx.Graph, children: Lookup) -> SortedExperts:
     )  # fmt: skip
 
 
-def split_linear_experts(trace: Trace | None, sizes: Any, what: str) -> tuple[str, int]:
+def _splits_by_sizes_parameter(trace: Trace) -> bool:
+    """The forward's one ``.split(...)`` is by its second parameter (after the rows), never assigned."""
+    source = method_source(unwrapped_forward(trace.cls))
+    if source is None:
+        return False
+    fn = source.node
+    params = [p.name.value for p in fn.params.params]
+    if len(params) != 3 or isinstance(fn.params.star_arg, cst.Param) or fn.params.kwonly_params:
+        return False
+    name = m.Name(params[2])
+    written = m.AssignTarget(target=name) | m.AugAssign(target=name) | m.AnnAssign(target=name) | m.For(
+        target=name
+    ) | m.NamedExpr(target=name) | m.Del()  # fmt: skip
+    if m.findall(fn, written):
+        return False
+    splits = m.findall(fn, m.Call(func=m.Attribute(attr=m.Name("split"))))
+    by_sizes = m.Call(func=m.Attribute(attr=m.Name("split")), args=[m.Arg(name, keyword=None), m.ZeroOrMore()])
+    return len(splits) == 1 and m.matches(splits[0], by_sizes)
+
+
+def split_linear_experts(trace: Trace | None, what: str) -> tuple[str, int]:
     """A child computing ``cat([F.linear(part_e, W[e]) for e, part_e in enumerate(rows.split(sizes))])``
     for every expert e of a 3-D ``W``: (W's name, the number of experts)."""
     if trace is None or trace.partial or trace.output is None or trace.shape_guards:
@@ -140,8 +164,7 @@ def split_linear_experts(trace: Trace | None, sizes: Any, what: str) -> tuple[st
     if not (is_op(split, "split") and operand(split, 0) is rows[0] and operand(split, 2, "dim") == 0):
         raise NoMatch(_TAG, f"the {what} projection does not split its rows over dimension 0.", split)
     split_sizes = operand(split, 1, "split_size")
-    recorded = value(sizes) if isinstance(sizes, fx.Node) else sizes
-    if not isinstance(split_sizes, (list, tuple)) or list(split_sizes) != list(recorded or ()):
+    if not isinstance(split_sizes, (list, tuple)) or not _splits_by_sizes_parameter(trace):
         raise NoMatch(_TAG, f"the {what} projection's rows are not split by the per-expert sizes it is given.", split)
     experts = len(parts)
     if w_value.dim() != 3 or w_value.shape[0] != experts or len(split_sizes) != experts:
