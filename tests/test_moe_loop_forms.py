@@ -2,7 +2,10 @@
 ``enumerate``), which tracing unrolls into one ``index_add_`` per expert, with the mask sliced per
 expert or ``torch.where(ids == e)`` and an optional skip of experts no token chose (→ fuses); tokens
 repeated ``top_k`` times and written back by mask (→ refused, moe.repeated-tokens); near misses of
-the unrolled form (→ refused, each with its tag)."""
+the unrolled form (→ refused, each with its tag); rows of every (token, expert) pair sorted by expert,
+computed by split [E, out, in] weights and added back by one ``index_add`` (→ fuses); experts handed their rows' routing weights and
+multiplying them onto their output as their last operation, rows indexed by ``.tolist()`` lists
+(→ fuses), or multiplying them anywhere else (→ refused, moe.combine)."""
 
 from __future__ import annotations
 
@@ -47,6 +50,87 @@ class EnumeratedMoE(toys.ModuleListMoE):
             rows, slot = torch.where(idx == e)
             out.index_add_(0, rows, expert(x[rows]) * w[rows, slot, None])
         return out.view(b, s, h)
+
+
+class WeightedGLUExpert(toys.GLUExpert):
+    """An expert handed its rows' routing weights, multiplied onto its output as its last operation."""
+
+    def forward(self, hidden_states, routing_weights):
+        current = self.act_fn(self.w1(hidden_states)) * self.w3(hidden_states)
+        current = self.w2(current)
+        return routing_weights * current
+
+
+class InnerWeightedGLUExpert(toys.GLUExpert):
+    """Multiplies the routing weights onto the gated product, before the down projection."""
+
+    def forward(self, hidden_states, routing_weights):
+        return self.w2(routing_weights * self.act_fn(self.w1(hidden_states)) * self.w3(hidden_states))
+
+
+class TwiceWeightedGLUExpert(toys.GLUExpert):
+    """Reads the routing weights twice: on its input and on its output."""
+
+    def forward(self, hidden_states, routing_weights):
+        hidden_states = hidden_states * routing_weights
+        return routing_weights * self.w2(self.act_fn(self.w1(hidden_states)) * self.w3(hidden_states))
+
+
+class ExpertWeightsInsideMoE(toys.ModuleListMoE):
+    """The older Mixtral form: a loop over every expert index, rows and weights indexed by ``.tolist()``
+    lists, each expert handed its rows' routing weights (``expert(rows, w[t, s, None])``) → fuses."""
+
+    expert_cls = WeightedGLUExpert
+
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList([self.expert_cls(32, 16) for _ in range(self.num_experts)])
+
+    def forward(self, hidden_states):
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        hidden_states = hidden_states.view(-1, hidden_dim)
+        router_logits = self.gate(hidden_states)
+        routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+        routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
+        routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
+        routing_weights = routing_weights.to(hidden_states.dtype)
+        final = torch.zeros((batch_size * sequence_length, hidden_dim), dtype=hidden_states.dtype)
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        for expert_idx in range(self.num_experts):
+            expert_layer = self.experts[expert_idx]
+            idx, top_x = torch.where(expert_mask[expert_idx])
+            if top_x.shape[0] == 0:
+                continue
+            top_x_list, idx_list = top_x.tolist(), idx.tolist()
+            current_state = hidden_states[None, top_x_list].reshape(-1, hidden_dim)
+            current = expert_layer(current_state, routing_weights[top_x_list, idx_list, None])
+            final.index_add_(0, top_x, current.to(hidden_states.dtype))
+        return final.reshape(batch_size, sequence_length, hidden_dim), router_logits
+
+
+class HitExpertsWeightsInsideMoE(ExpertWeightsInsideMoE):
+    """The loop over the experts that received tokens, each expert handed its rows' weights → fuses."""
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.view(-1, h)
+        logits = self.gate(x)
+        w, ids = torch.topk(F.softmax(logits, dim=1, dtype=torch.float), self.top_k, dim=-1)
+        w = (w / w.sum(dim=-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(ids, num_classes=self.num_experts).permute(2, 1, 0)
+        for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
+            slot, token = torch.where(mask[e].squeeze(0))
+            out.index_add_(0, token, self.experts[e](x[token], w[token, slot, None]))
+        return out.view(b, s, h), logits
+
+
+class InnerWeightedMoE(ExpertWeightsInsideMoE):
+    expert_cls = InnerWeightedGLUExpert
+
+
+class TwiceWeightedMoE(ExpertWeightsInsideMoE):
+    expert_cls = TwiceWeightedGLUExpert
 
 
 class RepeatedTokensMoE(toys.ModuleListMoE):
@@ -195,7 +279,9 @@ class SplitExperts(nn.Module):
 
 class SortedRowsMoE(nn.Module):
     """(token, expert) rows sorted by expert, computed in one pass by split experts, weighted by a flat gate
-    per row and added back with one ``index_add`` → refused (moe.sorted-rows)."""
+    per row and added back with one ``index_add`` → fuses (the routed mixture as a grouped product)."""
+
+    descending = False
 
     def __init__(self, hidden=32, inter=16, experts=4, top_k=2):
         super().__init__()
@@ -210,19 +296,70 @@ class SortedRowsMoE(nn.Module):
         logits, ids = self.gate(x).topk(self.top_k, dim=1)
         gates = torch.softmax(logits, dim=1).flatten()
         sizes = torch.zeros(x.shape[0], self.num_experts).scatter(1, ids, 1).long().sum(0).tolist()
-        _, order = ids.flatten().sort(0)
+        _, order = ids.flatten().sort(0, descending=self.descending)
         token = order.div(self.top_k, rounding_mode="trunc")
         gate, up = self.input_linear(x[token], sizes).chunk(2, dim=-1)
         out = self.output_linear(F.silu(gate) * up, sizes) * gates[order][:, None]
         return torch.zeros_like(x).index_add(0, token, out).view(b, s, h)
 
 
-def test_rows_sorted_by_expert_and_added_back_once_are_refused():
-    block = SortedRowsMoE()
+class DescendingRowsMoE(SortedRowsMoE):
+    """Rows sorted by expert in descending order but split by the sizes in ascending order (not the
+    mixture) → refused (moe.sorted-rows)."""
+
+    descending = True
+
+
+class TopKGating(nn.Module):
+    """A router child returning the sorted positions, tokens, gates and per-expert sizes."""
+
+    def __init__(self, hidden, experts, top_k):
+        super().__init__()
+        self.num_experts, self.top_k = experts, top_k
+        self.layer = nn.Linear(hidden, experts, bias=False)
+
+    def forward(self, hidden_states):
+        logits = self.layer(hidden_states).float()
+        top_k_logits, top_k_indices = logits.topk(self.top_k, dim=1)
+        top_k_gates = torch.softmax(top_k_logits, dim=1).type_as(hidden_states)
+        zeros = torch.zeros([top_k_gates.size(0), self.num_experts], dtype=top_k_gates.dtype)
+        expert_size = zeros.scatter(1, top_k_indices, 1).long().sum(0).tolist()
+        _, index_sorted_experts = top_k_indices.flatten().sort(0)
+        batch_index = index_sorted_experts.div(self.top_k, rounding_mode="trunc")
+        batch_gates = top_k_gates.flatten()[index_sorted_experts]
+        return index_sorted_experts, batch_index, batch_gates, expert_size, logits
+
+
+class RoutedSortedRowsMoE(nn.Module):
+    """The sorted-rows block with its routing and sorting in a router child and an activation child → fuses."""
+
+    def __init__(self, hidden=32, inter=16, experts=4, top_k=2):
+        super().__init__()
+        self.input_size = hidden
+        self.activation = nn.SiLU()
+        self.input_linear = SplitExperts(experts, hidden, 2 * inter)
+        self.output_linear = SplitExperts(experts, inter, hidden)
+        self.router = TopKGating(hidden, experts, top_k)
+
+    def forward(self, layer_input):
+        bsz, length, emb_size = layer_input.size()
+        layer_input = layer_input.reshape(-1, emb_size)
+        _, batch_index, batch_gates, expert_size, router_logits = self.router(layer_input)
+        hidden_states = self.input_linear(layer_input[batch_index], expert_size)
+        chunked = hidden_states.chunk(2, dim=-1)
+        expert_outputs = self.output_linear(self.activation(chunked[0]) * chunked[1], expert_size)
+        expert_outputs = expert_outputs * batch_gates[:, None]
+        zeros = torch.zeros((bsz * length, self.input_size), dtype=expert_outputs.dtype)
+        layer_output = zeros.index_add(0, batch_index, expert_outputs)
+        return layer_output.view(bsz, length, self.input_size), router_logits
+
+
+def test_rows_sorted_in_another_order_than_their_sizes_are_refused():
+    block = DescendingRowsMoE()
     model, x, (before, _) = _rewrite_toy(block)
     assert model.block is block
     (skip,) = [s for s in transfuse.report(model).skipped if s.kind == "moe"]
-    assert skip.tag == "moe.sorted-rows", skip
+    assert skip.tag == "moe.sorted-rows" and "ascending" in skip.reason, skip
     with torch.no_grad():
         assert torch.equal(model(x), before)
 
@@ -242,7 +379,14 @@ def test_experts_given_their_sliced_weights_are_refused_and_counted():
         assert torch.equal(model(x), before)
 
 
-@pytest.mark.parametrize("cls", [toys.RangeLoopMoE, WhereEqualsMoE, EnumeratedMoE], ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "cls",
+    [
+        toys.RangeLoopMoE, WhereEqualsMoE, EnumeratedMoE, ExpertWeightsInsideMoE, HitExpertsWeightsInsideMoE,
+        SortedRowsMoE, RoutedSortedRowsMoE,
+    ],
+    ids=lambda c: c.__name__,
+)
 def test_loops_over_every_expert_index_fuse_with_the_originals_numbers(cls):
     block = cls()
     original = copy.deepcopy(block)
@@ -258,6 +402,11 @@ def test_loops_over_every_expert_index_fuse_with_the_originals_numbers(cls):
     model(x1).square().sum().backward()
     plain(x2).square().sum().backward()
     torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-5, atol=1e-6)
+    # The router's gradient: the routing weights' path.
+    router = "router.layer.weight" if hasattr(original, "router") else "gate.weight"
+    fused, unfused = model.block.get_parameter(router).grad, plain.block.get_parameter(router).grad
+    torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=1e-6)
+    assert unfused.abs().sum() > 0
 
 
 @pytest.mark.parametrize(
@@ -267,6 +416,8 @@ def test_loops_over_every_expert_index_fuse_with_the_originals_numbers(cls):
         (SkipsBusyExpertsMoE, "moe.loop-form"),
         (MissesLastExpertMoE, "moe.unrolled-loop"),
         (ShiftedExpertMoE, "moe.unrolled-loop"),
+        (InnerWeightedMoE, "moe.combine"),
+        (TwiceWeightedMoE, "moe.combine"),
     ],
     ids=lambda v: v if isinstance(v, str) else v.__name__,
 )

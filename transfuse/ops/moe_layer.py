@@ -405,15 +405,18 @@ def _computable(layer: nn.Module, plan: MoEPlan) -> bool:
 
 
 def experts_watched(layer: nn.Module, plan: MoEPlan) -> bool:
-    """Whether the child holding the packed experts, which the fused layer does not call, has hooks
+    """Whether a child holding the packed experts, which the fused layer does not call, has hooks
     (its own or global ones) that the block's forward as written would run."""
-    *owners, _ = _split(plan.experts.w13)
-    if not owners:
-        return False  # the block holds the experts itself: its own hooks run around the layer's call
-    module = layer
-    for part in owners:
-        module = module._modules[part]
-    return watched(module)
+    for path in dict.fromkeys((plan.experts.w13, plan.experts.w2)):  # one child, or two holding each
+        *owners, _ = _split(path)
+        if not owners:
+            continue  # the block holds the experts itself: its own hooks run around the layer's call
+        module = layer
+        for part in owners:
+            module = module._modules[part]
+        if watched(module):
+            return True
+    return False
 
 
 def _block_forward(layer: nn.Module, hidden_states: Tensor, plan: MoEPlan, routing, numbers: ExpertNumbers):

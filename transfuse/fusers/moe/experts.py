@@ -11,7 +11,10 @@ on the permutation), and that a skipped iteration only skips an id no expert has
 
 The expert itself is either packed tensors indexed by the expert (``gate_up_proj[e]``,
 ``down_proj[e]``; ``F.linear`` or ``@``; halves, interleaved, or gpt-oss's clamped SwiGLU)
-or a member of an ``nn.ModuleList`` whose own graph is ``down(act(gate(x)) * up(x))``.
+or a member of an ``nn.ModuleList`` whose own graph is ``down(act(gate(x)) * up(x))``. A member
+may be handed the routing weights of its rows and multiply them onto that output as its last
+operation (``expert(rows, w[t, s, None])`` returning ``w * down(...)``): the same product as
+multiplying outside. Rows and weights may be indexed by the indices as Python lists (``.tolist()``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch.fx as fx
 
 from ...ops.moe import ExpertsSpec
 from ...rewriter.graph import NoMatch, is_op, op_name, operand, operands, peel_casts, value
+from ...rewriter.inline import call_inputs
 from ...rewriter.source import method_source
 from ...rewriter.tracer import Trace, unwrapped_forward
 from .routing import Source, source_of
@@ -81,6 +85,7 @@ class LoopMatch:
     member_calls: list[fx.Node] = field(default_factory=list)  # every member called (one per unrolled iteration)
     unrolled: int | None = None  # a loop over every expert index, unrolled by tracing: how many iterations
     weights_cast: bool = False  # each routing weight is cast to its expert output's dtype before the product
+    member_weight: str | None = None  # the member's parameter its rows' routing weights are passed as, if any
 
 
 def match_loop(trace: Trace, children: Lookup) -> LoopMatch:
@@ -89,10 +94,10 @@ def match_loop(trace: Trace, children: Lookup) -> LoopMatch:
     graph = trace.graph
     adds = [n for n in graph.nodes if is_op(n, "index_add_", "index_add")]
     if len(adds) > 1 and len({operand(n, 0) for n in adds}) == 1:
-        return _match_unrolled(trace, adds)
+        return _match_unrolled(trace, adds, children)
     if len(adds) != 1:
         raise NoMatch("moe.combine", f"the forward has {len(adds)} index_add calls, not one per expert iteration.")
-    found, expert, mask, expert_out = _iteration(adds[0])
+    found, expert, mask, expert_out = _iteration(adds[0], children)
     _check_loop(trace, expert, mask, found)
     if expert_out.op == "call_module":
         rows = _member(expert_out, found)
@@ -103,7 +108,7 @@ def match_loop(trace: Trace, children: Lookup) -> LoopMatch:
     return found
 
 
-def _iteration(add: fx.Node) -> tuple[LoopMatch, Any, fx.Node | None, fx.Node]:
+def _iteration(add: fx.Node, children: Lookup) -> tuple[LoopMatch, Any, fx.Node | None, fx.Node]:
     """One iteration's ``index_add_``: (its match so far, the expert index, the mask, the expert's output)."""
     accumulator, dim, token_idx, source = (operand(add, i) for i in range(4))
     if dim != 0:
@@ -111,10 +116,20 @@ def _iteration(add: fx.Node) -> tuple[LoopMatch, Any, fx.Node | None, fx.Node]:
     found = LoopMatch(accumulator, None, None, None, None, nodes={add})
     contribution, casts = peel_casts(source)
     _chain(found.nodes, source, contribution)
-    if len(casts) > 1 or not is_op(contribution, "mul"):
+    weighted = _weighted_call(contribution, children) if len(casts) <= 1 else None
+    if weighted is not None:  # expert(rows, w[t, s, None]), which returns w * its output
+        found.member_weight, passed = weighted
+        selection, expert_out = _weight_selection(passed, found), contribution
+        if selection is None:
+            raise NoMatch(
+                "moe.combine", "the expert multiplies its output by an argument that is not its rows' routing weights "
+                "weights[token, slot].", contribution,
+            )  # fmt: skip
+    elif len(casts) > 1 or not is_op(contribution, "mul"):
         raise NoMatch("moe.combine", "what is added per expert is not its output times a routing weight.", source)
-    found.nodes.add(contribution)
-    selection, expert_out = _split_weight(contribution, found)
+    else:
+        found.nodes.add(contribution)
+        selection, expert_out = _split_weight(contribution, found)
     where, token_axis_output = _token_index(token_idx, selection, found)
     expert, mask = _expert_index(where, token_axis_output, found)
     ids_shape, weights_shape = (getattr(value(n), "shape", None) for n in (found.ids, found.weights))
@@ -123,7 +138,7 @@ def _iteration(add: fx.Node) -> tuple[LoopMatch, Any, fx.Node | None, fx.Node]:
     return found, expert, mask, expert_out
 
 
-def _match_unrolled(trace: Trace, adds: list[fx.Node]) -> LoopMatch:
+def _match_unrolled(trace: Trace, adds: list[fx.Node], children: Lookup) -> LoopMatch:
     """``for e in range(E)``, unrolled by tracing into one ``index_add_`` per expert: iteration ``i``
     must read expert ``i`` (``mask[i]`` or ``ids == i``), call member ``i`` of one module list on the
     rows routed to it, and read the same tokens, ids and weights as the others, for ``i`` in
@@ -131,7 +146,7 @@ def _match_unrolled(trace: Trace, adds: list[fx.Node]) -> LoopMatch:
     its rows' weighted outputs is the routed mixture; only its order per token may differ."""
     first = None
     for i, add in enumerate(adds):
-        found, expert, mask, expert_out = _iteration(add)
+        found, expert, mask, expert_out = _iteration(add, children)
         if isinstance(expert, fx.Node) or expert != i:
             raise NoMatch(
                 "moe.unrolled-loop",
@@ -149,8 +164,10 @@ def _match_unrolled(trace: Trace, adds: list[fx.Node]) -> LoopMatch:
         if first is None:
             first = found
             continue
-        same = (found.tokens, found.ids, found.weights, found.member_list, found.accumulate_fp32) == (
-            first.tokens, first.ids, first.weights, first.member_list, first.accumulate_fp32,
+        same = (
+            found.tokens, found.ids, found.weights, found.member_list, found.accumulate_fp32, found.member_weight,
+        ) == (
+            first.tokens, first.ids, first.weights, first.member_list, first.accumulate_fp32, first.member_weight,
         )  # fmt: skip
         if not same:
             raise NoMatch(
@@ -197,6 +214,56 @@ def _chain(nodes: set[fx.Node], top: fx.Node, bottom: fx.Node) -> None:
         walk = operand(walk, 0)
 
 
+def weighted_output(trace: Trace | None) -> tuple[fx.Node, fx.Node] | None:
+    """A forward whose last operation multiplies one of its inputs onto what it computed
+    (``return weight * h``), that input read nowhere else: (the input's placeholder, h); else None."""
+    if trace is None or trace.partial or trace.output is None:
+        return None
+    out = trace.output.args[0]
+    if not (is_op(out, "mul") and len(out.users) == 1):
+        return None
+    for weight, h in (operands(out)[:2], operands(out)[1::-1]):
+        if isinstance(weight, fx.Node) and weight.op == "placeholder" and len(weight.users) == 1:
+            if isinstance(h, fx.Node) and h.op != "placeholder":
+                return weight, h
+    return None
+
+
+def _weighted_call(call: fx.Node, children: Lookup) -> tuple[str, Any] | None:
+    """``member(rows, w)`` whose forward returns ``w * output``: (the parameter's name, the argument w)."""
+    if call.op != "call_module":
+        return None
+    trace = children(call.target)
+    weighted = weighted_output(trace)
+    inputs = call_inputs(trace, call.args, call.kwargs) if weighted is not None else None
+    if inputs is None or weighted[0].target not in inputs:
+        return None
+    return weighted[0].target, inputs[weighted[0].target]
+
+
+def _untolist(node: Any, found: LoopMatch) -> Any:
+    """``t.tolist()`` → t: indexing by the list of a tensor's values selects what the tensor does."""
+    if is_op(node, "tolist") and len(node.args) == 1 and not node.kwargs:
+        found.nodes.add(node)
+        return operand(node, 0)
+    return node
+
+
+def _weight_selection(selection: Any, found: LoopMatch) -> fx.Node | None:
+    """``weights[t, s, None]`` or ``weights[t, s].unsqueeze(-1)`` → the ``weights[t, s...]`` node (and
+    ``found.weights``); None for anything else."""
+    base = selection
+    if is_op(base, "unsqueeze") and operand(base, 1, "dim") in (-1, 1):
+        base = operand(base, 0)
+    if is_op(base, "getitem") and isinstance(operand(base, 1), tuple):
+        index = operand(base, 1)
+        if len(index) == 3 and index[2] is None and base is selection or len(index) == 2 and base is not selection:
+            found.nodes.update({selection, base})
+            found.weights = operand(base, 0)
+            return base
+    return None
+
+
 def _split_weight(mul: fx.Node, found: LoopMatch) -> tuple[fx.Node, fx.Node]:
     """``expert_out * weights[t, s, None]`` (either order; ``[t, s].unsqueeze(-1)`` too; the weight may be
     cast to the expert output's dtype, as block-FP8 experts write it, which ``moe_experts_fp8`` computes:
@@ -207,15 +274,9 @@ def _split_weight(mul: fx.Node, found: LoopMatch) -> tuple[fx.Node, fx.Node]:
             found.nodes.add(selection)
             found.weights_cast = True
             selection = peeled
-        base = selection
-        if is_op(base, "unsqueeze") and operand(base, 1, "dim") in (-1, 1):
-            base = operand(base, 0)
-        if is_op(base, "getitem") and isinstance(operand(base, 1), tuple):
-            index = operand(base, 1)
-            if len(index) == 3 and index[2] is None and base is selection or len(index) == 2 and base is not selection:
-                found.nodes.update({selection, base})
-                found.weights = operand(base, 0)
-                return base, other
+        base = _weight_selection(selection, found)
+        if base is not None:
+            return base, other
     for gates in operands(mul)[:2]:
         if is_op(gates, "getitem") and operand(gates, 1) == (slice(None), None):
             raise NoMatch(
@@ -230,7 +291,7 @@ def _split_weight(mul: fx.Node, found: LoopMatch) -> tuple[fx.Node, fx.Node]:
 
 def _token_index(token_idx: fx.Node, selection: fx.Node, found: LoopMatch) -> tuple[fx.Node, tuple[int, int]]:
     """The ``where`` both indices come from, and which of its outputs are the token and the slot."""
-    tok, slot = operand(selection, 1)[:2]
+    tok, slot = (_untolist(i, found) for i in operand(selection, 1)[:2])
     if tok is not token_idx:
         raise NoMatch("moe.combine", "the routing weight is not read at the token its output is added to.", selection)
     if not (is_op(tok, "getitem") and is_op(slot, "getitem") and operand(tok, 0) is operand(slot, 0)):
@@ -342,6 +403,7 @@ def _rows_source(rows: fx.Node, token_idx: fx.Node, found: LoopMatch) -> fx.Node
     """``tokens[t]`` or ``tokens[None, t].reshape(-1, H)`` → tokens."""
     gathered = operand(rows, 0) if is_op(rows, "reshape", "view") else rows
     index = operand(gathered, 1) if is_op(gathered, "getitem") else None
+    index = tuple(_untolist(i, found) for i in index) if isinstance(index, tuple) else _untolist(index, found)
     if index is token_idx or (
         isinstance(index, tuple) and len(index) == 2 and index[0] is None and index[1] is token_idx
     ):
@@ -373,7 +435,8 @@ def _member(call: fx.Node, found: LoopMatch, index: str = "0") -> fx.Node:
     """``self.experts[e](rows)``: the representative member ``<list>.0`` (of an unrolled loop, member
     ``index``) called on the rows alone."""
     owner, _, called = call.target.rpartition(".")
-    passed = [a for a in (*call.args[1:], *call.kwargs.values()) if isinstance(value(a), torch.Tensor)]
+    expected = 1 if found.member_weight is None else 2  # the rows, and the routing weights when passed in
+    passed = [a for a in (*call.args[expected:], *call.kwargs.values()) if isinstance(value(a), torch.Tensor)]
     if passed and (called != index or not owner):
         raise NoMatch(
             "moe.expert-arguments",
@@ -382,7 +445,7 @@ def _member(call: fx.Node, found: LoopMatch, index: str = "0") -> fx.Node:
             "rows alone.",
             call,
         )  # fmt: skip
-    if called != index or not owner or len(call.args) != 1 or call.kwargs:
+    if called != index or not owner or len(call.args) != expected or call.kwargs:
         raise NoMatch(
             "moe.expert-form", f"the expert call {call.target} is not a member of a module list on the rows.", call
         )
@@ -678,8 +741,9 @@ def _linear_child(trace: Trace | None) -> bool:
     )
 
 
-def match_glu_member(trace: Trace, children: Lookup) -> GLUMember:
-    """``down(act(gate(x)) * up(x))`` in a ModuleList member's own graph (children by dataflow)."""
+def match_glu_member(trace: Trace, children: Lookup, weight: str | None = None) -> GLUMember:
+    """``down(act(gate(x)) * up(x))`` in a ModuleList member's own graph (children by dataflow); with
+    ``weight``, the member returns ``weight * down(...)``, that parameter read nowhere else."""
     if trace.partial or trace.output is None:
         raise NoMatch("moe.expert-form", f"the expert module's forward could not be traced ({trace.describe_stop()}).")
     if trace.shape_guards:
@@ -688,7 +752,15 @@ def match_glu_member(trace: Trace, children: Lookup) -> GLUMember:
             f"the expert module's control flow depends on its input's shape ({trace.shape_guards[0].describe()}).",
         )
     out = trace.output.args[0]
-    x = [p for p in trace.placeholders() if p.users]
+    own = 5
+    if weight is not None:
+        weighted = weighted_output(trace)
+        if weighted is None or weighted[0].target != weight:
+            raise NoMatch(
+                "moe.combine", f"the expert module does not multiply its output by {weight} as its last operation.", out
+            )  # fmt: skip
+        out, own = weighted[1], own + 1
+    x = [p for p in trace.placeholders() if p.users and p.target != weight]
     if len(x) != 1 or not (isinstance(out, fx.Node) and out.op == "call_module" and is_op(operand(out, 0), "mul")):
         raise NoMatch("moe.expert-form", "the expert module does not compute down(act(gate(x)) * up(x)).", out)
     for act, up in (operands(operand(out, 0))[:2], operands(operand(out, 0))[1::-1]):
@@ -701,7 +773,7 @@ def match_glu_member(trace: Trace, children: Lookup) -> GLUMember:
             operand(c, 0) is x[0] for c in (gate, up)
         ):
             extra = [n for n in trace.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
-            if len(extra) != 5:
+            if len(extra) != own:
                 raise NoMatch("moe.expert-form", "the expert module computes more than a gated MLP.", out)
             return GLUMember(gate.target, up.target, out.target, name)
     raise NoMatch("moe.expert-form", "the expert module is not a gated MLP of three linear layers.", out)

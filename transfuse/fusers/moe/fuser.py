@@ -34,6 +34,7 @@ from ...rewriter.tracer import Trace, unwrapped_forward
 from .dense import match_dense_experts, match_expert_sum, match_scaled_rows
 from .experts import GLUMember, LoopMatch, match_glu_member, match_loop
 from .routing import RoutingMatch, Source, match_masked_scores, match_routing, peel_reshapes, source_of
+from .sorted_rows import match_sorted_experts, match_sorted_rows, split_linear_experts
 
 __all__ = ["MoEEmission", "MoEFuser", "MoEMatch"]
 
@@ -53,6 +54,8 @@ class MoEMatch:
     input: str = "hidden_states"  # the forward's parameter the block reads
     routed_scale: Source | None = None  # the number the routed output is multiplied by, when it is
     unrolled: int | None = None  # the experts loop ran over every expert index, unrolled: how many there were
+    more_experts: tuple[str, ...] = ()  # further children holding expert tensors (w2 held apart from w13)
+    experts_traced: int | None = None  # how many experts the traced experts' forward applied
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,7 @@ class MoEFuser(Fuser[MoEMatch]):
 
     def claimed_children(self, found: MoEMatch) -> tuple[str, ...]:
         """The router and the experts become the fused layer's; shared experts stay open to other fusions."""
-        return (found.plan.router.module, found.experts_child)
+        return (found.plan.router.module, found.experts_child, *found.more_experts)
 
     def rebuilt_children(self, found: MoEMatch) -> tuple[str, ...]:
         """The block's place; per-expert modules are also stacked into new tensors."""
@@ -104,6 +107,11 @@ class MoEFuser(Fuser[MoEMatch]):
         except _NotMoE:
             return _dense_experts(analysis) or _members_without_loop(analysis)
         except NoMatch as refusal:
+            if refusal.tag == "moe.sorted-rows":
+                try:
+                    return _match_sorted_block(analysis)
+                except NoMatch as sorted_refusal:
+                    refusal = sorted_refusal
             return Refusal(refusal.tag, refusal.reason, analysis.where(refusal.node))
 
     def validate(self, module: nn.Module, found: MoEMatch) -> Refusal | None:
@@ -258,6 +266,62 @@ def _members_without_loop(analysis: ClassAnalysis) -> Refusal | None:
         "matcher follows a loop that adds weight · expert(rows) into zeros with index_add.",
         analysis.where(calls[0]),
     )
+
+
+def _inlined_node(inlined, node: Any) -> Any:
+    """Where a parent's node went in the inlined graph; a node of the inlined graph is itself."""
+    return inlined.env.get(node, node) if isinstance(node, fx.Node) else node
+
+
+def _match_sorted_block(analysis: ClassAnalysis) -> MoEMatch:
+    """Every (token, expert) row, sorted by expert, computed by two children holding ``[E, out, in]``
+    weights, weighted and added back by one ``index_add`` (``sorted_rows``): the routed mixture."""
+    trace = analysis.trace
+    x_input = _block_input(trace)
+    children = lambda path: _trace_of(analysis.child(path))  # noqa: E731
+    found = match_sorted_experts(trace.graph, children)
+    first, second = found.first, found.second
+    w13, experts = split_linear_experts(children(first.target), "gate/up")
+    w2, experts_2 = split_linear_experts(children(second.target), "down")
+    if experts != experts_2:
+        raise NoMatch("moe.sorted-rows", f"the two projections hold {experts} and {experts_2} experts.", second)
+    routers = _router_calls((found.token, found.gates, found.sizes), {first, second})
+    router_names = {n.target for n in routers}
+    inlined = inline_calls(
+        trace, lambda path: _trace_of(analysis.child(path)) if path.split(".")[0] in router_names else None
+    )
+    x = inlined[x_input]
+    token, gates, sizes = (_inlined_node(inlined, n) for n in (found.token, found.gates, found.sizes))
+    rows = match_sorted_rows(token, gates, sizes, experts)
+    if not _is_tokens(_inlined_node(inlined, found.rows), x):
+        raise NoMatch("moe.tokens", "the experts do not read the block's input flattened to [tokens, hidden].", first)
+    router, routing = _match_router(analysis, inlined, routers, rows.ids, rows.weights, x)
+    if routing is None:
+        raise NoMatch("moe.sorted-rows", "the routing of the sorted rows is not one the fused layer computes.", first)
+    if isinstance(rows.k, fx.Node) and source_of(rows.k, "k", (int,)) != routing.top_k:
+        raise NoMatch("moe.sorted-rows", "the sorted positions are divided by another number than the top-k.", token)
+    routed = _inlined_node(inlined, found.add)
+    roles = {id(routed): HIDDEN, id(routing.logits): LOGITS}
+    items = [u for u in routers[0].users if is_op(u, "getitem") and isinstance(operand(u, 1), int)]
+    output = _match_output(inlined, x, routed, roles, {id(inlined[u]): operand(u, 1) for u in items})
+    activation = {n for n in found.nodes if n.op == "call_module"}  # an activation child of the GLU
+    _account(trace, {first, second, *routers, *activation}, output.shared, output.post)
+    block_nodes = {_inlined_node(inlined, n) for n in found.nodes} | rows.nodes
+    _check_in_place(inlined.graph, routing.nodes | output.nodes | block_nodes, "block")
+    experts_plan = ExpertsPlan(f"{first.target}.{w13}", f"{second.target}.{w2}", found.spec)
+    plan = MoEPlan(
+        router, experts_plan, output.shared, output.roles, output.returns_tuple, output.flat,
+        assumes=_assumptions(analysis, sorted(router_names)),
+        combine_fp32=output.combine_fp32, routed_scaled=output.routed_scale is not None,
+        post=output.post, post_flat=output.post_flat,
+    )  # fmt: skip
+    branches = (("", analysis.cls),) if "training" in trace.specialisation else ()
+    if not router.train_as_module and _reads_training(analysis, router.module):
+        branches += ((router.module, analysis.child(router.module).cls),)
+    return MoEMatch(
+        plan, first.target, None, routing, None, None, None, branches, input=x_input.target,
+        routed_scale=output.routed_scale, more_experts=(second.target,), experts_traced=experts,
+    )  # fmt: skip
 
 
 def _packed_holder(analysis: ClassAnalysis) -> tuple[str, str] | None:
@@ -590,7 +654,9 @@ def _experts_plan(analysis: ClassAnalysis, loop: LoopMatch, call: fx.Node | None
     member_trace = _trace_of(analysis.child(loop.member_call.target))
     if member_trace is None:
         raise NoMatch("moe.expert-form", "the expert module was not traced.", loop.member_call)
-    member = match_glu_member(member_trace, lambda p: _trace_of(analysis.child(f"{loop.member_call.target}.{p}")))
+    member = match_glu_member(
+        member_trace, lambda p: _trace_of(analysis.child(f"{loop.member_call.target}.{p}")), loop.member_weight
+    )
     owner = loop.member_list
     plan = ExpertsPlan(f"{owner}.w13", f"{owner}.w2", ExpertsSpec(member.activation))
     return plan, owner, member, None, None, loop.skip_ids_from
@@ -652,7 +718,7 @@ def _match_router(
         routing = match_masked_scores(inlined[scores])
     else:
         try:
-            routing = match_routing(inlined[ids], inlined[weights])
+            routing = match_routing(_inlined_node(inlined, ids), _inlined_node(inlined, weights))
         except NoMatch as refusal:
             return _opaque_router(call, ids, weights, refusal, extra), None
     router_trace = _trace_of(analysis.child(call.target))
@@ -663,7 +729,7 @@ def _match_router(
     returned = inlined[call]
     meaning = {id(routing.logits): LOGITS}
     if scores is None:
-        meaning |= {id(inlined[weights]): WEIGHTS, id(inlined[ids]): IDS}
+        meaning |= {id(_inlined_node(inlined, weights)): WEIGHTS, id(_inlined_node(inlined, ids)): IDS}
     returns = tuple(meaning.get(id(r)) for r in (returned if isinstance(returned, (tuple, list)) else (returned,)))
     plan = RouterPlan(
         module=call.target,
@@ -1037,6 +1103,13 @@ def _validate(module: nn.Module, found: MoEMatch) -> None:
         reason = check_fp8_experts(owner, *tensors)
         if reason is not None:
             raise NoMatch("moe.quantized", f"{e.w13.rpartition('.')[0]} ({type(owner).__name__}): {reason}")
+    if found.more_experts and shards is not None:
+        raise NoMatch("moe.sharded", "experts whose gate/up and down tensors two children hold are not sharded here.")
+    if found.experts_traced is not None and experts != found.experts_traced:
+        raise NoMatch(
+            "moe.shapes", f"the experts' forward was traced applying {found.experts_traced} experts, and this block "
+            f"holds {experts}.",
+        )  # fmt: skip
     if found.routing is not None:
         _check_routing(module, found, experts)
     if found.unrolled is not None and found.unrolled != experts:
