@@ -28,7 +28,8 @@ Opportunities, counted per module instance while the stock model runs once:
 - ``qkv``: any other set of two or more ``nn.Linear`` children of one module called on the same
   tensor (q, k and v; with a gate; k and v of cross-attention; MLA's low-rank pair; the input
   projections of linear-attention blocks): what an n-way merge could fuse;
-- ``moe``: a module with a child named ``experts`` or whose class name ends with ``Experts``.
+- ``moe``: a module with a child named ``experts`` or a child whose class name ends with ``Experts``
+  (granitemoe's ``ParallelExperts`` children), itself not such a class.
 
 "Fused" counts the report's fusions per kind, and a GLU of an expert in the experts of a fused
 mixture (the fused op computes it: its gate/up projection, activation and product); "complete" is a type where every opportunity was
@@ -139,7 +140,8 @@ def count_opportunities(model, ids) -> tuple[dict[str, int], dict[str, list[str]
     for path, module in model.named_modules():
         if _rms_norm_like(module):
             where["rms_norm"].append(path)
-        if "experts" in dict(module.named_children()) or type(module).__name__.endswith("Experts"):
+        children = dict(module.named_children())
+        if "experts" in children or any(type(c).__name__.endswith("Experts") for c in children.values()):
             if not type(module).__name__.endswith("Experts"):
                 where["moe"].append(path)
     # Linears called on the same tensor, per parent module and call.
