@@ -487,10 +487,10 @@ class PicklesRewritten:
 
 class _Rebinding:
     """A rewritten method in a reduced state: made again, bound to the copy, when the state is. It
-    reduces as the rewrite's class and recipe (what the rewrite itself pickles as), not as the rewrite
-    object: a pickler that leaves some of an instance's attributes out (Dynamo's guard state leaves
-    out those its guards do not read, the instance's ``_transfuse_rewrite`` among them) still has
-    what the method needs."""
+    reduces as the rewrite and, beside it, the rewrite's class and recipe: a pickler that leaves some
+    of an instance's attributes out (Dynamo's guard state leaves out those its guards do not read,
+    the instance's ``_transfuse_rewrite`` among them, and so the rewrite) still has what the method
+    needs."""
 
     __slots__ = ("rewrite", "instance")
 
@@ -499,17 +499,13 @@ class _Rebinding:
 
     def __reduce__(self):
         rewrite = self.rewrite
-        if not rewrite.recipe:
-            return (_bind_again, (rewrite, self.instance))  # (raises: a rewrite with no recipe)
-        return (_bind_rebuilt, (rewrite.cls, rewrite.recipe, self.instance))
+        return (_bind_again, (rewrite, self.instance, rewrite.cls, rewrite.recipe))
 
 
-def _bind_again(rewrite: MethodRewrite, instance) -> types.MethodType:
+def _bind_again(rewrite: MethodRewrite, instance, cls: type | None = None, recipe: tuple = ()) -> types.MethodType:
+    if not isinstance(rewrite, MethodRewrite):  # (left out by the pickler: made from its recipe)
+        rewrite = rebuilt_rewrite(cls, recipe)
     return types.MethodType(rewrite.forward_for(type(instance)), instance)
-
-
-def _bind_rebuilt(cls: type, recipe: tuple, instance) -> types.MethodType:
-    return _bind_again(rebuilt_rewrite(cls, recipe), instance)
 
 
 def _method_code(node: cst.FunctionDef) -> str:
