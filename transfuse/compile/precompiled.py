@@ -74,6 +74,8 @@ def _torch_parts() -> dict[str, Any] | None:
         return None
     if not all(hasattr(function, name) for name in ("serialize", "deserialize", "guard_check")):
         return None
+    if "f_globals" not in inspect.signature(function.deserialize).parameters:
+        return None  # (the objects a kept function's bytecode reads are handed over by name)
     parameters = inspect.signature(compile_fullgraph).parameters
     if not {"hooks", "backend"} <= set(parameters):
         return None
