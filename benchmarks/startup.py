@@ -3,14 +3,17 @@
 * ``compile``: in a fresh process per run, a tiny random model is built, rewritten and
   ``transfuse.compile``d, then ``generate`` makes 16 tokens greedily; the time from ``compile``
   returning to ``generate`` returning (an upper bound of the time to the first token), split by
-  torch's own timers (Dynamo, Inductor) and by what is left (capture and the steps). Runs come in
-  pairs, alternating: one with the transfuse cache empty (the baseline: torch's own caches warm, as
-  in any second process) and one with it filled by an earlier process. The median of the pairs.
+  torch's own timers (Dynamo, Inductor), the loading of kept compiled calls
+  (``transfuse/compile/precompiled.py``) and what is left (capture and the steps). Runs come in
+  turns, alternating: one with the transfuse cache empty (torch's own caches warm, as in any second
+  process) and one with it filled by an earlier process; with ``--baseline-repo`` a third, with an
+  empty cache and transfuse imported from another checkout (the code before a change: the baseline
+  a change is measured against). The median of each.
 * ``cli``: ``transfuse --help`` and the time until ``transfuse explain llama`` prints its first line.
 * ``--gpu``: Llama-3-8B shapes with 8 layers in bfloat16 on CUDA (``--tiny`` shrinks them, for a
   dry run on the CPU).
 
-    nice python benchmarks/startup.py --models llama qwen3_moe --pairs 5
+    nice python benchmarks/startup.py --models llama qwen3_moe --pairs 5 --only compile --baseline-repo ../main
     python benchmarks/startup.py --gpu --pairs 3
 """
 
@@ -60,19 +63,33 @@ def child(options: dict) -> dict:
         torch.cuda.synchronize()
     done = time.perf_counter()
     spent = _time_spent()
+    kept = _precompiled_seconds()
+    if not spent.get("dynamo"):  # calls kept across processes: traced and compiled by torch's precompile
+        spent["dynamo"] = kept["kept_compile_s"]
     generate_s = done - returned
     return {
         "compile_call_s": returned - start,
+        "precompiled": dict(getattr(getattr(model._transfuse_compiled, "precompiled", None), "counts", {}) or {}),
+        **kept,
         "generate_s": generate_s,
         "dynamo_s": spent.get("dynamo", 0.0),
         "inductor_s": spent.get("inductor", 0.0),
-        "rest_s": max(generate_s - spent.get("dynamo", 0.0), 0.0),
+        "rest_s": max(generate_s - spent.get("dynamo", 0.0) - kept["load_s"], 0.0),
         "tokens": int(out.shape[1] - ids.shape[1]),
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "fxgraph_hits": counters["inductor"]["fxgraph_cache_hit"],
         "fxgraph_misses": counters["inductor"]["fxgraph_cache_miss"],
         "transfuse_cache": dict(counters["transfuse_cache"]),
     }
+
+
+def _precompiled_seconds() -> dict:
+    """transfuse's own timers of kept compiled calls (absent in a checkout without them)."""
+    try:
+        from transfuse.compile.precompiled import SECONDS
+    except ImportError:
+        return {"load_s": 0.0, "inductor_load_s": 0.0, "kept_compile_s": 0.0}
+    return {"load_s": SECONDS["load"], "inductor_load_s": SECONDS["inductor_load"], "kept_compile_s": SECONDS["compile"]}
 
 
 def _time_spent() -> dict:
@@ -84,13 +101,15 @@ def _time_spent() -> dict:
     except Exception:  # noqa: BLE001 - a timer torch renamed: the split is left out
         return {}
     total = spent.get("entire_frame_compile", 0.0) or spent.get("_compile.compile_inner", 0.0)
+    total += spent.get("fullgraph_capture", 0.0)  # (Dynamo's precompile: tracing a call to keep it)
     inductor = spent.get("inductor_compile", 0.0) or spent.get("backend_compile", 0.0)
     return {"dynamo": total, "inductor": inductor}
 
 
-def run_child(options: dict) -> dict:
+def run_child(options: dict, repo: str | None = None) -> dict:
     command = [sys.executable, __file__, "--child", json.dumps(options)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    env = dict(os.environ, PYTHONPATH=repo) if repo else None  # transfuse imported from that checkout
+    result = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=env)
     if result.returncode != 0:
         raise SystemExit(f"the child failed:\n{result.stderr[-4000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -112,21 +131,34 @@ def compile_startup(args: argparse.Namespace) -> None:
             options = {"model": model, "device": device, "dtype": dtype, "shapes": shapes, "cache_dir": cache}
             # Torch's own caches warm, and the transfuse cache filled, by a first process.
             first = run_child(options)
-            rows = {"empty": [], "warm": []}
+            kinds = ("empty", "warm") + (("baseline",) if args.baseline_repo else ())
+            rows = {kind: [] for kind in kinds}
             for _ in range(args.pairs):
-                for kind in ("empty", "warm"):
-                    chosen = dict(options, cache_dir=os.path.join(root, f"empty-{time.monotonic_ns()}") if kind == "empty" else cache)
-                    rows[kind].append(run_child(chosen))
-            print(f"\n{model} on {first['device']} ({dtype}), {args.pairs} pairs, first process {first['generate_s']:.2f} s")
-            print(f"  {'transfuse cache':16} {'generate(16) s':>14} {'dynamo s':>9} {'inductor s':>10} {'rest s':>7}  fx hits/misses  transfuse cache")
+                for kind in kinds:
+                    fresh = os.path.join(root, f"empty-{time.monotonic_ns()}")
+                    chosen = dict(options, cache_dir=cache if kind == "warm" else fresh)
+                    rows[kind].append(run_child(chosen, args.baseline_repo if kind == "baseline" else None))
+            print(f"\n{model} on {first['device']} ({dtype}), {args.pairs} runs of each, first process {first['generate_s']:.2f} s")
+            columns = ("generate_s", "compile_call_s", "dynamo_s", "inductor_s", "load_s", "inductor_load_s", "rest_s")
+            print(f"  {'transfuse cache':16} {'generate(16) s':>14} {'compile() s':>11} {'dynamo s':>9} {'inductor s':>10}"
+                  f" {'load s':>7} {'of it Inductor':>14} {'rest s':>7}  fx hits/misses  transfuse cache  kept calls")
             medians = {}
             for kind, runs in rows.items():
-                med = {k: statistics.median(r[k] for r in runs) for k in ("generate_s", "dynamo_s", "inductor_s", "rest_s")}
+                med = {k: statistics.median(r.get(k, 0.0) for r in runs) for k in columns}
                 medians[kind] = med
                 last = runs[-1]
-                print(f"  {kind:16} {med['generate_s']:14.2f} {med['dynamo_s']:9.2f} {med['inductor_s']:10.2f} {med['rest_s']:7.2f}"
-                      f"  {last['fxgraph_hits']}/{last['fxgraph_misses']}  {last['transfuse_cache']}")
-            print(f"  warm / empty: {medians['warm']['generate_s'] / medians['empty']['generate_s']:.0%}")
+                print(f"  {kind:16} {med['generate_s']:14.2f} {med['compile_call_s']:11.2f} {med['dynamo_s']:9.2f}"
+                      f" {med['inductor_s']:10.2f} {med['load_s']:7.2f} {med['inductor_load_s']:14.2f} {med['rest_s']:7.2f}"
+                      f"  {last['fxgraph_hits']}/{last['fxgraph_misses']}  {last['transfuse_cache']}  {last.get('precompiled')}")
+                each = ", ".join(f"{r['generate_s']:.2f}" for r in runs)
+                print(f"  {'':16} each run: {each}")
+            for kind in kinds[::2]:
+                print(f"  warm / {kind}: {medians['warm']['generate_s'] / medians[kind]['generate_s']:.0%}"
+                      f" (with compile(): {_total(medians['warm']) / _total(medians[kind]):.0%})")
+
+
+def _total(med: dict) -> float:
+    return med["generate_s"] + med["compile_call_s"]
 
 
 def cli_startup(args: argparse.Namespace) -> None:
@@ -156,6 +188,8 @@ def main() -> int:
     parser.add_argument("--gpu", action="store_true", help="Llama-3-8B shapes, 8 layers, bfloat16 on CUDA")
     parser.add_argument("--tiny", action="store_true", help="with --gpu: tiny shapes (a dry run)")
     parser.add_argument("--only", choices=("compile", "cli"), default=None)
+    parser.add_argument("--baseline-repo", default=None,
+                        help="also run processes with an empty cache that import transfuse from this checkout")
     args = parser.parse_args()
     if args.child:
         options = json.loads(args.child)

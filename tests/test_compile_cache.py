@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from transfuse.compile import cache
+from transfuse.compile import cache, precompiled
 
 pytestmark = pytest.mark.skipif(not cache.supported(), reason="this torch has no portable cache artifacts")
 
@@ -151,3 +151,106 @@ def test_a_second_process_reuses_the_first_ones_inductor_output(tmp_path):
     second = process("second", entries)
     # The recorded graph from the entry; the other graph, never in it, compiled again.
     assert second["hits"] == 1 and second["misses"] == 1 and second["transfuse"] == {"hit": 1}  # nothing new: not written
+
+
+# --- Dynamo's output kept across processes (``transfuse/compile/precompiled.py``) -----------------
+
+KEPT = textwrap.dedent('''
+    import json, sys, torch
+    import transfuse
+    from torch._dynamo.utils import counters
+    from transfuse.compile import backend
+    from transfuse.tiny import tiny_model
+
+    cache_dir = False if sys.argv[1] == "off" else sys.argv[1]
+    model = transfuse.rewrite(tiny_model("llama"))
+    transfuse.compile(model, cache_dir=cache_dir)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
+                                do_sample=False)
+        logits = model(ids[:, :7], attention_mask=torch.ones_like(ids[:, :7])).logits
+    kept = model._transfuse_compiled.precompiled
+    print(json.dumps({
+        "tokens": tokens.tolist(), "logits": logits.flatten().tolist(),
+        "graphs": backend.stats()["graphs"], "frames": counters["stats"]["unique_graphs"],
+        "kept": kept.counts if kept is not None else None, "loaded": kept.loaded if kept is not None else 0,
+        "transfuse": dict(counters["transfuse_cache"]),
+    }))
+''')
+
+
+def _run(script: str, *argv: str) -> dict:
+    result = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not precompiled.supported(), reason="this torch keeps no Dynamo output across processes")
+def test_a_second_process_runs_the_kept_calls_without_dynamo_and_matches_the_uncached_compiled_model(tmp_path):
+    entries = str(tmp_path / "entries")
+    first = _run(KEPT, entries)
+    assert first["kept"]["compiled"] >= 2 and first["loaded"] == 0  # a prompt and a decode step at least
+    assert len(list((tmp_path / "entries").glob("*.dynamo"))) == 1  # written at exit
+    second = _run(KEPT, entries)
+    # Every call served by a loaded function: no frame traced by Dynamo, no graph given to the backend.
+    assert second["loaded"] == first["kept"]["compiled"] and second["kept"]["compiled"] == 0
+    assert second["kept"]["fallback"] == 0 and second["kept"]["kept"] == first["kept"]["kept"] + first["kept"]["compiled"]
+    assert second["graphs"] == 0 and second["frames"] == 0 and second["transfuse"].get("dynamo_hit") == 1
+    uncached = _run(KEPT, "off")  # the compiled model with no cache: torch.compile's own entry
+    assert uncached["kept"] is None and uncached["graphs"] >= 2
+    assert second["tokens"] == uncached["tokens"] == first["tokens"]
+    assert torch.allclose(torch.tensor(second["logits"]), torch.tensor(uncached["logits"]), rtol=1e-5, atol=1e-5)
+    assert max(map(abs, second["logits"])) > 0  # (a real output, not zeros)
+
+
+def _kept(tmp_path, **options) -> "precompiled.Precompiled":
+    options = {"dynamic": None, "trust_modules": False, "cuda_graphs": False, **options}
+    return precompiled.Precompiled(nn.Linear(4, 4), options, lambda **kw: "fallback", tmp_path / "k.dynamo", lambda: set())
+
+
+def test_a_corrupt_kept_entry_is_ignored_with_a_warning_and_removed(tmp_path):
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    kept = _kept(tmp_path)
+    kept.path.write_bytes(cache._wrap([b"whole but not a function"], precompiled._MAGIC)[:-4])  # cut short
+    with pytest.warns(UserWarning, match="ignored the kept compiled calls .* cut short or corrupt"):
+        assert kept.read() == 0
+    assert not kept.path.exists() and counters["transfuse_cache"]["dynamo_corrupt"] == 1
+    kept = _kept(tmp_path)
+    kept.path.write_bytes(cache._wrap([b"whole but not a function"], precompiled._MAGIC))  # whole, unloadable
+    with pytest.warns(UserWarning, match="ignored the kept compiled calls .* cannot be loaded"):
+        assert kept.read() == 0
+    assert not kept.path.exists() and counters["transfuse_cache"]["dynamo_corrupt"] == 2
+    assert kept.functions == [] and counters["transfuse_cache"]["dynamo_hit"] == 0
+
+
+def test_a_call_that_cannot_be_kept_goes_to_torch_compile_with_a_warning(tmp_path, monkeypatch):
+    kept = _kept(tmp_path)
+    if precompiled._parts() is None:
+        pytest.skip("this torch keeps no Dynamo output across processes")
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("a graph break")
+
+    monkeypatch.setitem(precompiled._parts(), "compile", refuse)
+    with pytest.warns(UserWarning, match="go through torch.compile: RuntimeError: a graph break"):
+        assert kept(input=torch.ones(4)) == "fallback"
+    assert kept(input=torch.ones(4)) == "fallback"  # refused once: not tried again
+    assert kept.counts == {"kept": 0, "compiled": 0, "fallback": 2} and not kept.save()
+
+
+def test_without_torch_precompile_the_compiled_model_keeps_torch_compile_and_the_artifacts(tmp_path, monkeypatch):
+    import transfuse
+    from transfuse.tiny import tiny_model
+
+    monkeypatch.setattr(precompiled, "_parts", lambda: None)
+    assert not precompiled.supported()
+    model = transfuse.compile(tiny_model("llama"), cache_dir=tmp_path)
+    assert model._transfuse_compiled.precompiled is None and model._transfuse_compiled.cache_entry is not None
+
+
+def test_the_kept_calls_are_named_by_the_key(tmp_path):
+    entry = cache.CompileCache(tmp_path, "3" * 64)
+    assert entry.precompiled_path == tmp_path / f"{'3' * 64}.dynamo" and entry.path == tmp_path / f"{'3' * 64}.bin"

@@ -66,7 +66,7 @@ import torch
 from torch import nn
 
 from ..ops import batch_invariant as invariance
-from . import attention, backend, cache, generate, layer_graphs, replay
+from . import attention, backend, cache, generate, layer_graphs, precompiled, replay
 from .admission import CompileError, check, latent_cache_growth
 from .calls import DecodeCalls
 from . import eager_steps
@@ -116,6 +116,8 @@ class _Compiled(DecodeCalls):
         self.torch_compiled = torch.compile(entry, backend=graph_backend, dynamic=options["dynamic"], **extra)
         self.compiled = self._compiled_call
         self.cache_entry: cache.CompileCache | None = None
+        # The model's calls as functions kept across processes (``precompiled.py``), where set.
+        self.precompiled: precompiled.Precompiled | None = None
         self.announced = False
         # Decode steps replayed without entering Dynamo (``replay.py``): inside a closed decoding
         # loop (``generate.py``: Dynamo's guards checked at a captured step's first replay in the
@@ -130,18 +132,30 @@ class _Compiled(DecodeCalls):
         compiles, and may take long), and the graphs and seconds of each call that compiled."""
         if not self.announced:
             self.announced = True
-            entry = self.cache_entry
-            where = "no compile cache" if entry is None else (
-                f"compiled code loaded from {entry.path}" if entry.loaded else f"to be kept in {entry.directory}"
-            )
-            step(f"transfuse.compile: compiling {type(self.model).__name__} at its first calls (Dynamo, Inductor; {where})")
+            self._announce()
         before, start = backend._STATS["graphs"], time.perf_counter()
         with self.cache_entry.recording() if self.cache_entry is not None else contextlib.nullcontext():
-            output = self.torch_compiled(self.model, *args, **kwargs)
+            if self.precompiled is not None:
+                output = self.precompiled(*args, **kwargs)
+            else:
+                output = self.torch_compiled(self.model, *args, **kwargs)
         made = backend._STATS["graphs"] - before
         if made:
             step(f"transfuse.compile: compiled {made} graph{'s' * (made > 1)} in {time.perf_counter() - start:.1f} s")
         return output
+
+    def _announce(self) -> None:
+        entry, kept = self.cache_entry, self.precompiled
+        if kept is not None:
+            start = time.perf_counter()
+            if kept.read():
+                step(f"transfuse.compile: loaded {kept.loaded} compiled call{'s' * (kept.loaded > 1)} of "
+                     f"{type(self.model).__name__} from {kept.path} in {time.perf_counter() - start:.1f} s")
+                return
+        where = "no compile cache" if entry is None else (
+            f"compiled code loaded from {entry.path}" if entry.loaded else f"to be kept in {entry.directory}"
+        )
+        step(f"transfuse.compile: compiling {type(self.model).__name__} at its first calls (Dynamo, Inductor; {where})")
 
     def static_pointers(self) -> set[int]:
         model = self.model
@@ -278,6 +292,11 @@ def compile(  # noqa: A001 - the name users call, as torch.compile
     entry = cache.open_for(model, options, cache_dir) if inductor else None
     compiled = _Compiled(model, configs, options)
     compiled.cache_entry = entry
+    if entry is not None and not _replays_whole_calls(compiled, model) and precompiled.supported():
+        compiled.precompiled = precompiled.Precompiled(
+            model, options, compiled.torch_compiled, entry.precompiled_path, _Weakly(compiled.static_pointers)
+        )
+        entry.precompiled = compiled.precompiled.store
     model._compiled_call_impl = compiled
     model._transfuse_compiled = compiled
     layer_graphs.enable(model)  # (for the calls the compiled path leaves to the model's own forward)
@@ -285,6 +304,16 @@ def compile(  # noqa: A001 - the name users call, as torch.compile
     if deferred_stop:
         generate.install()
     return model
+
+
+def _replays_whole_calls(compiled: _Compiled, model: nn.Module) -> bool:
+    """Whether decode steps may be replayed as whole-call graphs (``replay.py``: on CUDA, through a
+    store), which read Dynamo's own entries of the model's calls."""
+    if compiled.call_graphs is None or compiled.options["kv_store"] is False:
+        return False
+    if compiled.options["kv_store"]:
+        return True
+    return any(p.device.type == "cuda" for p in itertools.chain(model.parameters(), model.buffers()))
 
 
 def is_compiled(model: nn.Module) -> bool:

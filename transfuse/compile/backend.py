@@ -28,12 +28,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, fx
+from torch import Tensor, fx, nn
 
 from ..ops.graphs import capture, copy_out, graph_pool, input_buffer
 from .attention import current_step, current_store
 
-__all__ = ["ATTENTION_OP", "GraphedPiece", "StepGraph", "compile_graph", "stats"]
+__all__ = ["ATTENTION_OP", "GraphedPiece", "Layout", "StepGraph", "assemble", "compile_graph", "stats"]
 
 ATTENTION_OP = "transfuse.cached_attention"
 
@@ -72,10 +72,11 @@ def compile_graph(
     cuda_graphs: bool = True,
     static_pointers: Callable[[], set[int]] | None = None,
     on_frame: Callable[[], None] | None = None,
+    kept: list["Layout"] | None = None,
 ) -> Callable[..., Any]:
     """Compile one Dynamo graph: split at attention, each piece compiled, graphed where static.
     ``on_frame`` is called first, while Dynamo's records of the frame are current
-    (``replay.DynamoEntries.record``)."""
+    (``replay.DynamoEntries.record``); ``kept`` receives the graph's ``Layout``."""
     from torch.fx.passes.split_module import split_module
 
     _STATS["graphs"] += 1
@@ -112,30 +113,97 @@ def compile_graph(
     piece_inputs: dict[str, list[Any]] = {}
     _record_piece_inputs(split, fakes, piece_inputs)
 
+    layout: dict[str, tuple[str, bool]] = {}
+    compiled_pieces: dict[str, Callable[..., Any]] = {}
+    single: dict[str, bool] = {}
     for node in split.graph.nodes:
         if node.op != "call_module":
             continue
         piece = getattr(split, node.target)
         if any(_is_attention(inner) for inner in piece.graph.nodes):
-            _call_attention_directly(piece)
+            layout[node.target] = ("attention", False)
             continue
         inputs = piece_inputs[node.target]
         compiled: Callable[..., Any] = piece
         if inductor:
-            from torch._inductor.compile_fx import compile_fx
+            from torch._inductor.compile_fx import compile_fx, graph_returns_tuple
 
+            single[node.target] = not graph_returns_tuple(piece)  # (before Inductor makes it return a tuple)
             compiled = compile_fx(piece, inputs)
+        compiled_pieces[node.target] = compiled
+        graphed = cuda_graphs and all(_static(v) for v in inputs) and _on_cuda(inputs)
+        layout[node.target] = ("graphed" if graphed else "compiled", node.target in reaching_output)
+    step_graph = cuda_graphs and partition > 0 and _on_cuda(fakes)
+    if kept is not None:
+        kept.append(Layout(_bare_copy(split, layout), layout, step_graph, compiled_pieces, single))
+    return assemble(split, layout, compiled_pieces, step_graph, static_pointers)
+
+
+class Layout:
+    """How ``compile_graph`` assembled a split graph, for a caller that keeps it
+    (``transfuse/compile/precompiled.py``): the split graph as split (``_bare_copy``), each piece's kind ("attention",
+    "compiled", or "graphed": a compiled piece replayed as a CUDA graph per shape) and whether its
+    results leave the graph, whether the whole step is a ``StepGraph``, the compiled pieces as
+    Inductor returned them, and which of them return a single value (Inductor's own code returns
+    a sequence, which ``compile_fx`` unpacks for a graph that returns one value)."""
+
+    def __init__(
+        self,
+        split: fx.GraphModule,
+        pieces: dict[str, tuple[str, bool]],
+        step_graph: bool,
+        compiled: dict[str, Callable[..., Any]] | None = None,
+        single: dict[str, bool] | None = None,
+    ):
+        self.split = split
+        self.pieces = pieces
+        self.step_graph = step_graph
+        self.compiled = compiled or {}
+        self.single = single or {}
+
+
+def _bare_copy(split: fx.GraphModule, layout: dict[str, tuple[str, bool]]) -> fx.GraphModule:
+    """The split graph as split, with its attention pieces and an empty module for each other
+    piece, no node carrying Dynamo's metadata (fake tensors, stack traces)."""
+    root: dict[str, Any] = {}
+    for name, (kind, _) in layout.items():
+        root[name] = fx.GraphModule(split._modules[name], _bare(split._modules[name].graph)) if kind == "attention" else nn.Module()
+    return fx.GraphModule(root, _bare(split.graph))
+
+
+def _bare(graph: fx.Graph) -> fx.Graph:
+    copied = fx.Graph()
+    copied.output(copied.graph_copy(graph, {}))
+    for node in copied.nodes:
+        node.meta = {}
+    return copied
+
+
+def assemble(
+    split: fx.GraphModule,
+    layout: dict[str, tuple[str, bool]],
+    compiled: dict[str, Callable[..., Any]],
+    step_graph: bool,
+    static_pointers: Callable[[], set[int]] | None,
+) -> Callable[..., Any]:
+    """The runnable split graph: each attention piece calling the op's body, each compiled piece
+    ``compiled[name]`` (in a ``GraphedPiece`` where ``layout`` says so), the whole a ``StepGraph``
+    where ``step_graph``."""
+    for name, (kind, leaves) in layout.items():
+        if kind == "attention":
+            _call_attention_directly(getattr(split, name))
+            continue
         _STATS["pieces"] += 1
-        runner: Callable[..., Any] = compiled
-        if cuda_graphs and all(_static(v) for v in inputs) and _on_cuda(inputs):
-            leaves = node.target in reaching_output
-            runner = GraphedPiece(compiled, node.target, static_pointers, copy_outputs=leaves)
+        runner: Callable[..., Any] = compiled[name]
+        if kind == "graphed":
+            runner = GraphedPiece(runner, name, static_pointers, copy_outputs=leaves)
         # A plain callable, not a module: the split module calls ``self.<piece>(...)`` and a
         # module's ``__call__`` would add its hook checks to every piece of every token.
-        delattr(split, node.target)
-        object.__setattr__(split, node.target, runner)
+        if name in split._modules:
+            delattr(split, name)
+        object.__setattr__(split, name, runner)
     split.recompile()
-    if cuda_graphs and partition > 0 and _on_cuda(fakes):
+    if step_graph:
         return StepGraph(split, static_pointers)
     return split
 

@@ -6,7 +6,9 @@ model's own compiled calls only) under a key of everything that changes the comp
 loaded back (``load_cache_artifacts``) by the next process that compiles a model with the same key,
 before anything is compiled: Inductor then finds every graph it would compile already built. A
 changed key is another file; an old one is never read for it. An entry is written after a warm-up
-and at exit, where the model compiled graphs the entry did not hold.
+and at exit, where the model compiled graphs the entry did not hold. Beside it, under the same key,
+Dynamo's output of the model's calls is kept (``precompiled.py``: ``KEY.dynamo``), which spares a
+later process the tracing and the compiling too.
 
 The key (``key``) hashes: the model's structure (its modules' classes and their source, rewritten
 or not, and its configuration), every parameter's and buffer's name, shape, dtype, device and tensor
@@ -228,6 +230,10 @@ class CompileCache:
         self.loaded_chunks: list[tuple[bytes, frozenset]] = []
         self.recorded_chunks: list[tuple[bytes, frozenset]] = []
         self._unsaved = False
+        # Dynamo's output of the model's calls, kept beside the artifacts (``precompiled.py``;
+        # set by ``transfuse.compile`` where it is kept).
+        self.precompiled_path = self.directory / f"{key_hex}.dynamo"
+        self.precompiled: Any = None
 
     def load(self) -> bool:
         """Hand this key's artifacts to torch; False (a miss) where there is no whole entry."""
@@ -283,21 +289,14 @@ class CompileCache:
 
     def save(self) -> bool:
         """Write this entry's artifacts, atomically, if artifacts it did not hold were recorded:
-        those recorded in this process, and those loaded that they do not cover."""
+        those recorded in this process, and those loaded that they do not cover; and the model's
+        kept compiled calls, if this process compiled any."""
+        wrote = self.precompiled is not None and self.precompiled.save()
         if not self._unsaved:
-            return False
+            return wrote
         recorded = frozenset().union(*(k for _, k in self.recorded_chunks))
         chunks = [c for c, k in self.loaded_chunks if not k <= recorded] + [c for c, _ in self.recorded_chunks]
-        self.directory.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=self.directory, prefix=f".{self.key[:16]}.", suffix=".tmp")
-        try:
-            with os.fdopen(handle, "wb") as f:
-                f.write(_wrap(chunks))
-            os.replace(temporary, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
-            raise
+        write_atomically(self.path, _wrap(chunks))
         self._unsaved = False
         _counters()["saved"] += 1
         return True
@@ -319,19 +318,34 @@ def _artifact_manager() -> Any:
     return CacheArtifactManager if hasattr(CacheArtifactManager, "with_fresh_cache") else None
 
 
-def _wrap(chunks: list[bytes]) -> bytes:
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temporary file beside ``path`` and rename it into place: a reader, or
+    another writer at once, sees one whole file or none."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name[:16]}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as f:
+            f.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+def _wrap(chunks: list[bytes], magic: bytes = _MAGIC) -> bytes:
     """An entry: the magic line, then per chunk its length and checksum on a line, and its bytes."""
-    parts = [_MAGIC]
+    parts = [magic]
     for chunk in chunks:
         parts += [f"{len(chunk)} {hashlib.sha256(chunk).hexdigest()}\n".encode(), chunk]
     return b"".join(parts)
 
 
-def _unwrap(data: bytes) -> list[bytes] | None:
+def _unwrap(data: bytes, magic: bytes = _MAGIC) -> list[bytes] | None:
     """The chunks of a whole entry, None for one cut short or changed."""
-    if not data.startswith(_MAGIC):
+    if not data.startswith(magic):
         return None
-    chunks, at = [], len(_MAGIC)
+    chunks, at = [], len(magic)
     while at < len(data):
         end = data.find(b"\n", at)
         if end < 0:

@@ -46,7 +46,7 @@ from .checking import check_instances, check_model, judge_losses, loss_in_traini
 from .fusion import Fused, Fuser, Refusal, SourceFuser
 from .report import FusionRecord, RewriteReport, SkipRecord
 from .sharing import Sharing
-from .source import MethodRewrite, bind, rewrite_method, unbind
+from .source import MethodRewrite, bind, remember, rewrite_method, unbind
 from .state import ModelState
 from .tracer import unwrapped_forward
 
@@ -218,6 +218,7 @@ def _compose_source_edits(instance: _Instance, report: RewriteReport) -> None:
         declared = (p.fuser.declaration(p.found) for p in instance.plans if isinstance(p.fuser, SourceFuser))
         rewrite.declarations = tuple(d for d in declared if d is not None)
         rewrite.recipe = tuple((p.fuser, p.found) for p in instance.plans if isinstance(p.fuser, SourceFuser))
+        remember(rewrite)
 
 
 def _edit_for(plan: _Planned):

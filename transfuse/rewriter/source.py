@@ -23,9 +23,10 @@ import functools
 import importlib
 import inspect
 import os
+import pickle
 import types
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import libcst as cst
 import libcst.matchers as m
@@ -359,7 +360,7 @@ _REBUILT: dict = {}
 def rebuilt_rewrite(cls: type, recipe: tuple) -> MethodRewrite:
     """The rewrite ``recipe`` ((fuser, found), ...) makes of ``cls.forward``: unpickling a rewritten
     instance runs the same edits on the class's source again (once per process)."""
-    key = (cls, recipe)
+    key = _recipe_key(cls, recipe)
     if key not in _REBUILT:
         from .tracer import unwrapped_forward
 
@@ -375,6 +376,20 @@ def rebuilt_rewrite(cls: type, recipe: tuple) -> MethodRewrite:
         rewrite.declarations = tuple(d for d in (f.declaration(found) for f, found in recipe) if d is not None)
         _REBUILT[key] = rewrite
     return _REBUILT[key]
+
+
+def remember(rewrite: MethodRewrite) -> None:
+    """Keep a rewrite made in this process as the one its class and recipe make, so unpickling an
+    instance with that rewrite here (a copy, or a compiled call loaded from disk whose guards read
+    the model's methods) binds it instead of editing the class's source again."""
+    if rewrite.recipe:
+        _REBUILT.setdefault(_recipe_key(rewrite.cls, rewrite.recipe), rewrite)
+
+
+def _recipe_key(cls: type, recipe: tuple) -> tuple:
+    """A recipe as a key: each fuser by its pickled state (an unpickled fuser is another object of
+    the same state), each found record as itself (frozen, compared by value)."""
+    return (cls, tuple((pickle.dumps(fuser), found) for fuser, found in recipe))
 
 
 def _fuser_edit(fuser, found, tree, context):
@@ -478,7 +493,11 @@ class PicklesRewritten:
 
 
 class _Rebinding:
-    """A rewritten method in a reduced state: made again, bound to the copy, when the state is."""
+    """A rewritten method in a reduced state: made again, bound to the copy, when the state is. It
+    reduces as the rewrite and, beside it, the rewrite's class and recipe: a pickler that leaves some
+    of an instance's attributes out (Dynamo's guard state leaves out those its guards do not read,
+    the instance's ``_transfuse_rewrite`` among them, and so the rewrite) still has what the method
+    needs."""
 
     __slots__ = ("rewrite", "instance")
 
@@ -486,10 +505,13 @@ class _Rebinding:
         self.rewrite, self.instance = rewrite, instance
 
     def __reduce__(self):
-        return (_bind_again, (self.rewrite, self.instance))
+        rewrite = self.rewrite
+        return (_bind_again, (rewrite, self.instance, rewrite.cls, rewrite.recipe))
 
 
-def _bind_again(rewrite: MethodRewrite, instance) -> types.MethodType:
+def _bind_again(rewrite: MethodRewrite, instance, cls: type | None = None, recipe: tuple = ()) -> types.MethodType:
+    if not isinstance(rewrite, MethodRewrite):  # (left out by the pickler: made from its recipe)
+        rewrite = rebuilt_rewrite(cls, recipe)
     return types.MethodType(rewrite.forward_for(type(instance)), instance)
 
 

@@ -1,0 +1,434 @@
+"""Dynamo's output kept across processes: a second process runs the model's compiled calls
+without tracing the model again and without preparing its graphs again.
+
+``transfuse.compile`` hands Dynamo's whole graph of a call to the ``"transfuse"`` backend, which
+splits it at attention and compiles each piece (``backend.py``). Torch's own precompile
+(``torch._dynamo.aot_compile``) traces a call once, fullgraph, and keeps the result as a
+function with its guards, Dynamo's bytecode and the backend's output, which pickles when the
+backend's output says how to (a ``SerializableCallable``). ``SplitGraph`` is that output for the
+split graph: the graph between the pieces (pickled by torch.fx's ``GraphPickler``), the attention
+pieces as traced, and each compiled piece as AOTAutograd's bundled entry (Inductor's code with
+it), which loads without AOTAutograd or Inductor running again.
+
+``Precompiled`` stands for the model's compiled entry: a call runs the first of its functions
+whose guards pass; a call none of them serves is traced and compiled here (and kept); past
+Dynamo's recompile limit, and wherever this torch has no such functions or a call cannot be
+precompiled (a graph break, a guard that cannot be kept), calls go to ``torch.compile``'s own
+entry, with one line saying why. The functions are written with the compile cache's entry
+(``cache.py``: the same key, in a file of their own) and read back at the first call of a later
+process.
+
+Guards kept across processes are Dynamo's less those that name an object of this process (its
+identity checks) and those on global variables (torch leaves both out of a kept function). The
+key of the entry stands for them across processes: it covers the model's classes and source,
+its configuration and tensors, the dispatch state and the versions. Within a process the model's
+module tree is checked instead (``replay._Snapshot``: every submodule, weight, buffer and hook
+the same object, where it was, each module in the same training mode): once it changes, every
+call goes through ``torch.compile``'s own entry, with all of Dynamo's guards.
+
+On CUDA with whole-call graphs (``replay.py``), which read Dynamo's own entries of a call,
+calls go through ``torch.compile`` as before and only Inductor's artifacts are kept
+(``cache.py``).
+"""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import importlib
+import inspect
+import itertools
+import linecache
+import pickle
+import threading
+import time
+import types
+import warnings
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from . import backend
+
+__all__ = ["Precompiled", "SplitGraph", "supported"]
+
+_MAGIC = b"transfuse-precompiled 1\n"
+
+
+def _torch_parts() -> dict[str, Any] | None:
+    """torch's precompile pieces this module uses, or None where this torch lacks one."""
+    try:
+        from torch._dynamo import aot_compile
+        from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable, SerializableCallable
+        from torch._dynamo.guards import CheckFunctionManager
+        from torch._dynamo.hooks import Hooks
+        from torch.fx._graph_pickler import GraphPickler, Options
+    except ImportError:
+        return None
+    compile_fullgraph = getattr(aot_compile, "aot_compile_fullgraph", None)
+    function = getattr(aot_compile, "AOTCompiledFunction", None)
+    if compile_fullgraph is None or function is None:
+        return None
+    if not all(hasattr(function, name) for name in ("serialize", "deserialize", "guard_check")):
+        return None
+    if "f_globals" not in inspect.signature(function.deserialize).parameters:
+        return None  # (the objects a kept function's bytecode reads are handed over by name)
+    parameters = inspect.signature(compile_fullgraph).parameters
+    if not {"hooks", "backend"} <= set(parameters):
+        return None
+    return {
+        "compile": compile_fullgraph,
+        "dynamic": "dynamic" in parameters,
+        "function": function,
+        "bundled": BundledAOTAutogradSerializableCallable,
+        "serializable": SerializableCallable,
+        "unkept_guards": frozenset(getattr(CheckFunctionManager, "UNSUPPORTED_SERIALIZATION_GUARD_TYPES", ())),
+        "hooks": Hooks,
+        "pickler": GraphPickler,
+        # Any op pickles by name (transfuse's attention op is registered again at import).
+        "pickle_options": Options(ops_filter=None),
+    }
+
+
+@functools.cache
+def _parts() -> dict[str, Any] | None:
+    return _torch_parts()
+
+
+def supported() -> bool:
+    """Whether this torch keeps Dynamo's output of a call across processes (2.13 has it)."""
+    return _parts() is not None
+
+
+# --- the backend's output, pickled --------------------------------------------------------------
+
+# Seconds this process spent (a benchmark reads them): tracing and compiling calls to keep
+# ("compile"), loading kept ones ("load"), and of that, loading Inductor's compiled pieces
+# ("inductor_load").
+SECONDS = {"compile": 0.0, "load": 0.0, "inductor_load": 0.0}
+
+# What a ``SplitGraph`` being loaded in this thread reads: the model's tensor addresses (its
+# CUDA-graphed pieces key on them).
+_LOADING = threading.local()
+
+
+def _serializable_base() -> type:
+    parts = _parts()
+    return parts["serializable"] if parts is not None else object
+
+
+class SplitGraph(_serializable_base()):  # type: ignore[misc]
+    """The ``"transfuse"`` backend's split graph as something torch's precompile can keep: the
+    runnable graph (``backend.assemble``), and what makes it again in another process."""
+
+    def __init__(self, runner: Callable[..., Any], layout: backend.Layout, compiled: dict[str, Any], outputs: dict[str, bool]):
+        self.runner = runner
+        self.layout = layout
+        self.compiled = compiled
+        # Per compiled piece: whether it returns one value (Inductor's code returns a sequence).
+        self.outputs = outputs
+
+    def __call__(self, *args: Any) -> Any:
+        return self.runner(*args)
+
+    @classmethod
+    def serialize_compile_artifacts(cls, fn: "SplitGraph") -> bytes:
+        parts = _parts()
+        layout = fn.layout
+        pieces = {}
+        for name, compiled in fn.compiled.items():
+            if getattr(compiled, "serialize", None) is None:
+                raise RuntimeError(f"piece {name} of the split graph has no serializable Inductor output")
+            pieces[name] = parts["bundled"].serialize_compile_artifacts(parts["bundled"](compiled))
+        return pickle.dumps({
+            "graph": parts["pickler"].dumps(layout.split, parts["pickle_options"]),
+            "layout": layout.pieces,
+            "step_graph": layout.step_graph,
+            "pieces": pieces,
+            "outputs": fn.outputs,
+        })
+
+    @classmethod
+    def deserialize_compile_artifacts(cls, data: bytes) -> "SplitGraph":
+        from torch._subclasses import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        parts = _parts()
+        state = pickle.loads(data)
+        split = parts["pickler"].loads(state["graph"], FakeTensorMode(shape_env=ShapeEnv()))
+        compiled = {}
+        start = time.perf_counter()
+        for name, piece in state["pieces"].items():
+            loaded = parts["bundled"].deserialize_compile_artifacts(piece)
+            compiled[name] = _first(loaded) if state["outputs"][name] else loaded
+        SECONDS["inductor_load"] += time.perf_counter() - start
+        layout = backend.Layout(split, state["layout"], state["step_graph"])
+        runner = backend.assemble(split, layout.pieces, compiled, layout.step_graph, getattr(_LOADING, "static_pointers", None))
+        return cls(runner, layout, compiled, state["outputs"])
+
+
+def _first(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def single(*args: Any) -> Any:
+        return fn(*args)[0]
+
+    return single
+
+
+def _split_backend(options: dict[str, Any], static_pointers: Callable[[], set[int]]) -> Callable[..., Any]:
+    def compile_split(gm: fx.GraphModule, example_inputs: list[Any]) -> SplitGraph:
+        kept: list[backend.Layout] = []
+        runner = backend.compile_graph(
+            gm, example_inputs, inductor=True, cuda_graphs=options["cuda_graphs"], static_pointers=static_pointers,
+            kept=kept,
+        )  # fmt: skip
+        return SplitGraph(runner, kept[0], kept[0].compiled, kept[0].single)
+
+    return compile_split
+
+
+# --- the model's calls --------------------------------------------------------------------------
+
+
+class _Unkeepable(Exception):
+    """A call whose compiled function cannot be kept across processes."""
+
+
+class Precompiled:
+    """The compiled entry of one model's forward (``transfuse.compile``'s ``_Compiled`` calls it
+    with keyword arguments): the kept functions first, ``fallback`` (``torch.compile``'s entry)
+    where they cannot serve."""
+
+    def __init__(self, model: nn.Module, options: dict[str, Any], fallback: Callable[..., Any], path: Path | None,
+                 static_pointers: Callable[[], set[int]]):  # fmt: skip
+        # Weakly: the compile cache's entries, which hold this, live as long as the process (they
+        # are written at its exit); the model is the caller's to drop.
+        self._model = weakref.ref(model)
+        self.options = options
+        self.fallback = fallback
+        # What is written at the process's exit (the compile cache's entry holds it; it holds
+        # nothing of the model, which may be freed before).
+        self.store = KeptCalls(path)
+        self.static_pointers = static_pointers
+        self.functions: list[Any] = []
+        self.loaded = 0
+        # Why calls a kept function does not serve go to ``fallback`` (None: they are compiled here).
+        self.refused: str | None = None
+        self._read = False
+        # A function of this model's own for Dynamo to trace: Dynamo keeps what it learns of a
+        # function's inputs (which sizes change) per code object, as for any compiled function.
+        self.function = _forward_function()
+        self.counts = {"kept": 0, "compiled": 0, "fallback": 0}
+        # The model's module tree at its first call (``replay._Snapshot``): the guards a kept function
+        # drops (objects' identities) are what tell torch.compile's entry that a submodule, a weight
+        # or a hook changed, so a change sends every later call there.
+        self.snapshot: Any = None
+
+    path = property(lambda self: self.store.path)
+    kept = property(lambda self: self.store.kept)
+
+    @property
+    def model(self) -> nn.Module:
+        model = self._model()
+        if model is None:
+            raise RuntimeError("the model transfuse.compile kept these calls for was freed")
+        return model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        model = self.model
+        if args:  # (the compiled path passes arguments by name)
+            self.counts["fallback"] += 1
+            return self.fallback(model, *args, **kwargs)
+        self.read()
+        if self.snapshot is None:
+            from .replay import _Snapshot
+
+            self.snapshot = _Snapshot(model)
+        elif not self.snapshot.holds():
+            if self.refused is None or self.functions:
+                self.functions = []  # (what the dropped guards would have noticed: torch.compile's entry decides)
+                self._refuse("the model's modules, weights or hooks changed after its first compiled call")
+            self.counts["fallback"] += 1
+            return self.fallback(model, **kwargs)
+        for function in self.functions:
+            if function.guard_check(model, **kwargs):
+                self.counts["kept"] += 1
+                return function.fn(model, **kwargs)
+        if self.refused is None and len(self.functions) < torch._dynamo.config.recompile_limit:
+            try:
+                function = self._compile(kwargs)
+            except _Unkeepable as exc:
+                self._refuse(str(exc))
+            else:
+                self.counts["compiled"] += 1
+                return function.fn(model, **kwargs)
+        elif self.refused is None:
+            self._refuse(f"the model's calls reached Dynamo's recompile limit ({len(self.functions)} kept functions)")
+        self.counts["fallback"] += 1
+        return self.fallback(model, **kwargs)
+
+    def _refuse(self, why: str) -> None:
+        self.refused = why
+        warnings.warn(f"transfuse.compile: calls no kept function serves go through torch.compile: {why}", stacklevel=4)
+
+    def _compile(self, kwargs: dict[str, Any]) -> Any:
+        parts = _parts()
+        start = time.perf_counter()
+        try:
+            return self._compile_kept(parts, kwargs)
+        finally:
+            SECONDS["compile"] += time.perf_counter() - start
+
+    def _compile_kept(self, parts: dict[str, Any], kwargs: dict[str, Any]) -> Any:
+        extra = {"dynamic": self.options["dynamic"]} if parts["dynamic"] else {}
+        hooks = parts["hooks"](guard_filter_fn=_guard_filter(parts, self.options["trust_modules"]))
+        try:
+            function = parts["compile"](
+                self.function, ((self.model,), kwargs), hooks=hooks,
+                backend=_split_backend(self.options, self.static_pointers), **extra,
+            )  # fmt: skip
+            data = _serialize(parts, function)
+        except Exception as exc:  # noqa: BLE001 - torch's refusals (a graph break, a guard it cannot keep)
+            raise _Unkeepable(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
+        self.functions.append(function)
+        self.store.kept.append(data)
+        self.store.unsaved = True
+        return function
+
+    # --- reading and writing ------------------------------------------------------------------
+
+    def read(self) -> int:
+        """Load the kept functions from ``path``; how many. An entry that cannot be read or loaded is
+        ignored with a warning and removed (it is written again)."""
+        from .cache import _counters, _unwrap
+
+        if self._read or self.path is None:
+            return self.loaded
+        self._read = True
+        start = time.perf_counter()
+        try:
+            return self._read_kept()
+        finally:
+            SECONDS["load"] += time.perf_counter() - start
+
+    def _read_kept(self) -> int:
+        from .cache import _counters, _unwrap
+
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:
+            warnings.warn(f"transfuse.compile: the kept compiled calls {self.path} cannot be read ({exc}); compiling anew")
+            return 0
+        chunks = _unwrap(data, _MAGIC)
+        reason = "it is cut short or corrupt"
+        if chunks:
+            _LOADING.static_pointers = self.static_pointers
+            try:
+                functions = [_deserialize(_parts(), chunk) for chunk in chunks]
+            except Exception as exc:  # noqa: BLE001 - whatever torch or pickle raise on another torch's data
+                reason = f"it cannot be loaded: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            else:
+                self.functions, self.store.kept, self.loaded = functions, list(chunks), len(functions)
+                _counters()["dynamo_hit"] += 1
+                return len(functions)
+            finally:
+                _LOADING.static_pointers = None
+        _counters()["dynamo_corrupt"] += 1
+        warnings.warn(f"transfuse.compile: ignored the kept compiled calls {self.path} ({reason}); they are rebuilt")
+        try:
+            self.path.unlink()
+        except OSError:
+            pass
+        return 0
+
+
+class KeptCalls:
+    """The serialized kept functions of one compile cache entry and where they are written."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        # Serialized (data, external references) of each function, in order.
+        self.kept: list[bytes] = []
+        self.unsaved = False
+
+    def save(self) -> bool:
+        """Write the functions, atomically, if this process compiled any."""
+        from .cache import _counters, _wrap, write_atomically
+
+        if not self.unsaved or self.path is None:
+            return False
+        write_atomically(self.path, _wrap(self.kept, _MAGIC))
+        self.unsaved = False
+        _counters()["dynamo_saved"] += 1
+        return True
+
+
+def _guard_filter(parts: dict[str, Any], trust_modules: bool) -> Callable[[Any], list[bool]]:
+    """The guards a kept function keeps: not those on globals, not those torch cannot keep (an
+    object's identity), and with ``trust_modules`` not those on the model's modules."""
+    unkept = parts["unkept_guards"]
+    modules = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None) if trust_modules else None
+
+    def keep(entries: Any) -> list[bool]:
+        kept = [
+            not (entry.is_global or entry.guard_type in unkept or set(getattr(entry, "derived_guard_types", ()) or ()) & unkept)
+            for entry in entries
+        ]
+        if modules is not None:
+            kept = [a and b for a, b in zip(kept, modules(entries))]
+        return kept
+
+    return keep
+
+
+def _serialize(parts: dict[str, Any], function: Any) -> bytes:
+    """A function's bytes: torch's own, and how to find the objects its bytecode reads from globals
+    that torch leaves to the caller (modules and importable objects)."""
+    data = parts["function"].serialize(function).serialized_data
+    env = function._artifacts.runtime_env
+    references = {}
+    for name in getattr(env, "external_refs", ()):
+        if name in env.import_sources or name in env.used_globals or name.startswith("__compiled_fn"):
+            continue
+        references[name] = _importable(function.fn.__globals__[name])
+    return pickle.dumps((data, references))
+
+
+def _importable(value: Any) -> tuple[str, ...]:
+    if isinstance(value, types.ModuleType):
+        return ("module", value.__name__)
+    module, name = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
+    if module and name and "<locals>" not in name and _resolve(("object", module, name)) is value:
+        return ("object", module, name)
+    raise _Unkeepable(f"the compiled call reads {type(value).__name__} {value!r:.60}, which another process cannot find")
+
+
+def _resolve(reference: tuple[str, ...]) -> Any:
+    if reference[0] == "module":
+        return importlib.import_module(reference[1])
+    return functools.reduce(getattr, reference[2].split("."), importlib.import_module(reference[1]))
+
+
+def _deserialize(parts: dict[str, Any], chunk: bytes) -> Any:
+    data, references = pickle.loads(chunk)
+    f_globals = {name: _resolve(reference) for name, reference in references.items()}
+    return parts["function"].deserialize(data, f_globals=f_globals)
+
+
+_FUNCTIONS = itertools.count()
+
+
+def _forward_function() -> Callable[..., Any]:
+    """``forward(model, **kwargs)``: the model's forward called by name, as a function with a code
+    object of its own (and its source known to ``linecache``, as Dynamo wants)."""
+    source = "def transfuse_precompiled_call(model, /, **kwargs):\n    return model.forward(**kwargs)\n"
+    filename = f"<transfuse.compile precompiled {next(_FUNCTIONS)}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace: dict[str, Any] = {"__name__": __name__}
+    exec(builtins.compile(source, filename, "exec"), namespace)  # noqa: S102
+    return namespace["transfuse_precompiled_call"]
