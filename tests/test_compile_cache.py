@@ -171,12 +171,19 @@ KEPT = textwrap.dedent('''
                                 do_sample=False)
         logits = model(ids[:, :7], attention_mask=torch.ones_like(ids[:, :7])).logits
     kept = model._transfuse_compiled.precompiled
-    print(json.dumps({
+    result = {
         "tokens": tokens.tolist(), "logits": logits.flatten().tolist(),
         "graphs": backend.stats()["graphs"], "frames": counters["stats"]["unique_graphs"],
         "kept": kept.counts if kept is not None else None, "loaded": kept.loaded if kept is not None else 0,
         "transfuse": dict(counters["transfuse_cache"]),
-    }))
+    }
+    # Dropped, the model is freed, weights and all (the cache entry, written at exit, holds none of it).
+    import gc, weakref
+    weights = [weakref.ref(p) for p in model.parameters()]
+    del model, kept
+    gc.collect()
+    result["alive_weights"] = sum(w() is not None for w in weights)
+    print(json.dumps(result))
 ''')
 
 
@@ -191,6 +198,7 @@ def test_a_second_process_runs_the_kept_calls_without_dynamo_and_matches_the_unc
     entries = str(tmp_path / "entries")
     first = _run(KEPT, entries)
     assert first["kept"]["compiled"] >= 2 and first["loaded"] == 0  # a prompt and a decode step at least
+    assert first["alive_weights"] == 0
     assert len(list((tmp_path / "entries").glob("*.dynamo"))) == 1  # written at exit
     second = _run(KEPT, entries)
     # Every call served by a loaded function: no frame traced by Dynamo, no graph given to the backend.
@@ -200,13 +208,18 @@ def test_a_second_process_runs_the_kept_calls_without_dynamo_and_matches_the_unc
     uncached = _run(KEPT, "off")  # the compiled model with no cache: torch.compile's own entry
     assert uncached["kept"] is None and uncached["graphs"] >= 2
     assert second["tokens"] == uncached["tokens"] == first["tokens"]
+    assert second["alive_weights"] == uncached["alive_weights"] == 0
     assert torch.allclose(torch.tensor(second["logits"]), torch.tensor(uncached["logits"]), rtol=1e-5, atol=1e-5)
     assert max(map(abs, second["logits"])) > 0  # (a real output, not zeros)
 
 
+_MODELS: list[nn.Module] = []  # the models of ``_kept`` (a kept entry holds its model weakly)
+
+
 def _kept(tmp_path, **options) -> "precompiled.Precompiled":
     options = {"dynamic": None, "trust_modules": False, "cuda_graphs": False, **options}
-    return precompiled.Precompiled(nn.Linear(4, 4), options, lambda **kw: "fallback", tmp_path / "k.dynamo", lambda: set())
+    _MODELS.append(nn.Linear(4, 4))
+    return precompiled.Precompiled(_MODELS[-1], options, lambda model, **kw: "fallback", tmp_path / "k.dynamo", lambda: set())
 
 
 def test_a_corrupt_kept_entry_is_ignored_with_a_warning_and_removed(tmp_path):

@@ -230,6 +230,9 @@ class Precompiled:
     path = property(lambda self: self.store.path)
     kept = property(lambda self: self.store.kept)
 
+    def save(self) -> bool:
+        return self.store.save()
+
     @property
     def model(self) -> nn.Module:
         model = self._model()
