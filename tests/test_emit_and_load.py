@@ -72,18 +72,18 @@ def test_instances_traced_apart_with_the_same_edits_are_emitted_alike(tmp_path):
     """Instances of a class traced apart (each with its own specialisation: gemma2's sliding and
     full layers on transformers 5.17) get rewrites that are other objects with the same edits:
     emitted, as one rewrite; instances whose edits differ leave the class as it was, with a note."""
-    import copy
+    import dataclasses
 
     from transfuse.rewriter.apply import REWRITTEN_ATTR
 
     model = transfuse.rewrite(tiny_model("llama"))
     first, second = (layer.self_attn for layer in model.model.layers)
-    second.__dict__[REWRITTEN_ATTR] = copy.copy(first.__dict__[REWRITTEN_ATTR])  # another object, the same edits
+    second.__dict__[REWRITTEN_ATTR] = dataclasses.replace(first.__dict__[REWRITTEN_ATTR])  # another object, the same edits
     assert second.__dict__[REWRITTEN_ATTR] is not first.__dict__[REWRITTEN_ATTR]
     result = emit(model, tmp_path / "alike")
     assert result.notes == []
     assert "Merge('qkv_proj', ('q_proj', 'k_proj', 'v_proj'))" in (tmp_path / "alike" / "modeling_llama.py").read_text()
-    other = second.__dict__[REWRITTEN_ATTR] = copy.copy(first.__dict__[REWRITTEN_ATTR])
+    other = second.__dict__[REWRITTEN_ATTR] = dataclasses.replace(first.__dict__[REWRITTEN_ATTR])
     other.imports = {**other.imports, "unused": ("math", "pi")}  # edits that differ
     result = emit(model, tmp_path / "unlike")
     assert result.notes == ["LlamaAttention is emitted unchanged: not all its instances were fused alike."]

@@ -383,7 +383,11 @@ def remember(rewrite: MethodRewrite) -> None:
     instance with that rewrite here (a copy, or a compiled call loaded from disk whose guards read
     the model's methods) binds it instead of editing the class's source again."""
     if rewrite.recipe:
-        _REBUILT.setdefault(_recipe_key(rewrite.cls, rewrite.recipe), rewrite)
+        try:
+            key = _recipe_key(rewrite.cls, rewrite.recipe)
+        except (pickle.PicklingError, AttributeError, TypeError):
+            return  # a fuser that cannot be pickled (a class local to a function): nothing to bind by recipe
+        _REBUILT.setdefault(key, rewrite)
 
 
 def _recipe_key(cls: type, recipe: tuple) -> tuple:
