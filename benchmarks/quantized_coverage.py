@@ -74,23 +74,12 @@ PACKAGE = {"torchao": "torchao", "bnb": "bitsandbytes", "quanto": "optimum", "fp
 FP8_BLOCK = (32, 32)
 
 
-def _quantize_blocks(weight: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight [..., N, K]`` as e4m3 with one float32 scale per block (``[..., ⌈N/bn⌉, ⌈K/bk⌉]``)."""
-    import torch.nn.functional as F
-
-    *lead, n, k = weight.shape
-    bn, bk = block
-    pn, pk = -n % bn, -k % bk
-    tiles = F.pad(weight.float(), (0, pk, 0, pn)).reshape(*lead, (n + pn) // bn, bn, (k + pk) // bk, bk)
-    scale = tiles.abs().amax(dim=(-3, -1)).clamp(min=1e-8) / 448.0
-    q = (tiles / scale[..., :, None, :, None]).reshape(*lead, n + pn, k + pk)[..., :n, :k]
-    return q.to(torch.float8_e4m3fn), scale
-
-
 def _fp8_model(path: Path):
     """The tiny model at ``path`` with transformers' FP8 layers and experts, its weights quantized per block."""
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
     from transformers.integrations import finegrained_fp8 as fp8
+
+    from transfuse.ops.quantized.fp8_blocks import quantize_blocks
 
     model = AutoModelForCausalLM.from_pretrained(path, device_map="cpu").eval()
     weights = {k: v.clone() for k, v in model.state_dict().items()}
@@ -100,7 +89,7 @@ def _fp8_model(path: Path):
         pairs = {fp8.FP8Linear: [("weight", "weight_scale_inv")],
                  fp8.FP8Experts: [("gate_up_proj", "gate_up_proj_scale_inv"), ("down_proj", "down_proj_scale_inv")]}
         for tensor, scale in next((v for k, v in pairs.items() if isinstance(module, k)), []):
-            q, s = _quantize_blocks(weights[f"{name}.{tensor}"], FP8_BLOCK)
+            q, s = quantize_blocks(weights[f"{name}.{tensor}"], FP8_BLOCK)
             setattr(module, tensor, torch.nn.Parameter(q, requires_grad=False))
             setattr(module, scale, torch.nn.Parameter(s, requires_grad=False))
     model.config._experts_implementation = "eager"  # the grouped and batched FP8 experts are CUDA kernels
@@ -112,6 +101,8 @@ def _dequantising_fp8_linear():
     """transformers' ``fp8_linear`` computing what transformers computes on FP8 weights it dequantises."""
     import torch.nn.functional as F
     from transformers.integrations import finegrained_fp8 as fp8
+
+    from transfuse.ops.quantized.fp8_blocks import quantize_blocks
 
     def linear(input, weight, weight_scale_inv, block_size=None, bias=None, activation_scale=None, *args):
         out = F.linear(input, fp8._dequantize_fp8_weight(weight.clone(), weight_scale_inv, block_size, input.dtype))

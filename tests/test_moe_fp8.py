@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import transfuse
 from transfuse.ops.moe import ExpertsSpec, moe_experts_fp8
+from transfuse.ops.quantized.fp8_blocks import quantize_blocks
 from transfuse.tiny import tiny_model
 
 fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
@@ -30,17 +31,6 @@ def _dequantised_linear(input, weight, weight_scale_inv, block_size=None, bias=N
 def dequantising_fp8(monkeypatch):
     """transformers' FP8 layers and experts computing as transformers computes FP8 weights it dequantises."""
     monkeypatch.setattr(fp8, "fp8_linear", _dequantised_linear)
-
-
-def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight [..., N, K]`` as e4m3 with one float32 scale per block (``[..., ⌈N/bn⌉, ⌈K/bk⌉]``)."""
-    *lead, n, k = weight.shape
-    bn, bk = block
-    pn, pk = -n % bn, -k % bk
-    tiles = F.pad(weight.float(), (0, pk, 0, pn)).reshape(*lead, (n + pn) // bn, bn, (k + pk) // bk, bk)
-    scale = tiles.abs().amax(dim=(-3, -1)).clamp(min=1e-8) / 448.0
-    q = (tiles / scale[..., :, None, :, None]).reshape(*lead, n + pn, k + pk)[..., :n, :k]
-    return q.to(torch.float8_e4m3fn), scale
 
 
 def fp8_model(model, block=(32, 32)):

@@ -20,7 +20,7 @@ from torch import nn
 
 from .base import Scheme, SchemeError, alone, cat_rows, merged_bias, point_bias, split_points
 
-__all__ = ["FP8Blocks", "dequantize_blocks", "new_fp8_linear"]
+__all__ = ["FP8Blocks", "dequantize_blocks", "new_fp8_linear", "quantize_blocks"]
 
 
 def new_fp8_linear(cls: type, in_features: int, out_features: int, block_size, bias: bool, activation_scheme="dynamic"):
@@ -33,6 +33,18 @@ def new_fp8_linear(cls: type, in_features: int, out_features: int, block_size, b
 
 def _is_fp8_linear(module: nn.Module) -> bool:
     return any(c.__name__ == "FP8Linear" and c.__module__.startswith("transformers.") for c in type(module).__mro__)
+
+
+def quantize_blocks(weight: torch.Tensor, block: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [..., N, K]`` as e4m3 with one float32 scale per block (``[..., ⌈N/bn⌉, ⌈K/bk⌉]``): the
+    layout of a fine-grained FP8 checkpoint, for building one from dense weights (tests, benchmarks)."""
+    *lead, n, k = weight.shape
+    bn, bk = block
+    pn, pk = -n % bn, -k % bk
+    tiles = F.pad(weight.float(), (0, pk, 0, pn)).reshape(*lead, (n + pn) // bn, bn, (k + pk) // bk, bk)
+    scale = tiles.abs().amax(dim=(-3, -1)).clamp(min=1e-8) / 448.0
+    q = (tiles / scale[..., :, None, :, None]).reshape(*lead, n + pn, k + pk)[..., :n, :k]
+    return q.to(torch.float8_e4m3fn), scale
 
 
 def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
