@@ -309,15 +309,7 @@ def _match_sorted_block(analysis: ClassAnalysis) -> MoEMatch:
     block_nodes = {_inlined_node(inlined, n) for n in found.nodes} | rows.nodes
     _check_in_place(inlined.graph, routing.nodes | output.nodes | block_nodes, "block")
     experts_plan = ExpertsPlan(f"{first.target}.{w13}", f"{second.target}.{w2}", found.spec)
-    plan = MoEPlan(
-        router, experts_plan, output.shared, output.roles, output.returns_tuple, output.flat,
-        assumes=_assumptions(analysis, sorted(router_names)),
-        combine_fp32=output.combine_fp32, routed_scaled=output.routed_scale is not None,
-        post=output.post, post_flat=output.post_flat,
-    )  # fmt: skip
-    branches = (("", analysis.cls),) if "training" in trace.specialisation else ()
-    if not router.train_as_module and _reads_training(analysis, router.module):
-        branches += ((router.module, analysis.child(router.module).cls),)
+    plan, branches = _plan_and_branches(analysis, trace, router, experts_plan, output, sorted(router_names))
     return MoEMatch(
         plan, first.target, None, routing, None, None, None, branches, input=x_input.target,
         routed_scale=output.routed_scale, more_experts=(second.target,), experts_traced=experts,
@@ -373,19 +365,26 @@ def _match_dense_block(analysis: ClassAnalysis, call: fx.Node) -> MoEMatch:
     _check_in_place(inlined.graph, routing.nodes | output.nodes | block_nodes, "block")
     prefix, p = f"{call.target}.", dense.packed
     experts = ExpertsPlan(prefix + p.w13, prefix + p.w2, p.spec, weights_on_input=True)
+    plan, branches = _plan_and_branches(analysis, trace, router, experts, output, sorted(router_names) + [call.target])
+    return MoEMatch(
+        plan, call.target, None, routing, _prefixed(p.alpha, prefix), _prefixed(p.limit, prefix), None, branches,
+        input=x_input.target, routed_scale=output.routed_scale,
+    )  # fmt: skip
+
+
+def _plan_and_branches(analysis: ClassAnalysis, trace, router, experts: ExpertsPlan, output, assumed: list[str]):
+    """The block's plan from its router, experts and output, and the training branches the match
+    decides (the block's own, and the router's where it reads ``training``)."""
     plan = MoEPlan(
         router, experts, output.shared, output.roles, output.returns_tuple, output.flat,
-        assumes=_assumptions(analysis, sorted(router_names) + [call.target]),
+        assumes=_assumptions(analysis, assumed),
         combine_fp32=output.combine_fp32, routed_scaled=output.routed_scale is not None,
         post=output.post, post_flat=output.post_flat,
     )  # fmt: skip
     branches = (("", analysis.cls),) if "training" in trace.specialisation else ()
     if not router.train_as_module and _reads_training(analysis, router.module):
         branches += ((router.module, analysis.child(router.module).cls),)
-    return MoEMatch(
-        plan, call.target, None, routing, _prefixed(p.alpha, prefix), _prefixed(p.limit, prefix), None, branches,
-        input=x_input.target, routed_scale=output.routed_scale,
-    )  # fmt: skip
+    return plan, branches
 
 
 @functools.lru_cache(maxsize=4096)
