@@ -149,6 +149,18 @@ def test_compiled_models_do_not_share_dynamo_s_recompile_budget():
         assert backend.stats()["graphs"] == before + 2
 
 
+def test_the_first_call_names_the_compilers_that_run(caplog):
+    ids, mask = _padded_batch()
+    for inductor, named in ((False, "Dynamo; the pieces run as traced"), (True, "Dynamo, Inductor")):
+        model = transfuse.compile(_model("llama", num_hidden_layers=1), inductor=inductor, cache_dir=False)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="transfuse"):
+            with torch.no_grad():
+                model(ids[:1, -3:])
+        line = next(m for m in caplog.messages if "at its first calls" in m)
+        assert f"({named};" in line, line
+
+
 def test_the_cache_generate_returns_holds_every_token():
     model = _model("llama")
     ids, mask = _padded_batch()

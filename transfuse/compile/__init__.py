@@ -116,6 +116,7 @@ class _Compiled(DecodeCalls):
         self.torch_compiled = torch.compile(entry, backend=graph_backend, dynamic=options["dynamic"], **extra)
         self.compiled = self._compiled_call
         self.cache_entry: cache.CompileCache | None = None
+        self.compilers = "Dynamo, Inductor" if options["inductor"] else "Dynamo; the pieces run as traced"
         # The model's calls as functions kept across processes (``precompiled.py``), where set.
         self.precompiled: precompiled.Precompiled | None = None
         self.announced = False
@@ -155,7 +156,7 @@ class _Compiled(DecodeCalls):
         where = "no compile cache" if entry is None else (
             f"compiled code loaded from {entry.path}" if entry.loaded else f"to be kept in {entry.directory}"
         )
-        step(f"transfuse.compile: compiling {type(self.model).__name__} at its first calls (Dynamo, Inductor; {where})")
+        step(f"transfuse.compile: compiling {type(self.model).__name__} at its first calls ({self.compilers}; {where})")
 
     def static_pointers(self) -> set[int]:
         model = self.model
