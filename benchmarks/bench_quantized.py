@@ -80,7 +80,7 @@ def fp8_blocks(model: nn.Module) -> nn.Module:
     """Every ``nn.Linear`` of the decoder layers as transformers' ``FP8Linear`` with 128 x 128 blocks."""
     from transformers.integrations.finegrained_fp8 import FP8Linear
 
-    from transfuse.ops.quantized.fp8_blocks import new_fp8_linear
+    from transfuse.ops.quantized.fp8_blocks import new_fp8_linear, quantize_blocks
 
     for layer in model.model.layers:
         for name, child in list(layer.named_modules()):
@@ -88,11 +88,8 @@ def fp8_blocks(model: nn.Module) -> nn.Module:
                 continue
             owner, _, attr = name.rpartition(".")
             fp8 = new_fp8_linear(FP8Linear, child.in_features, child.out_features, BLOCK, child.bias is not None)
-            w = child.weight.detach().float()
-            rows, cols = w.shape
-            blocks = w.reshape(rows // BLOCK[0], BLOCK[0], cols // BLOCK[1], BLOCK[1])
-            scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
-            q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(rows, cols)
+            w = child.weight.detach()
+            q, scale = quantize_blocks(w, BLOCK)
             fp8.weight = nn.Parameter(q, requires_grad=False)
             fp8.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
             if child.bias is not None:
