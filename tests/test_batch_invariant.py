@@ -211,6 +211,30 @@ def test_decode_attention_of_a_sequence_ignores_its_padding_and_the_batch(provid
         ops.set_priority(None, op="decode_attention")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("provider", ["native", "triton"])
+def test_decode_attention_of_a_row_is_the_modes_attention_of_that_row(provider, dtype):
+    """A decode step attends through ``decode_attention`` over fixed buffers or a padded batch, and
+    through ``scaled_dot_product_attention`` alone: in the mode both give a row the same bits."""
+    found = ops.get_op("decode_attention")
+    if provider == "triton" and not found.is_supported(found.providers["triton"]):
+        pytest.skip("Triton is not installed")
+    torch.manual_seed(0)
+    batch, heads, kv_heads, dim, length = 2, 4, 2, 16, 20
+    q = torch.randn(batch, heads, 1, dim).to(dtype)
+    k, v = (torch.randn(batch, kv_heads, length, dim).to(dtype) for _ in range(2))
+    ops.set_priority([provider], op="decode_attention")
+    ops.set_priority([provider], op="invariant_attention")
+    try:
+        with conformance.assumed(), mode():
+            decoded = ops.decode_attention(q, k, v, torch.zeros(batch * kv_heads, 1, length, dtype=dtype), 0.25)
+            attended = F.scaled_dot_product_attention(q, k, v, scale=0.25, enable_gqa=True)
+        assert torch.equal(decoded, attended.transpose(1, 2))
+    finally:
+        ops.set_priority(None, op="decode_attention")
+        ops.set_priority(None, op="invariant_attention")
+
+
 def test_rotary_gives_each_token_the_same_bits():
     torch.manual_seed(0)
     cos, sin = torch.randn(1, 1, 8), torch.randn(1, 1, 8)
@@ -288,6 +312,51 @@ def test_a_prompts_logits_are_the_same_bits_alone_and_in_a_left_padded_batch(inv
     assert torch.equal(alone, batch)
     report = str(transfuse.report(model))
     assert "batch-invariant mode: on" in report
+
+
+def test_compiled_decode_steps_are_the_same_bits_alone_and_in_a_left_padded_batch():
+    """``transfuse.compile`` in the mode (its pieces as traced), bfloat16: every generated step's
+    logits for a prompt alone (its attention through scaled_dot_product_attention) and inside a
+    left-padded batch (through decode_attention) are equal."""
+    model = tiny_model("llama").to(torch.bfloat16).eval()
+    transfuse.rewrite(model, batch_invariant=True, verify=False)
+    transfuse.compile(model, inductor=False, cache_dir=False)
+    vocab = model.config.vocab_size
+    prompt = torch.randint(0, vocab, (1, 7), generator=torch.Generator().manual_seed(2))
+    ids, mask, _ = _left_padded(prompt, vocab)
+    options = dict(max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        alone = model.generate(prompt, attention_mask=torch.ones_like(prompt), **options).logits
+        batch = model.generate(ids, attention_mask=mask, **options).logits
+    assert model._transfuse_compiled.calls["compiled"] > 0
+    assert len(alone) == len(batch) == 3
+    for step_alone, step_batch in zip(alone, batch):
+        assert torch.equal(step_alone[0], step_batch[2])
+
+
+def test_inductor_compiles_a_modes_pieces_with_eager_rounding_and_unsplit_reductions(monkeypatch):
+    """What Inductor is asked for, counted at each piece it compiles: in the mode, intermediate
+    values rounded as eager code rounds them and no reduction split by the row count; out of it,
+    Inductor's defaults."""
+    import torch._inductor.compile_fx as inductor
+
+    seen = []
+
+    def record(piece, inputs, *args, **kwargs):
+        config = torch._inductor.config
+        seen.append((config.emulate_precision_casts, config.split_reductions))
+        return piece  # the piece as traced: what is counted here is the settings
+
+    monkeypatch.setattr(inductor, "compile_fx", record)
+    prompt = torch.randint(0, 100, (1, 5), generator=torch.Generator().manual_seed(3))
+    for invariant in (True, False):
+        model = tiny_model("llama", num_hidden_layers=1).eval()
+        transfuse.rewrite(model, batch_invariant=invariant, verify=False)
+        transfuse.compile(model, cache_dir=False)
+        seen.clear()
+        with torch.no_grad():
+            model(prompt)
+        assert seen and set(seen) == ({(True, False)} if invariant else {(False, True)})
 
 
 def test_each_samples_training_loss_is_the_same_bits_alone_and_in_a_batch(invariant_model):

@@ -129,7 +129,8 @@ def compile_graph(
             from torch._inductor.compile_fx import compile_fx, graph_returns_tuple
 
             single[node.target] = not graph_returns_tuple(piece)  # (before Inductor makes it return a tuple)
-            compiled = compile_fx(piece, inputs)
+            with torch._inductor.config.patch(_inductor_settings()):
+                compiled = compile_fx(piece, inputs)
         compiled_pieces[node.target] = compiled
         graphed = cuda_graphs and all(_static(v) for v in inputs) and _on_cuda(inputs)
         layout[node.target] = ("graphed" if graphed else "compiled", node.target in reaching_output)
@@ -137,6 +138,25 @@ def compile_graph(
     if kept is not None:
         kept.append(Layout(_bare_copy(split, layout), layout, step_graph, compiled_pieces, single))
     return assemble(split, layout, compiled_pieces, step_graph, static_pointers)
+
+
+def _inductor_settings() -> dict[str, Any]:
+    """Inductor's settings for a piece compiled inside a batch-invariant model's forward (none
+    otherwise): what Inductor generates itself (elementwise code, and any reduction the mode
+    leaves to it) then computes a row the same way at every batch size. Intermediate values are
+    rounded to their dtype as eager code rounds them (``emulate_precision_casts``), so whether a
+    chain of elementwise ops is fused, which Inductor decides per shape, does not change a bit,
+    and the compiled path rounds as the eager path does; reductions are not split across
+    programs by the row count (``split_reductions``); and where the installed torch has it,
+    Inductor's own ``batch_invariant`` setting fixes the launch configuration of its reductions."""
+    from ..ops import dispatch
+
+    if not dispatch._INVARIANT_CALLS:
+        return {}
+    import torch._inductor.config as config
+
+    wanted = {"emulate_precision_casts": True, "split_reductions": False, "batch_invariant": True}
+    return {name: value for name, value in wanted.items() if hasattr(config, name)}
 
 
 class Layout:

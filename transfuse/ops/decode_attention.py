@@ -10,7 +10,9 @@ first written into the buffers at that position (in place), so a decode step tha
 in fixed buffers (``transfuse/compile/kv_store.py``) writes and attends in one call.
 
 The native definition is three kernels (scores with the bias added, the softmax, the weighted
-sum), each rounding to the query's dtype as the eager path's separate ops do. The Triton provider
+sum), each rounding to the query's dtype as the eager path's separate ops do; in batch-invariant
+mode it is the mode's attention of the same query (in float32, its sums ordered), so a row's
+decode step has the same bits as that row through ``scaled_dot_product_attention``. The Triton provider
 (``ops/triton/decode_attention.py``) is one pass over the keys in blocks (the softmax online, in
 float32) split over programs, and a second small kernel that combines the splits; it writes the
 token itself. Forward only: a call that needs a gradient runs the native definition. On the
@@ -26,7 +28,7 @@ from torch import Tensor
 from typing import Hashable
 
 from .conformance import Sampler, ShapeClass, _random_like
-from .dispatch import Op
+from .dispatch import Op, batch_invariant_active
 
 __all__ = ["DECODE_ATTENTION", "decode_attention", "decode_attention_native"]
 
@@ -45,6 +47,8 @@ def decode_attention_native(
     if key is not None:
         keys.index_copy_(2, position, key.to(keys.dtype))
         values.index_copy_(2, position, value.to(values.dtype))
+    if batch_invariant_active():
+        return _invariant(query, keys, values, bias, scaling)
     batch, heads, _, dim = query.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     # The query heads of one key/value head are one matrix: the buffers are never repeated per head.
@@ -54,6 +58,22 @@ def decode_attention_native(
     weights = torch.softmax(scores, dim=-1)
     output = torch.bmm(weights, values.reshape(batch * kv_heads, length, values.shape[-1]))
     return output.reshape(batch, heads, 1, values.shape[-1]).transpose(1, 2).contiguous()
+
+
+def _invariant(query: Tensor, keys: Tensor, values: Tensor, bias: Tensor, scaling: float) -> Tensor:
+    """In batch-invariant mode: the query's row computed as the mode's attention computes it
+    (``batch_invariant.invariant_attention``, dispatched), so a decode step gives the same bits
+    whether its attention comes here (a padded batch, a step over fixed buffers) or to
+    ``scaled_dot_product_attention`` (a sequence alone)."""
+    from .batch_invariant import invariant_attention
+
+    batch, heads = query.shape[:2]
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    mask = bias.reshape(batch, kv_heads, 1, length)
+    if group > 1:
+        keys, values, mask = (t.repeat_interleave(group, 1) for t in (keys, values, mask))
+    return invariant_attention(query, keys, values, mask, False, scaling).transpose(1, 2).contiguous()
 
 
 class _DecodeSampler(Sampler):
