@@ -62,6 +62,29 @@ def test_linear_and_matmul_give_each_row_the_same_bits_at_every_batch_size(dtype
         torch.testing.assert_close(F.linear(x, w, b).float(), F.linear(x.float(), w.float(), b.float()), atol=tol * 10, rtol=tol)
 
 
+@pytest.mark.parametrize("shape, dim", [((6,), 0), ((1, 9), -1), ((4, 9), -1), ((3, 5, 7), 1)])
+def test_ordered_sums_scan_in_order_on_every_device(shape, dim):
+    """The scan under ``ordered_sum`` runs along a dimension that is neither the innermost nor the
+    tensor's only one, where torch's CUDA ``cumsum`` adds each sum's elements one after another
+    (elsewhere it scans as a tree shaped by the row count, or with CUB): counted at every ``cumsum``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    scans = []
+
+    class Scans(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.cumsum.default:
+                x, along = args[0], args[1] % args[0].dim()
+                scans.append((along != x.dim() - 1, x.numel() != x.shape[along]))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(shape)
+    with Scans():
+        total = bi.ordered_sum(x, dim)
+    assert scans == [(True, True)]
+    torch.testing.assert_close(total, x.double().sum(dim).float())
+
+
 def test_sums_means_softmax_and_cross_entropy_are_row_invariant():
     _rows_agree(lambda x: x.sum(-1), lambda n: torch.randn(n, 77))
     _rows_agree(lambda x: x.pow(2).mean(-1, keepdim=True), lambda n: torch.randn(n, 33))

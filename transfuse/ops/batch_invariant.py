@@ -64,8 +64,19 @@ def ordered_sum(x: Tensor, dim: int, keepdim: bool = False) -> Tensor:
     CPU, where ``cumsum`` accumulates float32 in double) or wider: the same bits for a row whatever
     the other rows, and unchanged by zeros anywhere in the row."""
     wide = x if x.dtype in (torch.float32, torch.float64) else x.float()
-    total = wide.cumsum(dim).narrow(dim, wide.shape[dim] - 1, 1) if wide.shape[dim] else wide.sum(dim, keepdim=True)
-    return total if keepdim else total.squeeze(dim)
+    n = wide.shape[dim]
+    if not n:
+        return wide.sum(dim, keepdim=keepdim)
+    # The scan runs along a dimension that is neither the innermost nor the tensor's only one:
+    # there torch's CUDA ``cumsum`` is one thread per sum, adding the elements in order. Along the
+    # innermost dimension it scans a row as a tree whose shape depends on the number of rows, and
+    # a tensor that is one row it scans with CUB's device-wide scan, not reproducible from run to
+    # run. A CPU scans every dimension in order.
+    columns = wide.movedim(dim, -1).unsqueeze(-1)  # [..., n, 1]
+    if columns.numel() == n:
+        columns = torch.cat([columns, torch.zeros_like(columns)], -1)
+    total = columns.cumsum(-2)[..., n - 1, 0]
+    return total.unsqueeze(dim % wide.dim()) if keepdim else total
 
 
 def _row_chunks(rows: int, per_row: int) -> int:
