@@ -5,7 +5,8 @@ repeated ``top_k`` times and written back by mask (→ refused, moe.repeated-tok
 the unrolled form (→ refused, each with its tag); rows of every (token, expert) pair sorted by expert,
 computed by split [E, out, in] weights and added back by one ``index_add`` (→ fuses); experts handed their rows' routing weights and
 multiplying them onto their output as their last operation, rows indexed by ``.tolist()`` lists
-(→ fuses), or multiplying them anywhere else (→ refused, moe.combine)."""
+(→ fuses), or multiplying them anywhere else (→ refused, moe.combine); a 1-D tensor of the block
+added to its output after the combine (→ fuses; two of them → refused, moe.output)."""
 
 from __future__ import annotations
 
@@ -354,6 +355,55 @@ class RoutedSortedRowsMoE(nn.Module):
         return layer_output.view(bsz, length, self.input_size), router_logits
 
 
+class BiasedSortedRowsMoE(RoutedSortedRowsMoE):
+    """The routed sorted-rows block plus a bias of its own, added after the combine → fuses (the bias
+    added by the fused layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(self.input_size))
+
+    def forward(self, layer_input):
+        layer_output, router_logits = super().forward(layer_input)
+        return layer_output + self.bias, router_logits
+
+
+class BiasedWhereEqualsMoE(WhereEqualsMoE):
+    """The module-list loop plus a bias of the block added to its output → fuses."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(32))
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.view(-1, h)
+        w, idx = torch.topk(self.gate(x).softmax(dim=-1), self.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            rows, slot = torch.where(idx == e)
+            out.index_add_(0, rows, self.experts[e](x[rows]) * w[rows, slot, None])
+        return self.bias + out.view(b, s, h)
+
+
+class TwoBiasesMoE(BiasedWhereEqualsMoE):
+    """Two vectors of the block added to the output → refused (moe.output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias_2 = nn.Parameter(torch.randn(32))
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.view(-1, h)
+        w, idx = torch.topk(self.gate(x).softmax(dim=-1), self.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            rows, slot = torch.where(idx == e)
+            out.index_add_(0, rows, self.experts[e](x[rows]) * w[rows, slot, None])
+        return self.bias + out.view(b, s, h) + self.bias_2
+
+
 def test_rows_sorted_in_another_order_than_their_sizes_are_refused():
     block = DescendingRowsMoE()
     model, x, (before, _) = _rewrite_toy(block)
@@ -383,7 +433,7 @@ def test_experts_given_their_sliced_weights_are_refused_and_counted():
     "cls",
     [
         toys.RangeLoopMoE, WhereEqualsMoE, EnumeratedMoE, ExpertWeightsInsideMoE, HitExpertsWeightsInsideMoE,
-        SortedRowsMoE, RoutedSortedRowsMoE,
+        SortedRowsMoE, RoutedSortedRowsMoE, BiasedSortedRowsMoE, BiasedWhereEqualsMoE,
     ],
     ids=lambda c: c.__name__,
 )
@@ -418,6 +468,7 @@ def test_loops_over_every_expert_index_fuse_with_the_originals_numbers(cls):
         (ShiftedExpertMoE, "moe.unrolled-loop"),
         (InnerWeightedMoE, "moe.combine"),
         (TwiceWeightedMoE, "moe.combine"),
+        (TwoBiasesMoE, "moe.output"),
     ],
     ids=lambda v: v if isinstance(v, str) else v.__name__,
 )
@@ -429,3 +480,18 @@ def test_loop_forms_not_followed_are_refused_with_a_reason(cls, tag):
     assert skip.tag == tag and skip.reason.endswith("."), skip
     with torch.no_grad():
         assert torch.equal(model(x), before)
+
+
+@pytest.mark.parametrize("cls", [BiasedSortedRowsMoE, BiasedWhereEqualsMoE], ids=lambda c: c.__name__)
+def test_a_bias_added_after_the_combine_is_the_layers_and_trains(cls):
+    block = cls()
+    original = copy.deepcopy(block)
+    model, x, _ = _rewrite_toy(block)
+    assert model.block.plan.bias == "bias" and model.block.bias is block.bias
+    assert "bias" in model.block.state_dict()
+    torch.manual_seed(0)
+    plain = toys.TinyMoEModel(original)
+    model(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    torch.testing.assert_close(model.block.bias.grad, plain.block.bias.grad, rtol=1e-5, atol=1e-6)
+    assert plain.block.bias.grad.abs().sum() > 0

@@ -1,4 +1,4 @@
-"""The fused mixture-of-experts layer: ``route(linear(x)) → experts(x) [+ Σ σ(g(x))·shared(x)]`` in two ops.
+"""The fused mixture-of-experts layer: ``route(linear(x)) → experts(x) [+ Σ σ(g(x))·shared(x)] [+ b]`` in two ops.
 
 ``MoE`` takes the place of a model's block and keeps the block's children (the router,
 the experts' holder, the shared experts and their gates) as its own, under their own
@@ -159,11 +159,13 @@ class MoEPlan:
     # else shaped like the input.
     post: str | None = None
     post_flat: bool = False
+    # A 1-D tensor of the layer added to the sum (after the shared experts, before ``post``).
+    bias: str | None = None
 
     def block_tensors(self) -> set[str]:
         """The tensors the layer holds itself (not below a child) that it reads."""
         r = self.router
-        return {p for p in (*r.extra, r.correction_bias) if p is not None and "." not in p}
+        return {p for p in (*r.extra, r.correction_bias, self.bias) if p is not None and "." not in p}
 
     def describe(self) -> str:
         routing = (
@@ -176,6 +178,8 @@ class MoEPlan:
             parts.append("routed output scaled")
         if self.shared:
             parts.append(f"{len(self.shared)} shared{' added in float32' if self.combine_fp32 else ''}")
+        if self.bias is not None:
+            parts.append(f"plus {self.bias}")
         if self.post is not None:
             parts.append(f"then {self.post}")
         return "; ".join(parts)
@@ -503,6 +507,9 @@ def _block_compute(layer: nn.Module, hidden_states: Tensor, *, plan: MoEPlan, ro
     for shared in plan.shared:
         term = _block_shared(layer, shared, hidden_states, tokens, router_out).reshape(out.shape)
         out = out + (term.float() if plan.combine_fp32 else term)
+    if plan.bias is not None:
+        bias = _tensor(layer, plan.bias)
+        out = out + (bias.float() if plan.combine_fp32 else bias)
     if plan.combine_fp32:
         out = out.to(hidden_states.dtype)
     if plan.post is not None:

@@ -1,4 +1,4 @@
-"""MoE: ``Σ_k w_k·expert_{i_k}(x) [+ σ(g(x))·shared(x)]``, ``w, i = topk(score(router(x)))`` → ``transfuse.ops.MoE``.
+"""MoE: ``Σ_k w_k·expert_{i_k}(x) [+ σ(g(x))·shared(x)] [+ b]``, ``w, i = topk(score(router(x)))`` → ``transfuse.ops.MoE``.
 
 A mixture-of-experts block is found by dataflow across three graphs:
 
@@ -10,8 +10,8 @@ A mixture-of-experts block is found by dataflow across three graphs:
   (phimoe's sparsemixer) is kept and called as is: the experts are still fused (its writes in
   place into tensors it allocated itself, axk2's group mask, are its own business);
 * the block's output: the routed sum plus shared experts (a child called on the tokens,
-  optionally times ``sigmoid`` of a gate child), reshaped back; a tuple output keeps its
-  other members (the router's weights or logits).
+  optionally times ``sigmoid`` of a gate child) and at most one 1-D tensor of the block (a bias),
+  reshaped back; a tuple output keeps its other members (the router's weights or logits).
 
 Every child the block calls must have a role, every in-place op must be understood, and a
 trace may only have assumed what the experts loop explains; anything else is refused with

@@ -379,7 +379,7 @@ def _plan_and_branches(analysis: ClassAnalysis, trace, router, experts: ExpertsP
         router, experts, output.shared, output.roles, output.returns_tuple, output.flat,
         assumes=_assumptions(analysis, assumed),
         combine_fp32=output.combine_fp32, routed_scaled=output.routed_scale is not None,
-        post=output.post, post_flat=output.post_flat,
+        post=output.post, post_flat=output.post_flat, bias=output.bias,
     )  # fmt: skip
     branches = (("", analysis.cls),) if "training" in trace.specialisation else ()
     if not router.train_as_module and _reads_training(analysis, router.module):
@@ -538,6 +538,7 @@ class _Output:
     routed_scale: Source | None = None  # the routed output is multiplied by this number first
     post: str | None = None  # a child called on the sum
     post_flat: bool = False  # ... on it flattened to [tokens, hidden] (else shaped like the input)
+    bias: str | None = None  # a 1-D tensor of the block added to the sum
 
 
 def _block_input(trace: Trace) -> fx.Node:
@@ -595,7 +596,7 @@ def _match_block(analysis: ClassAnalysis, loop: LoopMatch, call: fx.Node | None)
     plan = MoEPlan(
         router, experts, output.shared, output.roles, output.returns_tuple, output.flat, assumes=assumes,
         combine_fp32=output.combine_fp32, routed_scaled=output.routed_scale is not None,
-        post=output.post, post_flat=output.post_flat,
+        post=output.post, post_flat=output.post_flat, bias=output.bias,
     )  # fmt: skip
     branches = (("", analysis.cls),) if "training" in trace.specialisation else ()
     if routing is not None and not router.train_as_module and _reads_training(analysis, router.module):
@@ -838,7 +839,7 @@ def _output_shape(item: Any, x: fx.Node) -> tuple[int, ...]:
     a last ``reshape``/``view`` whose sizes Python read from the input's shape."""
     shape = getattr(value(item), "shape", None)
     if shape is None:
-        shape = _reshape_sizes(peel_casts(item)[0], x)
+        shape = _reshape_sizes(_below_bias(peel_casts(item)[0]), x)
     if shape is None or getattr(value(x), "shape", None) is None:
         raise NoMatch(
             "moe.output",
@@ -847,6 +848,15 @@ def _output_shape(item: Any, x: fx.Node) -> tuple[int, ...]:
             item if isinstance(item, fx.Node) else None,
         )
     return tuple(shape)
+
+
+def _below_bias(node: Any) -> Any:
+    """``t + bias`` (a 1-D tensor of the block, which keeps t's shape) → t; else ``node``."""
+    if is_op(node, "add") and len(operands(node)) == 2 and not node.kwargs:
+        a, b = operands(node)
+        if _block_vector(b) or _block_vector(a):
+            return a if _block_vector(b) else b
+    return node
 
 
 def _reshape_sizes(node: Any, x: fx.Node) -> tuple[int, ...] | None:
@@ -932,10 +942,25 @@ def _split_terms(node: Any, routed: Any, x: fx.Node, found: _Output, cast_back: 
             "back to the input's dtype.", node,
         )  # fmt: skip
     terms = [peel_reshapes(t) for t in peeled]
+    biases = [t for t in terms if _block_vector(t)]
+    if len(biases) > 1:
+        raise NoMatch("moe.output", f"{len(biases)} tensors of the block are added to the experts' output, not one.", node)
+    if biases:
+        found.bias = biases[0].target
+        terms.remove(biases[0])
     found_routed = [t for t in terms if t is routed or _scaled_routed(t, routed, found)]
     if len(found_routed) != 1:
         raise NoMatch("moe.output", "the block's output is not the routed experts' output plus shared experts.", node)
     found.shared = tuple(_shared_term(t, x, covered, router_items) for t in terms if t is not found_routed[0])
+
+
+def _block_vector(term: Any) -> bool:
+    """A 1-D parameter or buffer of the block itself (a bias added after the combine): broadcast over the
+    last dimension, it adds the same to the flat ``[tokens, hidden]`` sum as to the input-shaped one."""
+    if not (isinstance(term, fx.Node) and term.op == "get_attr" and "." not in term.target):
+        return False
+    tensor = value(term)
+    return not term.meta.get("constant") and isinstance(tensor, torch.Tensor) and tensor.dim() == 1
 
 
 def _peel_float32(term: Any, covered: set) -> Any:
