@@ -6,7 +6,9 @@ the unrolled form (→ refused, each with its tag); rows of every (token, expert
 computed by split [E, out, in] weights and added back by one ``index_add`` (→ fuses); experts handed their rows' routing weights and
 multiplying them onto their output as their last operation, rows indexed by ``.tolist()`` lists
 (→ fuses), or multiplying them anywhere else (→ refused, moe.combine); a 1-D tensor of the block
-added to its output after the combine (→ fuses; two of them → refused, moe.output)."""
+added to its output after the combine (→ fuses; two of them → refused, moe.output); experts a module
+uses through methods other than its forward, which only raises, with attention between their two
+projections (→ refused, moe.forward-raises)."""
 
 from __future__ import annotations
 
@@ -402,6 +404,69 @@ class TwoBiasesMoE(BiasedWhereEqualsMoE):
             rows, slot = torch.where(idx == e)
             out.index_add_(0, rows, self.experts[e](x[rows]) * w[rows, slot, None])
         return self.bias + out.view(b, s, h) + self.bias_2
+
+
+class RoutedHeads(nn.Module):
+    """A mixture of attention heads: each token's chosen experts project it to a query (``map``) and
+    project the attention outputs of those queries back, weighted and summed (``reduce``); its forward
+    only raises."""
+
+    def __init__(self, hidden=32, head=16, experts=4, top_k=2):
+        super().__init__()
+        self.top_k, self.head = top_k, head
+        self.bias = nn.Parameter(torch.randn(hidden))
+        self.input_linear = SplitExperts(experts, hidden, head)
+        self.output_linear = SplitExperts(experts, head, hidden)
+        self.router = TopKGating(hidden, experts, top_k)
+
+    def map(self, x):
+        b, s, h = x.shape
+        x = x.reshape(-1, h)
+        order, token, gates, sizes, _ = self.router(x)
+        queries = self.input_linear(x[token], sizes)
+        queries = torch.zeros(b * s * self.top_k, self.head).index_add(0, order, queries)
+        return queries.view(b, s, self.top_k, self.head), (order, token, gates, sizes)
+
+    def reduce(self, attended, topology):
+        b, s, _, d = attended.shape
+        order, token, gates, sizes = topology
+        out = self.output_linear(attended.reshape(-1, d)[order], sizes) * gates[:, None]
+        return torch.zeros(b * s, self.bias.shape[0]).index_add(0, token, out).view(b, s, -1) + self.bias
+
+    def forward(self, x):
+        raise NotImplementedError("map() and reduce() are this module's entry points.")
+
+
+class MixtureOfAttention(nn.Module):
+    """Attention whose query and output projections are routed experts (``RoutedHeads``), called
+    through their ``map`` and ``reduce`` → refused (moe.forward-raises): attention over the sequence
+    runs between the experts' two projections."""
+
+    def __init__(self, hidden=32, head=16):
+        super().__init__()
+        self.experts = RoutedHeads(hidden, head)
+        self.kv = nn.Linear(hidden, 2 * head)
+
+    def forward(self, x):
+        queries, topology = self.experts.map(x)
+        k, v = self.kv(x).chunk(2, dim=-1)
+        attended = F.scaled_dot_product_attention(queries.transpose(1, 2), k[:, None], v[:, None], is_causal=True)
+        return self.experts.reduce(attended.transpose(1, 2), topology)
+
+
+def test_experts_used_through_methods_around_attention_are_refused_and_counted():
+    from transfuse import census
+
+    block = MixtureOfAttention()
+    model, x, (before, _) = _rewrite_toy(block)
+    assert model.block is block and model.block.experts.__class__ is RoutedHeads
+    (skip,) = [s for s in transfuse.report(model).skipped if s.kind == "moe"]
+    assert skip.tag == "moe.forward-raises" and "through map(), reduce()" in skip.reason, skip
+    found = [o for o in census.count(model) if o.kind == "moe"]
+    assert {o.parent_cls for o in found} == {"RoutedHeads"}, found
+    assert census.unaccounted(found, transfuse.report(model)) == []
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
 
 
 def test_rows_sorted_in_another_order_than_their_sizes_are_refused():

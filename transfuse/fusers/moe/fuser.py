@@ -101,6 +101,9 @@ class MoEFuser(Fuser[MoEMatch]):
         return ("", found.experts_child) if found.member is not None else ("",)
 
     def match(self, analysis: ClassAnalysis) -> MoEMatch | Refusal | None:
+        raising = _forward_only_raises(analysis)
+        if raising is not None:
+            return raising
         try:
             loop, call = _find_experts(analysis)
             return _match_block(analysis, loop, call)
@@ -202,6 +205,37 @@ class MoEFuser(Fuser[MoEMatch]):
         docstring = body[:1] if body and m.matches(body[0], m.SimpleStatementLine([m.Expr(m.SimpleString())])) else []
         rest = body[len(docstring) :]
         return node.with_changes(body=node.body.with_changes(body=[*docstring, fused, *rest]))
+
+
+def _forward_only_raises(analysis: ClassAnalysis) -> Refusal | None:
+    """A module whose forward does nothing but raise holds experts the model uses through other
+    methods, each computing a part of the mixture around its caller's code (jetmoe's attention
+    experts: query projections in one method, output projections and the weighted sum in another,
+    attention between); no fused layer can take the place of a forward that is never run."""
+    source = method_source(unwrapped_forward(analysis.cls))
+    if source is None:
+        return None
+    body = list(source.node.body.body)
+    if body and m.matches(body[0], m.SimpleStatementLine([m.Expr(m.SimpleString() | m.ConcatenatedString())])):
+        body = body[1:]
+    if not (len(body) == 1 and m.matches(body[0], m.SimpleStatementLine([m.Raise()]))):
+        return None
+    raised = cst.Module(body=[]).code_for_node(body[0]).strip()
+    children = set(analysis.children)
+    methods = sorted(
+        name for name, fn in vars(analysis.cls).items()
+        if inspect.isfunction(fn) and not name.startswith("__") and name != "forward"
+        and not children.isdisjoint(fn.__code__.co_names)
+    )  # fmt: skip
+    used = f"the model uses its experts through {', '.join(f'{n}()' for n in methods)}" if methods else (
+        "the model uses its experts through other code"
+    )  # fmt: skip
+    return Refusal(
+        "moe.forward-raises",
+        f"the block's forward only raises (`{raised}`): {used}, each computing a part of the mixture for its "
+        "caller, which no fused layer taking the place of the forward computes.",
+        analysis.where(),
+    )
 
 
 class _NotMoE(Exception):
