@@ -489,6 +489,8 @@ def test_experts_given_their_sliced_weights_are_refused_and_counted():
     assert [(o.path, o.parent_cls) for o in found] == [("block.experts", "SlicedWeightsMoE")]
     (skip,) = [s for s in transfuse.report(model).skipped if s.kind == "moe"]
     assert skip.tag == "moe.expert-arguments" and "3 more tensors" in skip.reason, skip
+    # The reason names the parameters each expert's weights are sliced from, as the loop views them.
+    assert "slices of mlp.w1 (64, 32) as (4, 16, 32), mlp.v1 (64, 32) as (4, 16, 32), mlp.w2" in skip.reason, skip
     assert census.unaccounted(found, transfuse.report(model)) == []
     with torch.no_grad():
         assert torch.equal(model(x), before)

@@ -438,11 +438,15 @@ def _member(call: fx.Node, found: LoopMatch, index: str = "0") -> fx.Node:
     expected = 1 if found.member_weight is None else 2  # the rows, and the routing weights when passed in
     passed = [a for a in (*call.args[expected:], *call.kwargs.values()) if isinstance(value(a), torch.Tensor)]
     if passed and (called != index or not owner):
+        slices = [_expert_slice(a) for a in passed]
+        what = f"{len(passed)} more tensors"
+        if all(slices):
+            what += f", this expert's slices of {', '.join(slices)}"
         raise NoMatch(
             "moe.expert-arguments",
-            f"each expert is {call.target} called on the rows and {len(passed)} more tensors; the experts matcher "
-            "follows a member of a module list, or tensors indexed by the expert, computing the expert from the "
-            "rows alone.",
+            f"each expert is {call.target} called on the rows and {what}; the experts matcher stacks the members "
+            "of a module list or reads packed tensors indexed by the expert, and does not take weights handed to "
+            "one shared module apart into the packed gate/up and down tensors the fused layer computes with.",
             call,
         )  # fmt: skip
     if called != index or not owner or len(call.args) != expected or call.kwargs:
@@ -454,6 +458,27 @@ def _member(call: fx.Node, found: LoopMatch, index: str = "0") -> fx.Node:
     found.member_calls = [call]
     found.nodes.add(call)
     return call.args[0]
+
+
+def _expert_slice(node: Any) -> str | None:
+    """``P.view(E, a, b).chunk(E)[e].squeeze(0)``, ``P.view(E, a, b)[e]``, ``P.unbind(0)[e]``: one expert's
+    slice of a parameter seen as ``[E, ...]`` → ``"P (shape) as (E, a, b)"``; None for anything else."""
+    walk, viewed = node, None
+    if is_op(walk, "squeeze") and operand(walk, 1, "dim") == 0:
+        walk = operand(walk, 0)
+    if not (is_op(walk, "getitem") and isinstance(operand(walk, 1), int)):
+        return None
+    walk = operand(walk, 0)
+    dim_at = 1 if is_op(walk, "unbind") else 2  # (tensor, dim) or (tensor, chunks or sizes, dim)
+    if is_op(walk, "chunk", "unbind", "split") and operand(walk, dim_at, "dim") in (0, None):
+        walk = operand(walk, 0)
+    if is_op(walk, "view", "reshape"):
+        viewed, walk = getattr(value(walk), "shape", None), operand(walk, 0)
+    tensor = value(walk) if isinstance(walk, fx.Node) and walk.op == "get_attr" else None
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    shape = tuple(tensor.shape)
+    return f"{walk.target} {shape}" + (f" as {tuple(viewed)}" if viewed is not None and tuple(viewed) != shape else "")
 
 
 # ---- packed experts --------------------------------------------------------------------
