@@ -51,6 +51,11 @@ __all__ = [
 TOKENS, INPUT, HIDDEN, LOGITS, WEIGHTS, IDS = "tokens", "input", "hidden", "logits", "weights", "ids"
 
 
+def router_output(index) -> str:
+    """The role of output ``index`` of a router called as is (``RouterPlan.spec`` None), returned as is."""
+    return f"router output {index}"
+
+
 @dataclass(frozen=True)
 class LogitsPlan:
     """``F.linear`` of the tokens with the router weight (and bias), with the casts the model makes
@@ -516,6 +521,8 @@ def _block_compute(layer: nn.Module, hidden_states: Tensor, *, plan: MoEPlan, ro
         out = getattr(layer, plan.post)(out if plan.post_flat else out.reshape(hidden_states.shape))
     hidden = out if plan.flat_output else out.reshape(hidden_states.shape)
     values = {HIDDEN: hidden, LOGITS: logits, WEIGHTS: weights, IDS: ids}
+    if router_out is not None:
+        values |= {router_output(i): out for i, out in enumerate(router_out)}
     returned = tuple(values[role] for role in plan.outputs)
     return returned if plan.returns_tuple else returned[0]
 
@@ -561,16 +568,37 @@ class StackedExperts(nn.Module):
     keys: for each tensor name of ``w13``, ``w2``, ``b13``, ``b2``, the per-expert key
         template of each part, with ``{}`` for the expert index: ``w13`` has two parts
         (gate, up), the others one.
+    whole: keys (without ``{}``) that hold a part for every expert in one tensor: (its shape, and
+        whether each expert's block is stored transposed), the experts' blocks in order.
     """
 
     __transfuse_layer__ = True
 
-    def __init__(self, tensors: dict[str, Tensor], keys: dict[str, tuple[str, ...]]):
+    def __init__(
+        self,
+        tensors: dict[str, Tensor],
+        keys: dict[str, tuple[str, ...]],
+        whole: dict[str, tuple[tuple[int, ...], bool]] | None = None,
+    ):
         super().__init__()
         for name, tensor in tensors.items():
             self.register_parameter(name, nn.Parameter(tensor, requires_grad=tensor.requires_grad))
         self.keys = keys
+        self.whole = whole or {}
         self.num_experts = next(iter(tensors.values())).shape[0]
+
+    def _stored(self, template: str, part: Tensor) -> Tensor:
+        """Every expert's part ``[E, r, c]`` as the key ``template`` holds it."""
+        shape, transposed = self.whole[template]
+        return (part.transpose(1, 2) if transposed else part).reshape(shape)
+
+    def _loaded(self, template: str, value: Tensor, part: Tensor) -> Tensor | None:
+        """``value`` of the key ``template`` as every expert's part (None when its shape is not the key's)."""
+        shape, transposed = self.whole[template]
+        if tuple(value.shape) != tuple(shape):
+            return None
+        e, r, c = part.shape
+        return value.reshape(e, c, r).transpose(1, 2) if transposed else value.reshape(e, r, c)
 
     def _parts(self, name: str) -> list[tuple[str, slice]]:
         """Each part of a stacked tensor: its per-expert key template and its rows in one expert."""
@@ -583,6 +611,9 @@ class StackedExperts(nn.Module):
             tensor = getattr(self, name)
             tensor = tensor if keep_vars else tensor.detach()
             for template, rows in self._parts(name):
+                if template in self.whole:
+                    destination[prefix + template] = self._stored(template, tensor[:, rows]).clone()
+                    continue
                 for e in range(self.num_experts):
                     # A copy: per-expert views would share storage, which checkpoint writers refuse.
                     destination[prefix + template.format(e)] = tensor[e, rows].clone()
@@ -595,6 +626,21 @@ class StackedExperts(nn.Module):
             for name in self.keys:
                 tensor = getattr(self, name)
                 for template, rows in self._parts(name):
+                    if template in self.whole:
+                        key = prefix + template
+                        expected.add(key)
+                        if key not in state_dict:
+                            missing_keys.append(key)
+                            continue
+                        loaded = self._loaded(template, state_dict[key], tensor[:, rows])
+                        if loaded is None:
+                            error_msgs.append(
+                                f"size mismatch for {key}: copying a param with shape {tuple(state_dict[key].shape)}, "
+                                f"the shape in the current model is {self.whole[template][0]}."
+                            )
+                            continue
+                        tensor[:, rows].copy_(loaded)
+                        continue
                     for e in range(self.num_experts):
                         key = prefix + template.format(e)
                         expected.add(key)

@@ -21,8 +21,9 @@ number (k, groups, eps, scale, alpha, limit) is read per instance from the attri
 supplied it. A branch on ``self.training`` is evaluated per instance for training mode; a
 block whose training path differs fuses for inference and says so when run in training.
 
-Packed experts are used in place (no copies, any layout); per-expert modules are stacked
-into the packed layout (``StackedExperts``), keeping their state-dict keys.
+Packed experts are used in place (no copies, any layout); per-expert modules, and the per-expert
+slices of parameters handed to one shared module, are stacked into the packed layout
+(``StackedExperts``), keeping their state-dict keys.
 
 An emitted file gives a block with packed experts ``forward = moe_block(self, x, plan, top_k=...)``,
 the plan a class attribute that also names the attribute values the traces assumed
