@@ -29,7 +29,14 @@ Opportunities, counted per module instance while the stock model runs once:
   tensor (q, k and v; with a gate; k and v of cross-attention; MLA's low-rank pair; the input
   projections of linear-attention blocks): what an n-way merge could fuse;
 - ``moe``: a module with a child named ``experts`` or a child whose class name ends with ``Experts``
-  (granitemoe's ``ParallelExperts`` children), itself not such a class.
+  (granitemoe's ``ParallelExperts`` children), itself not such a class, that the forward calls; one
+  whose ``experts`` child is itself such a module is not counted apart (one mixture, counted once, at
+  the module holding the experts). A module holding experts that the model never calls computes no
+  block of its own: another module calls its methods piecewise (jetmoe's mixture of attention heads:
+  the chosen experts' query projections in ``map``, attention over the sequence, then their output
+  projections and the weighted sum in ``reduce``), which is attention with routed projections, not a
+  block of expert MLPs that a fused mixture of experts could take the place of. Such a module is not
+  counted here; ``transfuse.census`` still counts its experts, so it must be refused with a tag.
 
 "Fused" counts the report's fusions per kind, and a GLU of an expert in the experts of a fused
 mixture (the fused op computes it: its gate/up projection, activation and product); "complete" is a type where every opportunity was
@@ -137,13 +144,17 @@ def count_opportunities(model, ids) -> tuple[dict[str, int], dict[str, list[str]
     from torch import nn
 
     where: dict[str, list[str]] = defaultdict(list)
+    mixtures = {}
     for path, module in model.named_modules():
         if _rms_norm_like(module):
             where["rms_norm"].append(path)
         children = dict(module.named_children())
         if "experts" in children or any(type(c).__name__.endswith("Experts") for c in children.values()):
             if not type(module).__name__.endswith("Experts"):
-                where["moe"].append(path)
+                mixtures[path] = module
+    # One mixture, one opportunity: a module whose ``experts`` child is itself counted is not another.
+    mixtures = {p: m for p, m in mixtures.items() if (f"{p}.experts" if p else "experts") not in mixtures}
+    called = set()
     # Linears called on the same tensor, per parent module and call.
     parent_of = {}
     for path, module in model.named_modules():
@@ -179,6 +190,7 @@ def count_opportunities(model, ids) -> tuple[dict[str, int], dict[str, list[str]
             seen.setdefault((path, name), (args[0], output))
 
     handles = [child.register_forward_hook(hook) for child in parent_of]
+    handles += [m.register_forward_pre_hook(lambda m, args: called.add(m)) for m in mixtures.values()]
     handles += [child.register_forward_pre_hook(reader_hook) for child in readers]
     handles += [module.register_forward_hook(output_hook) for module in owners]
     try:
@@ -187,6 +199,7 @@ def count_opportunities(model, ids) -> tuple[dict[str, int], dict[str, list[str]
     finally:
         for handle in handles:
             handle.remove()
+    where["moe"] = [p for p, m in mixtures.items() if m in called]
     groups: dict[str, set[frozenset]] = defaultdict(set)
     for (path, _), names in calls.items():
         if len(names) >= 2:

@@ -78,3 +78,29 @@ def test_the_table_reports_every_row(coverage, rows):
     for model_type in rows:
         assert f"| {model_type} |" in text
     assert "wrong answers: 0; crashes: 0" in text
+
+
+def test_a_mixture_is_counted_once_and_only_where_the_model_calls_it(coverage):
+    """An attention module holding ``experts`` that hold ``*Experts`` children is one structure, not two;
+    experts used only through methods other than their forward (``map``/``reduce`` around attention) are
+    no block a mixture-of-experts fusion could take the place of; the sorted-rows MLP block is one."""
+    import torch
+    from torch import nn
+
+    from tests.test_moe_loop_forms import MixtureOfAttention, RoutedSortedRowsMoE
+
+    class TinyLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(50, 32)
+            self.attn = MixtureOfAttention()
+            self.mlp = RoutedSortedRowsMoE()
+
+        def forward(self, input_ids, use_cache=False):
+            h = self.embed(input_ids)
+            h = h + self.attn(h)
+            return h + self.mlp(h)[0]
+
+    model = TinyLM()
+    counts, where = coverage.count_opportunities(model, torch.randint(0, 50, (2, 5)))
+    assert counts["moe"] == 1 and where["moe"] == ["mlp"], where

@@ -5,7 +5,12 @@ repeated ``top_k`` times and written back by mask (→ refused, moe.repeated-tok
 the unrolled form (→ refused, each with its tag); rows of every (token, expert) pair sorted by expert,
 computed by split [E, out, in] weights and added back by one ``index_add`` (→ fuses); experts handed their rows' routing weights and
 multiplying them onto their output as their last operation, rows indexed by ``.tolist()`` lists
-(→ fuses), or multiplying them anywhere else (→ refused, moe.combine)."""
+(→ fuses), or multiplying them anywhere else (→ refused, moe.combine); one module handed each expert's
+slices of parameters holding every expert's block (→ fuses; other slices → refused, moe.expert-arguments,
+or too few iterations → moe.unrolled-loop); a 1-D tensor of the block
+added to its output after the combine (→ fuses; two of them → refused, moe.output); experts a module
+uses through methods other than its forward, which only raises, with attention between their two
+projections (→ refused, moe.forward-raises)."""
 
 from __future__ import annotations
 
@@ -250,9 +255,8 @@ class SlicedRouter(nn.Module):
 
 
 class SlicedWeightsMoE(nn.Module):
-    """A router child and an experts child that passes each expert's sliced weights to one GLU module
-    (the experts are neither a module list nor 3-D tensors) → refused (moe.expert-arguments), and
-    counted by the census."""
+    """A router child and an experts child that passes each expert's slices of 2-D parameters to one GLU
+    module (the experts are neither a module list nor 3-D tensors) → fuses (the slices stacked)."""
 
     def __init__(self, hidden=32, inter=16, experts=4, top_k=2):
         super().__init__()
@@ -262,6 +266,86 @@ class SlicedWeightsMoE(nn.Module):
     def forward(self, x):
         weights, top_weights, top_experts = self.router(x)
         return self.experts(x, top_weights, top_experts), weights
+
+
+class ChildViewSlicedExperts(SlicedExperts):
+    """The weights viewed ``[E, I, H]`` with the GLU module's own sizes (Python computes the views outside
+    the traced graph), chunked by the experts' count and squeezed."""
+
+    def forward(self, x, top_weights, top_experts):
+        b, s, h = x.shape
+        x = x.view(-1, h)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(top_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        mlp = self.mlp
+        w1, v1, w2 = (
+            [p.squeeze(dim=0) for p in w.view(mlp.num_experts, mlp.inter, mlp.hidden).chunk(self.num_experts, dim=0)]
+            for w in (mlp.w1, mlp.v1, mlp.w2)
+        )
+        for e in range(self.num_experts):
+            slot, token = torch.where(mask[e])
+            if token.shape[0] == 0:
+                continue
+            rows = x[None, token].reshape(-1, h)
+            out.index_add_(0, token, mlp(rows, w1[e], v1[e], w2[e]) * top_weights[token, slot, None])
+        return out.reshape(b, s, h)
+
+
+class ChildViewSlicedWeightsMoE(SlicedWeightsMoE):
+    """→ fuses, as ``SlicedWeightsMoE``."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = ChildViewSlicedExperts(32, 16, 4)
+
+
+class ShortSlicesExperts(SlicedExperts):
+    """The loop over the slices stops one expert short of the blocks the parameters hold."""
+
+    def forward(self, x, top_weights, top_experts):
+        b, s, h = x.shape
+        x = x.view(-1, h)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(top_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        shape = (self.num_experts, self.mlp.inter, self.mlp.hidden)
+        w1, v1, w2 = (w.view(shape).unbind(0) for w in (self.mlp.w1, self.mlp.v1, self.mlp.w2))
+        for e in range(self.num_experts - 1):
+            slot, token = torch.where(mask[e])
+            out.index_add_(0, token, self.mlp(x[token], w1[e], v1[e], w2[e]) * top_weights[token, slot, None])
+        return out.reshape(b, s, h)
+
+
+class ShortSlicesMoE(SlicedWeightsMoE):
+    """→ refused (moe.unrolled-loop)."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = ShortSlicesExperts(32, 16, 4)
+
+
+class ShiftedSlicesExperts(SlicedExperts):
+    """Iteration e hands the GLU module expert e + 1's slices: not the routed mixture."""
+
+    def forward(self, x, top_weights, top_experts):
+        b, s, h = x.shape
+        x = x.view(-1, h)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(top_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        shape = (self.num_experts, self.mlp.inter, self.mlp.hidden)
+        w1, v1, w2 = (w.view(shape).unbind(0) for w in (self.mlp.w1, self.mlp.v1, self.mlp.w2))
+        for e in range(self.num_experts):
+            slot, token = torch.where(mask[e])
+            n = (e + 1) % self.num_experts
+            out.index_add_(0, token, self.mlp(x[token], w1[n], v1[n], w2[n]) * top_weights[token, slot, None])
+        return out.reshape(b, s, h)
+
+
+class ShiftedSlicesMoE(SlicedWeightsMoE):
+    """→ refused (moe.expert-arguments), the reason naming the sliced parameters; counted by the census."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = ShiftedSlicesExperts(32, 16, 4)
 
 
 class SplitExperts(nn.Module):
@@ -354,6 +438,118 @@ class RoutedSortedRowsMoE(nn.Module):
         return layer_output.view(bsz, length, self.input_size), router_logits
 
 
+class BiasedSortedRowsMoE(RoutedSortedRowsMoE):
+    """The routed sorted-rows block plus a bias of its own, added after the combine → fuses (the bias
+    added by the fused layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(self.input_size))
+
+    def forward(self, layer_input):
+        layer_output, router_logits = super().forward(layer_input)
+        return layer_output + self.bias, router_logits
+
+
+class BiasedWhereEqualsMoE(WhereEqualsMoE):
+    """The module-list loop plus a bias of the block added to its output → fuses."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(32))
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.view(-1, h)
+        w, idx = torch.topk(self.gate(x).softmax(dim=-1), self.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            rows, slot = torch.where(idx == e)
+            out.index_add_(0, rows, self.experts[e](x[rows]) * w[rows, slot, None])
+        return self.bias + out.view(b, s, h)
+
+
+class TwoBiasesMoE(BiasedWhereEqualsMoE):
+    """Two vectors of the block added to the output → refused (moe.output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias_2 = nn.Parameter(torch.randn(32))
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.view(-1, h)
+        w, idx = torch.topk(self.gate(x).softmax(dim=-1), self.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            rows, slot = torch.where(idx == e)
+            out.index_add_(0, rows, self.experts[e](x[rows]) * w[rows, slot, None])
+        return self.bias + out.view(b, s, h) + self.bias_2
+
+
+class RoutedHeads(nn.Module):
+    """A mixture of attention heads: each token's chosen experts project it to a query (``map``) and
+    project the attention outputs of those queries back, weighted and summed (``reduce``); its forward
+    only raises."""
+
+    def __init__(self, hidden=32, head=16, experts=4, top_k=2):
+        super().__init__()
+        self.top_k, self.head = top_k, head
+        self.bias = nn.Parameter(torch.randn(hidden))
+        self.input_linear = SplitExperts(experts, hidden, head)
+        self.output_linear = SplitExperts(experts, head, hidden)
+        self.router = TopKGating(hidden, experts, top_k)
+
+    def map(self, x):
+        b, s, h = x.shape
+        x = x.reshape(-1, h)
+        order, token, gates, sizes, _ = self.router(x)
+        queries = self.input_linear(x[token], sizes)
+        queries = torch.zeros(b * s * self.top_k, self.head).index_add(0, order, queries)
+        return queries.view(b, s, self.top_k, self.head), (order, token, gates, sizes)
+
+    def reduce(self, attended, topology):
+        b, s, _, d = attended.shape
+        order, token, gates, sizes = topology
+        out = self.output_linear(attended.reshape(-1, d)[order], sizes) * gates[:, None]
+        return torch.zeros(b * s, self.bias.shape[0]).index_add(0, token, out).view(b, s, -1) + self.bias
+
+    def forward(self, x):
+        raise NotImplementedError("map() and reduce() are this module's entry points.")
+
+
+class MixtureOfAttention(nn.Module):
+    """Attention whose query and output projections are routed experts (``RoutedHeads``), called
+    through their ``map`` and ``reduce`` → refused (moe.forward-raises): attention over the sequence
+    runs between the experts' two projections."""
+
+    def __init__(self, hidden=32, head=16):
+        super().__init__()
+        self.experts = RoutedHeads(hidden, head)
+        self.kv = nn.Linear(hidden, 2 * head)
+
+    def forward(self, x):
+        queries, topology = self.experts.map(x)
+        k, v = self.kv(x).chunk(2, dim=-1)
+        attended = F.scaled_dot_product_attention(queries.transpose(1, 2), k[:, None], v[:, None], is_causal=True)
+        return self.experts.reduce(attended.transpose(1, 2), topology)
+
+
+def test_experts_used_through_methods_around_attention_are_refused_and_counted():
+    from transfuse import census
+
+    block = MixtureOfAttention()
+    model, x, (before, _) = _rewrite_toy(block)
+    assert model.block is block and model.block.experts.__class__ is RoutedHeads
+    (skip,) = [s for s in transfuse.report(model).skipped if s.kind == "moe"]
+    assert skip.tag == "moe.forward-raises" and "through map(), reduce()" in skip.reason, skip
+    found = [o for o in census.count(model) if o.kind == "moe"]
+    assert {o.parent_cls for o in found} == {"RoutedHeads"}, found
+    assert census.unaccounted(found, transfuse.report(model)) == []
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
+
+
 def test_rows_sorted_in_another_order_than_their_sizes_are_refused():
     block = DescendingRowsMoE()
     model, x, (before, _) = _rewrite_toy(block)
@@ -364,16 +560,19 @@ def test_rows_sorted_in_another_order_than_their_sizes_are_refused():
         assert torch.equal(model(x), before)
 
 
-def test_experts_given_their_sliced_weights_are_refused_and_counted():
+def test_experts_given_other_experts_slices_are_refused_and_counted():
     from transfuse import census
 
-    block = SlicedWeightsMoE()
+    block = ShiftedSlicesMoE()
     model, x, (before, _) = _rewrite_toy(block)
     assert model.block is block
     found = [o for o in census.count(model) if o.kind == "moe"]
-    assert [(o.path, o.parent_cls) for o in found] == [("block.experts", "SlicedWeightsMoE")]
+    assert [(o.path, o.parent_cls) for o in found] == [("block.experts", "ShiftedSlicesMoE")]
     (skip,) = [s for s in transfuse.report(model).skipped if s.kind == "moe"]
     assert skip.tag == "moe.expert-arguments" and "3 more tensors" in skip.reason, skip
+    # The reason names the parameters each expert's weights are sliced from, as the loop views them.
+    assert "slices of mlp.w1 (64, 32) as (4, 16, 32), mlp.v1 (64, 32) as (4, 16, 32), mlp.w2" in skip.reason, skip
+    assert "expert-arguments" not in str(census.unaccounted(found, transfuse.report(model)))
     assert census.unaccounted(found, transfuse.report(model)) == []
     with torch.no_grad():
         assert torch.equal(model(x), before)
@@ -383,7 +582,8 @@ def test_experts_given_their_sliced_weights_are_refused_and_counted():
     "cls",
     [
         toys.RangeLoopMoE, WhereEqualsMoE, EnumeratedMoE, ExpertWeightsInsideMoE, HitExpertsWeightsInsideMoE,
-        SortedRowsMoE, RoutedSortedRowsMoE,
+        SortedRowsMoE, RoutedSortedRowsMoE, BiasedSortedRowsMoE, BiasedWhereEqualsMoE, SlicedWeightsMoE,
+        ChildViewSlicedWeightsMoE,
     ],
     ids=lambda c: c.__name__,
 )
@@ -418,6 +618,8 @@ def test_loops_over_every_expert_index_fuse_with_the_originals_numbers(cls):
         (ShiftedExpertMoE, "moe.unrolled-loop"),
         (InnerWeightedMoE, "moe.combine"),
         (TwiceWeightedMoE, "moe.combine"),
+        (TwoBiasesMoE, "moe.output"),
+        (ShortSlicesMoE, "moe.unrolled-loop"),
     ],
     ids=lambda v: v if isinstance(v, str) else v.__name__,
 )
@@ -429,3 +631,40 @@ def test_loop_forms_not_followed_are_refused_with_a_reason(cls, tag):
     assert skip.tag == tag and skip.reason.endswith("."), skip
     with torch.no_grad():
         assert torch.equal(model(x), before)
+
+
+@pytest.mark.parametrize("cls", [BiasedSortedRowsMoE, BiasedWhereEqualsMoE], ids=lambda c: c.__name__)
+def test_a_bias_added_after_the_combine_is_the_layers_and_trains(cls):
+    block = cls()
+    original = copy.deepcopy(block)
+    model, x, _ = _rewrite_toy(block)
+    assert model.block.plan.bias == "bias" and model.block.bias is block.bias
+    assert "bias" in model.block.state_dict()
+    torch.manual_seed(0)
+    plain = toys.TinyMoEModel(original)
+    model(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    torch.testing.assert_close(model.block.bias.grad, plain.block.bias.grad, rtol=1e-5, atol=1e-6)
+    assert plain.block.bias.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("cls", [SlicedWeightsMoE, ChildViewSlicedWeightsMoE], ids=lambda c: c.__name__)
+def test_stacked_slices_keep_the_parameters_keys_and_layout(cls):
+    """The stacked gate/up and down tensors save and load under the sliced parameters' own keys and
+    shapes: a state dict of the unfused block loads into the fused one, and the two compute alike."""
+    block = cls()
+    original = copy.deepcopy(block)
+    model, x, _ = _rewrite_toy(block)
+    assert isinstance(model.block, MoE) and model.block.plan.experts.w13 == "experts.w13"
+    saved = model.block.state_dict()
+    expected = original.state_dict()
+    assert sorted(saved) == sorted(expected)
+    for key, tensor in expected.items():
+        assert torch.equal(saved[key], tensor), key
+    # Another block's weights, loaded through the fused layer's keys, give that block's numbers.
+    torch.manual_seed(1)
+    other = cls()
+    model.block.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        h = model.inp(x)
+        torch.testing.assert_close(model.block(h)[0], other(h)[0], rtol=0, atol=1e-6)

@@ -126,3 +126,28 @@ def test_decorated_forward_is_unwrapped():
     trace = trace_module(toys.DecoratedNorm(8), ((torch.randn(3, 8),), {}))
     assert not trace.partial
     assert [p.name for p in trace.placeholders()] == ["hidden_states"]
+
+
+def test_a_child_parameter_reshaped_outside_the_graph_says_which_tensor_it_views():
+    """``self.child.w.view(...)`` with the child's own sizes runs in Python (no proxy among its arguments):
+    the graph gets a constant, whose ``view_of`` names the tensor it is the whole of; a slice is no view."""
+    from torch import nn
+
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rows, self.cols = 4, 3
+            self.w = nn.Parameter(torch.randn(8, 3))
+
+    class Reader(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.child = Holder()
+
+        def forward(self, x):
+            whole = self.child.w.view(2, self.child.rows, self.child.cols)
+            return (whole * x.sum()).sum() + (x @ self.child.w[:3].t()).sum()
+
+    trace = trace_module(Reader(), ((torch.randn(5, 3),), {}))
+    constants = [n for n in trace.graph.nodes if n.op == "get_attr" and n.meta.get("constant")]
+    assert [n.meta.get("view_of") for n in constants] == [("child.w", (8, 3)), None]

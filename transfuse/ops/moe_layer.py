@@ -1,4 +1,4 @@
-"""The fused mixture-of-experts layer: ``route(linear(x)) → experts(x) [+ Σ σ(g(x))·shared(x)]`` in two ops.
+"""The fused mixture-of-experts layer: ``route(linear(x)) → experts(x) [+ Σ σ(g(x))·shared(x)] [+ b]`` in two ops.
 
 ``MoE`` takes the place of a model's block and keeps the block's children (the router,
 the experts' holder, the shared experts and their gates) as its own, under their own
@@ -49,6 +49,11 @@ __all__ = [
 
 # Roles of the values a block reads or returns.
 TOKENS, INPUT, HIDDEN, LOGITS, WEIGHTS, IDS = "tokens", "input", "hidden", "logits", "weights", "ids"
+
+
+def router_output(index) -> str:
+    """The role of output ``index`` of a router called as is (``RouterPlan.spec`` None), returned as is."""
+    return f"router output {index}"
 
 
 @dataclass(frozen=True)
@@ -159,11 +164,13 @@ class MoEPlan:
     # else shaped like the input.
     post: str | None = None
     post_flat: bool = False
+    # A 1-D tensor of the layer added to the sum (after the shared experts, before ``post``).
+    bias: str | None = None
 
     def block_tensors(self) -> set[str]:
         """The tensors the layer holds itself (not below a child) that it reads."""
         r = self.router
-        return {p for p in (*r.extra, r.correction_bias) if p is not None and "." not in p}
+        return {p for p in (*r.extra, r.correction_bias, self.bias) if p is not None and "." not in p}
 
     def describe(self) -> str:
         routing = (
@@ -176,6 +183,8 @@ class MoEPlan:
             parts.append("routed output scaled")
         if self.shared:
             parts.append(f"{len(self.shared)} shared{' added in float32' if self.combine_fp32 else ''}")
+        if self.bias is not None:
+            parts.append(f"plus {self.bias}")
         if self.post is not None:
             parts.append(f"then {self.post}")
         return "; ".join(parts)
@@ -503,12 +512,17 @@ def _block_compute(layer: nn.Module, hidden_states: Tensor, *, plan: MoEPlan, ro
     for shared in plan.shared:
         term = _block_shared(layer, shared, hidden_states, tokens, router_out).reshape(out.shape)
         out = out + (term.float() if plan.combine_fp32 else term)
+    if plan.bias is not None:
+        bias = _tensor(layer, plan.bias)
+        out = out + (bias.float() if plan.combine_fp32 else bias)
     if plan.combine_fp32:
         out = out.to(hidden_states.dtype)
     if plan.post is not None:
         out = getattr(layer, plan.post)(out if plan.post_flat else out.reshape(hidden_states.shape))
     hidden = out if plan.flat_output else out.reshape(hidden_states.shape)
     values = {HIDDEN: hidden, LOGITS: logits, WEIGHTS: weights, IDS: ids}
+    if router_out is not None:
+        values |= {router_output(i): out for i, out in enumerate(router_out)}
     returned = tuple(values[role] for role in plan.outputs)
     return returned if plan.returns_tuple else returned[0]
 
@@ -554,16 +568,37 @@ class StackedExperts(nn.Module):
     keys: for each tensor name of ``w13``, ``w2``, ``b13``, ``b2``, the per-expert key
         template of each part, with ``{}`` for the expert index: ``w13`` has two parts
         (gate, up), the others one.
+    whole: keys (without ``{}``) that hold a part for every expert in one tensor: (its shape, and
+        whether each expert's block is stored transposed), the experts' blocks in order.
     """
 
     __transfuse_layer__ = True
 
-    def __init__(self, tensors: dict[str, Tensor], keys: dict[str, tuple[str, ...]]):
+    def __init__(
+        self,
+        tensors: dict[str, Tensor],
+        keys: dict[str, tuple[str, ...]],
+        whole: dict[str, tuple[tuple[int, ...], bool]] | None = None,
+    ):
         super().__init__()
         for name, tensor in tensors.items():
             self.register_parameter(name, nn.Parameter(tensor, requires_grad=tensor.requires_grad))
         self.keys = keys
+        self.whole = whole or {}
         self.num_experts = next(iter(tensors.values())).shape[0]
+
+    def _stored(self, template: str, part: Tensor) -> Tensor:
+        """Every expert's part ``[E, r, c]`` as the key ``template`` holds it."""
+        shape, transposed = self.whole[template]
+        return (part.transpose(1, 2) if transposed else part).reshape(shape)
+
+    def _loaded(self, template: str, value: Tensor, part: Tensor) -> Tensor | None:
+        """``value`` of the key ``template`` as every expert's part (None when its shape is not the key's)."""
+        shape, transposed = self.whole[template]
+        if tuple(value.shape) != tuple(shape):
+            return None
+        e, r, c = part.shape
+        return value.reshape(e, c, r).transpose(1, 2) if transposed else value.reshape(e, r, c)
 
     def _parts(self, name: str) -> list[tuple[str, slice]]:
         """Each part of a stacked tensor: its per-expert key template and its rows in one expert."""
@@ -576,6 +611,9 @@ class StackedExperts(nn.Module):
             tensor = getattr(self, name)
             tensor = tensor if keep_vars else tensor.detach()
             for template, rows in self._parts(name):
+                if template in self.whole:
+                    destination[prefix + template] = self._stored(template, tensor[:, rows]).clone()
+                    continue
                 for e in range(self.num_experts):
                     # A copy: per-expert views would share storage, which checkpoint writers refuse.
                     destination[prefix + template.format(e)] = tensor[e, rows].clone()
@@ -588,6 +626,21 @@ class StackedExperts(nn.Module):
             for name in self.keys:
                 tensor = getattr(self, name)
                 for template, rows in self._parts(name):
+                    if template in self.whole:
+                        key = prefix + template
+                        expected.add(key)
+                        if key not in state_dict:
+                            missing_keys.append(key)
+                            continue
+                        loaded = self._loaded(template, state_dict[key], tensor[:, rows])
+                        if loaded is None:
+                            error_msgs.append(
+                                f"size mismatch for {key}: copying a param with shape {tuple(state_dict[key].shape)}, "
+                                f"the shape in the current model is {self.whole[template][0]}."
+                            )
+                            continue
+                        tensor[:, rows].copy_(loaded)
+                        continue
                     for e in range(self.num_experts):
                         key = prefix + template.format(e)
                         expected.add(key)

@@ -364,7 +364,19 @@ class _LeafTracer(TracerBase):
         node = self.graph.create_node("get_attr", f"<constant {tuple(t.shape)}>")
         node.meta["val"] = self._to_meta(t)
         node.meta["constant"] = True
+        base = self._viewed(t)
+        if base is not None:
+            node.meta["view_of"] = base  # Python reshaped a tensor of the module (``self.child.w.view(...)``)
         return node
+
+    def _viewed(self, t: torch.Tensor) -> tuple[str, tuple[int, ...]] | None:
+        """(name, shape) of the module's tensor that ``t`` is the whole of, reshaped (``w.view(E, r, c)``
+        computed outside the graph), else None: then ``t`` equals ``that.view(t.shape)``."""
+        base = t._base
+        name = self._tensor_names.get(id(base)) if base is not None else None
+        if name is None or t.numel() != base.numel() or t.storage_offset() != base.storage_offset():
+            return None
+        return (name, tuple(base.shape)) if t.is_contiguous() and base.is_contiguous() else None
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
         value = UNKNOWN

@@ -15,6 +15,9 @@ or a member of an ``nn.ModuleList`` whose own graph is ``down(act(gate(x)) * up(
 may be handed the routing weights of its rows and multiply them onto that output as its last
 operation (``expert(rows, w[t, s, None])`` returning ``w * down(...)``): the same product as
 multiplying outside. Rows and weights may be indexed by the indices as Python lists (``.tolist()``).
+In a loop over every expert index, the expert may also be one module shared by all, handed the rows
+and expert e's slices of parameters that hold every expert's block (``w1.view(E, I, H).chunk(E)[e]``)
+and computing the gated MLP from them (``SlicedMember``): the slices are stacked like members.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ from ...rewriter.tracer import Trace, unwrapped_forward
 from .routing import Source, source_of
 
 __all__ = [
-    "GLUMember", "Lookup", "LoopMatch", "PackedExpert", "activation_of", "gated", "match_glu_member", "match_loop",
-    "split_halves",
+    "GLUMember", "Lookup", "LoopMatch", "PackedExpert", "SlicedMember", "activation_of", "gated", "match_glu_member",
+    "match_loop", "match_sliced_member", "split_halves",
 ]
 
 Lookup = Callable[[str], "Trace | None"]
@@ -68,6 +71,19 @@ class GLUMember:
     activation: str
 
 
+@dataclass(frozen=True)
+class SlicedMember:
+    """One module applying every expert, handed expert e's slices of parameters held as ``[E, ...]``
+    (``P.view(E, r, c)[e]``): ``down(act(gate(x)) * up(x))``, each projection by one slice. Each of gate,
+    up and down is (the parameter's path below the experts' owner, whether the slice is applied as
+    ``F.linear``/``x @ w.t()``, else as ``x @ w``)."""
+
+    gate: tuple[str, bool]
+    up: tuple[str, bool]
+    down: tuple[str, bool]
+    activation: str
+
+
 @dataclass
 class LoopMatch:
     """The loop over hit experts: its inputs, what it returns, and what each expert is."""
@@ -86,6 +102,8 @@ class LoopMatch:
     unrolled: int | None = None  # a loop over every expert index, unrolled by tracing: how many iterations
     weights_cast: bool = False  # each routing weight is cast to its expert output's dtype before the product
     member_weight: str | None = None  # the member's parameter its rows' routing weights are passed as, if any
+    sliced: tuple[str, ...] | None = None  # the parameters one shared module is handed expert e's slices of
+    sliced_experts: set[int] = field(default_factory=set)  # how many experts' blocks those parameters hold
 
 
 def match_loop(trace: Trace, children: Lookup) -> LoopMatch:
@@ -166,8 +184,10 @@ def _match_unrolled(trace: Trace, adds: list[fx.Node], children: Lookup) -> Loop
             continue
         same = (
             found.tokens, found.ids, found.weights, found.member_list, found.accumulate_fp32, found.member_weight,
+            found.sliced, found.member_call.target if found.sliced else None,
         ) == (
             first.tokens, first.ids, first.weights, first.member_list, first.accumulate_fp32, first.member_weight,
+            first.sliced, first.member_call.target if first.sliced else None,
         )  # fmt: skip
         if not same:
             raise NoMatch(
@@ -186,6 +206,11 @@ def _match_unrolled(trace: Trace, adds: list[fx.Node], children: Lookup) -> Loop
             f"the loop reads data-dependent values in a way transfuse does not follow ({assumption.describe()}).",
             assumption.node,
         )
+    if first.sliced is not None and first.sliced_experts != {len(adds)}:
+        raise NoMatch(
+            "moe.unrolled-loop", f"the unrolled experts loop runs {len(adds)} times over slices of "
+            f"{', '.join(first.sliced)}, which hold {sorted(first.sliced_experts)} experts' blocks.", adds[0],
+        )  # fmt: skip
     first.unrolled = len(adds)
     return first
 
@@ -431,18 +456,26 @@ def _check_accumulator(accumulator: fx.Node, tokens: fx.Node, found: LoopMatch) 
     raise NoMatch("moe.combine", "the expert outputs are not added into zeros shaped like the tokens.", accumulator)
 
 
-def _member(call: fx.Node, found: LoopMatch, index: str = "0") -> fx.Node:
+def _member(call: fx.Node, found: LoopMatch, index: str | None = None) -> fx.Node:
     """``self.experts[e](rows)``: the representative member ``<list>.0`` (of an unrolled loop, member
-    ``index``) called on the rows alone."""
+    ``index``) called on the rows alone; in an unrolled loop, also one module handed expert ``index``'s
+    slices (``_sliced_call``)."""
+    unrolled, index = index is not None, index or "0"
     owner, _, called = call.target.rpartition(".")
     expected = 1 if found.member_weight is None else 2  # the rows, and the routing weights when passed in
     passed = [a for a in (*call.args[expected:], *call.kwargs.values()) if isinstance(value(a), torch.Tensor)]
     if passed and (called != index or not owner):
+        slices = [_expert_slice(a) for a in passed]
+        if unrolled and _sliced_call(call, slices, index, found):
+            return call.args[0]
+        what = f"{len(passed)} more tensors"
+        if all(slices):
+            what += f", this expert's slices of {', '.join(_describe_slice(s) for s in slices)}"
         raise NoMatch(
             "moe.expert-arguments",
-            f"each expert is {call.target} called on the rows and {len(passed)} more tensors; the experts matcher "
-            "follows a member of a module list, or tensors indexed by the expert, computing the expert from the "
-            "rows alone.",
+            f"each expert is {call.target} called on the rows and {what}; the experts matcher stacks the members "
+            "of a module list or reads packed tensors indexed by the expert, and does not take weights handed to "
+            "one shared module apart into the packed gate/up and down tensors the fused layer computes with.",
             call,
         )  # fmt: skip
     if called != index or not owner or len(call.args) != expected or call.kwargs:
@@ -454,6 +487,85 @@ def _member(call: fx.Node, found: LoopMatch, index: str = "0") -> fx.Node:
     found.member_calls = [call]
     found.nodes.add(call)
     return call.args[0]
+
+
+@dataclass(frozen=True)
+class _Slice:
+    """Expert ``index``'s slice of the parameter at ``path`` (of ``shape``), seen as ``viewed`` ``[E, r, c]``
+    (``index`` None: an index Python computed, not a literal of the unrolled loop)."""
+
+    path: str
+    index: int | None
+    shape: tuple[int, ...]
+    viewed: tuple[int, ...] | None
+
+
+def _describe_slice(found: _Slice) -> str:
+    viewed = found.viewed if found.viewed is not None and found.viewed != found.shape else None
+    return f"{found.path} {found.shape}" + (f" as {viewed}" if viewed is not None else "")
+
+
+def _sliced_call(call: fx.Node, slices: list, index: str, found: LoopMatch) -> bool:
+    """``module(rows, P1.view(E, r, c)[i], ...)`` in iteration ``i`` of an unrolled loop, each ``P`` a 2-D
+    parameter whose rows are the experts' blocks (``[E * r, c]`` viewed ``[E, r, c]``) or a 3-D one indexed
+    by the expert: one module applying expert i by its slices. Records it; False for any other call."""
+    if call.kwargs or len(call.args) != 1 + len(slices) or not all(slices):
+        return False
+    experts = set()
+    for s in slices:
+        whole = len(s.shape) == 3 and s.viewed in (None, s.shape)
+        split = len(s.shape) == 2 and s.viewed is not None and len(s.viewed) == 3
+        if s.index != int(index) or not (
+            whole or split and s.viewed[0] * s.viewed[1] == s.shape[0] and s.viewed[2] == s.shape[1]
+        ):
+            return False
+        experts.add(s.shape[0] if whole else s.viewed[0])
+    found.sliced = tuple(s.path for s in slices)
+    found.sliced_experts = experts
+    found.member_call = call
+    found.member_calls = [call]
+    found.nodes.add(call)
+    return True
+
+
+def _expert_slice(node: Any) -> _Slice | None:
+    """``P.view(E, r, c).chunk(E)[e].squeeze(0)`` (``split(1)`` too), ``P.view(E, r, c).unbind(0)[e]``,
+    ``P.view(E, r, c)[e]``, ``P[e]``: expert e's slice of a parameter seen as ``[E, ...]``; else None."""
+    walk = node
+    pieces = is_op(walk, "squeeze") and operand(walk, 1, "dim") == 0  # a chunk of one expert, [1, r, c]
+    if pieces:
+        walk = operand(walk, 0)
+    index = operand(walk, 1) if is_op(walk, "getitem") else None
+    if not isinstance(value(index) if isinstance(index, fx.Node) else index, int):
+        return None
+    walk = operand(walk, 0)
+    if pieces:
+        split = walk
+        if not (is_op(split, "chunk", "split") and operand(split, 2, "dim") in (0, None)):
+            return None
+        walk = operand(split, 0)
+        shape, count = getattr(value(walk), "shape", None), value(operand(split, 1))
+        if shape is None or count != (shape[0] if is_op(split, "chunk") else 1):  # pieces of one expert each
+            return None
+    elif is_op(walk, "unbind") and operand(walk, 1, "dim") in (0, None):
+        walk = operand(walk, 0)
+    viewed = None
+    if is_op(walk, "view", "reshape"):
+        viewed, walk = getattr(value(walk), "shape", None), operand(walk, 0)
+    tensor = value(walk) if isinstance(walk, fx.Node) and walk.op == "get_attr" else None
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    if viewed is None and walk.meta.get("view_of") is not None:  # the view computed outside the graph
+        path, shape = walk.meta["view_of"]
+        return _Slice(path, _literal(index), shape, tuple(tensor.shape))
+    if walk.meta.get("constant"):
+        return None
+    return _Slice(walk.target, _literal(index), tuple(tensor.shape), tuple(viewed) if viewed is not None else None)
+
+
+def _literal(index: Any) -> int | None:
+    """An index Python computed from attributes holds for the traced instance only: it is no literal."""
+    return index if not isinstance(index, fx.Node) else None
 
 
 # ---- packed experts --------------------------------------------------------------------
@@ -777,3 +889,55 @@ def match_glu_member(trace: Trace, children: Lookup, weight: str | None = None) 
                 raise NoMatch("moe.expert-form", "the expert module computes more than a gated MLP.", out)
             return GLUMember(gate.target, up.target, out.target, name)
     raise NoMatch("moe.expert-form", "the expert module is not a gated MLP of three linear layers.", out)
+
+
+# ---- one module handed each expert's slices ------------------------------------------------
+
+
+def _sliced_projection(node: Any, weights: dict, nodes: set) -> tuple[Any, str, bool] | None:
+    """``F.linear(h, w)``, ``h @ w.t()`` (``.T``, ``transpose(0, 1)``) or ``h @ w`` by one of the slices
+    ``weights`` (placeholder → parameter) → (h, parameter, applied as linear); None for anything else."""
+    if is_op(node, "linear") and operand(node, 2, "bias") is None and operand(node, 1, "weight") in weights:
+        nodes.add(node)
+        return operand(node, 0), weights[operand(node, 1, "weight")], True
+    if not is_op(node, "matmul"):
+        return None
+    h, w = operands(node)[:2]
+    if w in weights:
+        nodes.add(node)
+        return h, weights[w], False
+    flipped = is_op(w, "t") or is_op(w, "transpose") and {operand(w, 1), operand(w, 2)} in ({0, 1}, {-1, -2})
+    if flipped and operand(w, 0) in weights:
+        nodes.update({node, w})
+        return h, weights[operand(w, 0)], True
+    return None
+
+
+def match_sliced_member(trace: Trace, children: Lookup, params: tuple[str, ...]) -> SlicedMember:
+    """``down(act(gate(x)) * up(x))`` in the graph of one module handed the rows and expert e's slices of
+    ``params`` (in call order), each projection by one slice, and nothing else computed."""
+    if trace.partial or trace.output is None or trace.shape_guards:
+        raise NoMatch("moe.expert-form", f"the expert module's forward was not traced for every shape ({trace.describe_stop()}).")
+    inputs = trace.placeholders()
+    if len(inputs) != 1 + len(params):
+        raise NoMatch("moe.expert-form", "the expert module is not called on its rows and the slices alone.")
+    x, weights = inputs[0], dict(zip(inputs[1:], params))
+    nodes: set = set()
+    out = trace.output.args[0]
+    down = _sliced_projection(out, weights, nodes)
+    h = down[0] if down is not None else None
+    if down is None or not is_op(h, "mul"):
+        raise NoMatch("moe.expert-form", "the expert module does not end in a projection of a gated product.", out)
+    nodes.add(h)
+    for act, up in (operands(h)[:2], operands(h)[1::-1]):
+        found = activation_of(act, children) if isinstance(act, fx.Node) else None
+        gate = _sliced_projection(found[1], weights, nodes) if found is not None else None
+        up = _sliced_projection(up, weights, nodes) if gate is not None else None
+        if gate is None or up is None or gate[0] is not x or up[0] is not x or gate[2] != up[2]:
+            continue
+        nodes.add(act)
+        computed = [n for n in trace.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+        if any(n not in nodes for n in computed) or len({gate[1], up[1], down[1]}) != 3:
+            raise NoMatch("moe.expert-form", "the expert module computes more than a gated MLP of its slices.", out)
+        return SlicedMember((gate[1], gate[2]), (up[1], up[2]), (down[1], down[2]), found[0])
+    raise NoMatch("moe.expert-form", "the expert module is not a gated MLP of the slices it is handed.", out)

@@ -21,7 +21,7 @@ from ...ops.moe import ExpertsSpec
 from ...ops.quantized.fp8_experts import BLOCK_ATTRIBUTE, check_fp8_experts
 from ...ops.moe_layer import (
     HIDDEN, IDS, LOGITS, WEIGHTS, ExpertNumbers, ExpertsPlan, MoEPlan, RouterPlan, RoutingNumbers, SharedPlan,
-    StackedExperts, expert_sharding,
+    StackedExperts, expert_sharding, router_output,
 )  # fmt: skip
 from ...ops.sharding import is_sharded
 from ...rewriter.analysis import ClassAnalysis
@@ -32,7 +32,7 @@ from ...rewriter.source import EditContext, forward_replaced, method_source, rew
 from ...rewriter.syntax import comment_line, dataclass_literal
 from ...rewriter.tracer import Trace, unwrapped_forward
 from .dense import match_dense_experts, match_expert_sum, match_scaled_rows
-from .experts import GLUMember, LoopMatch, match_glu_member, match_loop
+from .experts import GLUMember, LoopMatch, SlicedMember, match_glu_member, match_loop, match_sliced_member
 from .routing import RoutingMatch, Source, match_masked_scores, match_routing, peel_reshapes, source_of
 from .sorted_rows import match_sorted_experts, match_sorted_rows, split_linear_experts
 
@@ -45,7 +45,7 @@ class MoEMatch:
 
     plan: MoEPlan
     experts_child: str  # the child holding the experts: packed tensors, or the list of per-expert modules
-    member: GLUMember | None  # per-expert modules: their children's roles (stacked into a packed layout)
+    member: GLUMember | SlicedMember | None  # per-expert modules or slices: their roles (stacked into a packed layout)
     routing: RoutingMatch | None  # None: the router is called as is
     alpha: Source | None
     limit: Source | None
@@ -101,6 +101,9 @@ class MoEFuser(Fuser[MoEMatch]):
         return ("", found.experts_child) if found.member is not None else ("",)
 
     def match(self, analysis: ClassAnalysis) -> MoEMatch | Refusal | None:
+        raising = _forward_only_raises(analysis)
+        if raising is not None:
+            return raising
         try:
             loop, call = _find_experts(analysis)
             return _match_block(analysis, loop, call)
@@ -131,10 +134,13 @@ class MoEFuser(Fuser[MoEMatch]):
 
     def fuse(self, module: nn.Module, found: MoEMatch) -> Fused:
         children = dict(module.named_children())
-        if found.member is not None:
+        if isinstance(found.member, SlicedMember):
+            children[found.experts_child] = _stack_sliced(children[found.experts_child], found.member, found.unrolled)
+        elif found.member is not None:
             children[found.experts_child] = _stack(children[found.experts_child], found.member)
-        # The layer keeps the block's children, not its own attributes: it checks the children's.
-        children_assumed = tuple(a for a in found.plan.assumes if "." in a[0])
+        # The layer keeps the block's children, not its own attributes: it checks the children's (not those of
+        # stacked experts, which replace their module: ``_validate`` checked those on the instance).
+        children_assumed = tuple(a for a in found.plan.assumes if "." in a[0] and not _stacked_attribute(found, a[0]))
         plan = replace(found.plan, train_error=_train_error(module, found), assumes=children_assumed)
         experts = ExpertNumbers(
             alpha=_float(found.alpha, module, 1.0),
@@ -202,6 +208,37 @@ class MoEFuser(Fuser[MoEMatch]):
         docstring = body[:1] if body and m.matches(body[0], m.SimpleStatementLine([m.Expr(m.SimpleString())])) else []
         rest = body[len(docstring) :]
         return node.with_changes(body=node.body.with_changes(body=[*docstring, fused, *rest]))
+
+
+def _forward_only_raises(analysis: ClassAnalysis) -> Refusal | None:
+    """A module whose forward does nothing but raise holds experts the model uses through other
+    methods, each computing a part of the mixture around its caller's code (jetmoe's attention
+    experts: query projections in one method, output projections and the weighted sum in another,
+    attention between); no fused layer can take the place of a forward that is never run."""
+    source = method_source(unwrapped_forward(analysis.cls))
+    if source is None:
+        return None
+    body = list(source.node.body.body)
+    if body and m.matches(body[0], m.SimpleStatementLine([m.Expr(m.SimpleString() | m.ConcatenatedString())])):
+        body = body[1:]
+    if not (len(body) == 1 and m.matches(body[0], m.SimpleStatementLine([m.Raise()]))):
+        return None
+    raised = cst.Module(body=[]).code_for_node(body[0]).strip()
+    children = set(analysis.children)
+    methods = sorted(
+        name for name, fn in vars(analysis.cls).items()
+        if inspect.isfunction(fn) and not name.startswith("__") and name != "forward"
+        and not children.isdisjoint(fn.__code__.co_names)
+    )  # fmt: skip
+    used = f"the model uses its experts through {', '.join(f'{n}()' for n in methods)}" if methods else (
+        "the model uses its experts through other code"
+    )  # fmt: skip
+    return Refusal(
+        "moe.forward-raises",
+        f"the block's forward only raises (`{raised}`): {used}, each computing a part of the mixture for its "
+        "caller, which no fused layer taking the place of the forward computes.",
+        analysis.where(),
+    )
 
 
 class _NotMoE(Exception):
@@ -379,7 +416,7 @@ def _plan_and_branches(analysis: ClassAnalysis, trace, router, experts: ExpertsP
         router, experts, output.shared, output.roles, output.returns_tuple, output.flat,
         assumes=_assumptions(analysis, assumed),
         combine_fp32=output.combine_fp32, routed_scaled=output.routed_scale is not None,
-        post=output.post, post_flat=output.post_flat,
+        post=output.post, post_flat=output.post_flat, bias=output.bias,
     )  # fmt: skip
     branches = (("", analysis.cls),) if "training" in trace.specialisation else ()
     if not router.train_as_module and _reads_training(analysis, router.module):
@@ -495,7 +532,8 @@ def _find_experts(analysis: ClassAnalysis) -> tuple[LoopMatch, fx.Node | None]:
     call, child = candidates[0]
     _complete(child.trace, "experts'", call)
     loop = match_loop(child.trace, lambda path: _trace_of(analysis.child(f"{call.target}.{path}")))
-    returned, casts = peel_casts(child.trace.output.args[0])
+    # The sum may be returned reshaped (to the input's shape): the block's output is judged by its shape.
+    returned, casts = peel_casts(peel_reshapes(child.trace.output.args[0]))
     cast_back = len(casts) == 1 and casts[0].like is loop.tokens
     if returned is not loop.accumulator or (casts and not (cast_back and loop.accumulate_fp32)):
         raise NoMatch("moe.experts-output", "the experts' forward does not return the sum of the expert outputs.", call)
@@ -515,13 +553,24 @@ def _experts_inputs(analysis: ClassAnalysis, loop: LoopMatch, call: fx.Node | No
         return loop.tokens, loop.ids, loop.weights
     inputs = call_inputs(analysis.child(call.target).trace, call.args, call.kwargs)
     mapped = []
-    for node in (loop.tokens, loop.ids, loop.weights):
+    # The experts may flatten their tokens themselves (``x.view(-1, hidden)``): then they read the argument.
+    tokens = peel_reshapes(loop.tokens)
+    for node in (tokens if _flattened(loop.tokens, tokens) else loop.tokens, loop.ids, loop.weights):
         if node.op != "placeholder" or inputs is None or node.target not in inputs:
             raise NoMatch(
                 "moe.experts-inputs", f"the experts read {node.name}, which is not one of their arguments.", call
             )
         mapped.append(inputs[node.target])
     return tuple(mapped)
+
+
+def _flattened(node: fx.Node, source: Any) -> bool:
+    """``node`` is ``source`` reshaped to ``[tokens, hidden]``, its last dimension kept."""
+    shape, source_shape = getattr(value(node), "shape", None), getattr(value(source), "shape", None)
+    return (
+        node is not source and shape is not None and source_shape is not None and len(shape) == 2
+        and shape[-1] == source_shape[-1]
+    )  # fmt: skip
 
 
 # ---- the block -------------------------------------------------------------------------
@@ -538,6 +587,7 @@ class _Output:
     routed_scale: Source | None = None  # the routed output is multiplied by this number first
     post: str | None = None  # a child called on the sum
     post_flat: bool = False  # ... on it flattened to [tokens, hidden] (else shaped like the input)
+    bias: str | None = None  # a 1-D tensor of the block added to the sum
 
 
 def _block_input(trace: Trace) -> fx.Node:
@@ -572,7 +622,8 @@ def _match_block(analysis: ClassAnalysis, loop: LoopMatch, call: fx.Node | None)
             "prove that.",
             loop.accumulator,
         )
-    if not _is_tokens(inlined[tokens], x):
+    flat_inside = call is not None and _flattened(loop.tokens, peel_reshapes(loop.tokens))
+    if not (_is_tokens(inlined[tokens], x) or flat_inside and peel_reshapes(inlined[tokens]) is x):
         raise NoMatch("moe.tokens", "the experts do not read the block's input flattened to [tokens, hidden].", tokens)
     routed = inlined[call] if call is not None else inlined[loop.accumulator]
     roles = {id(routed): HIDDEN, id(inlined[weights]): WEIGHTS, id(inlined[ids]): IDS}
@@ -581,6 +632,11 @@ def _match_block(analysis: ClassAnalysis, loop: LoopMatch, call: fx.Node | None)
     items = [u for u in routers[0].users if is_op(u, "getitem") and isinstance(operand(u, 1), int)]
     router_items = {id(inlined[u]): operand(u, 1) for u in items}  # the router's outputs, by index
     output = _match_output(inlined, x, routed, roles, router_items)
+    if any(r.startswith(router_output("")) for r in output.roles) and router.spec is not None:
+        raise NoMatch(
+            "moe.output", "the block returns an output of a router whose routing the fused layer computes itself "
+            "(the router is then not called).", trace.output,
+        )  # fmt: skip
     if any(s.router_outputs for s in output.shared) and router.spec is not None:
         raise NoMatch(
             "moe.shared", "a shared expert reads outputs of a router whose routing the fused layer computes itself "
@@ -595,7 +651,7 @@ def _match_block(analysis: ClassAnalysis, loop: LoopMatch, call: fx.Node | None)
     plan = MoEPlan(
         router, experts, output.shared, output.roles, output.returns_tuple, output.flat, assumes=assumes,
         combine_fp32=output.combine_fp32, routed_scaled=output.routed_scale is not None,
-        post=output.post, post_flat=output.post_flat,
+        post=output.post, post_flat=output.post_flat, bias=output.bias,
     )  # fmt: skip
     branches = (("", analysis.cls),) if "training" in trace.specialisation else ()
     if routing is not None and not router.train_as_module and _reads_training(analysis, router.module):
@@ -633,6 +689,15 @@ def _assumptions(analysis: ClassAnalysis, children: list[str]) -> tuple[tuple[st
 
 def _experts_plan(analysis: ClassAnalysis, loop: LoopMatch, call: fx.Node | None):
     """(plan, owning child, member roles, alpha, limit, skipped id) of the experts."""
+    if call is not None and loop.sliced is not None:
+        prefix = f"{call.target}."
+        member_trace = _trace_of(analysis.child(prefix + loop.member_call.target))
+        if member_trace is None:
+            raise NoMatch("moe.expert-form", "the expert module was not traced.", loop.member_call)
+        lookup = lambda p: _trace_of(analysis.child(f"{prefix}{loop.member_call.target}.{p}"))  # noqa: E731
+        member = match_sliced_member(member_trace, lookup, loop.sliced)
+        plan = ExpertsPlan(prefix + "w13", prefix + "w2", ExpertsSpec(member.activation))
+        return plan, call.target, member, None, None, _prefixed(loop.skip_ids_from, prefix)
     if call is not None:
         prefix, p = f"{call.target}.", loop.packed
         quantized = p.w13_scale is not None
@@ -791,6 +856,8 @@ def _match_output(inlined, x: fx.Node, routed: Any, roles: dict[int, str], route
     roles_out = []
     for item in items:
         role = roles.get(id(item))
+        if role is None and id(item) in router_items:  # an output of a router called as is, returned as is
+            role = router_output(router_items[id(item)])
         if role is None or role == HIDDEN:
             found.flat = _output_shape(item, x) != tuple(value(x).shape)
             total, cast_back = _peel_shape_and_dtype(item, x, found.nodes)
@@ -838,7 +905,7 @@ def _output_shape(item: Any, x: fx.Node) -> tuple[int, ...]:
     a last ``reshape``/``view`` whose sizes Python read from the input's shape."""
     shape = getattr(value(item), "shape", None)
     if shape is None:
-        shape = _reshape_sizes(peel_casts(item)[0], x)
+        shape = _reshape_sizes(_below_bias(peel_casts(item)[0]), x)
     if shape is None or getattr(value(x), "shape", None) is None:
         raise NoMatch(
             "moe.output",
@@ -847,6 +914,15 @@ def _output_shape(item: Any, x: fx.Node) -> tuple[int, ...]:
             item if isinstance(item, fx.Node) else None,
         )
     return tuple(shape)
+
+
+def _below_bias(node: Any) -> Any:
+    """``t + bias`` (a 1-D tensor of the block, which keeps t's shape) → t; else ``node``."""
+    if is_op(node, "add") and len(operands(node)) == 2 and not node.kwargs:
+        a, b = operands(node)
+        if _block_vector(b) or _block_vector(a):
+            return a if _block_vector(b) else b
+    return node
 
 
 def _reshape_sizes(node: Any, x: fx.Node) -> tuple[int, ...] | None:
@@ -932,10 +1008,25 @@ def _split_terms(node: Any, routed: Any, x: fx.Node, found: _Output, cast_back: 
             "back to the input's dtype.", node,
         )  # fmt: skip
     terms = [peel_reshapes(t) for t in peeled]
+    biases = [t for t in terms if _block_vector(t)]
+    if len(biases) > 1:
+        raise NoMatch("moe.output", f"{len(biases)} tensors of the block are added to the experts' output, not one.", node)
+    if biases:
+        found.bias = biases[0].target
+        terms.remove(biases[0])
     found_routed = [t for t in terms if t is routed or _scaled_routed(t, routed, found)]
     if len(found_routed) != 1:
         raise NoMatch("moe.output", "the block's output is not the routed experts' output plus shared experts.", node)
     found.shared = tuple(_shared_term(t, x, covered, router_items) for t in terms if t is not found_routed[0])
+
+
+def _block_vector(term: Any) -> bool:
+    """A 1-D parameter or buffer of the block itself (a bias added after the combine): broadcast over the
+    last dimension, it adds the same to the flat ``[tokens, hidden]`` sum as to the input-shaped one."""
+    if not (isinstance(term, fx.Node) and term.op == "get_attr" and "." not in term.target):
+        return False
+    tensor = value(term)
+    return not term.meta.get("constant") and isinstance(tensor, torch.Tensor) and tensor.dim() == 1
 
 
 def _peel_float32(term: Any, covered: set) -> Any:
@@ -1053,7 +1144,19 @@ def _check_in_place(graph: fx.Graph, covered: set, where: str) -> None:
 # ---- per instance ----------------------------------------------------------------------
 
 
+def _stacked_attribute(found: MoEMatch, path: str) -> bool:
+    """An attribute of the per-expert modules' holder, which stacking replaces."""
+    return found.member is not None and path.startswith(found.experts_child + ".")
+
+
 def _validate(module: nn.Module, found: MoEMatch) -> None:
+    for path, seen in found.plan.assumes:
+        owner, _, name = path.rpartition(".")
+        now = getattr(module.get_submodule(owner), name, None) if _stacked_attribute(found, path) else seen
+        if type(now) is not type(seen) or now != seen:
+            raise NoMatch(
+                "moe.shapes", f"the experts' forward was traced with {path} = {seen!r}, and this block's is {now!r}."
+            )
     unread = [name for name, _ in _own_tensors(module) if name not in found.plan.block_tensors()]
     if unread:
         raise NoMatch(
@@ -1088,7 +1191,9 @@ def _validate(module: nn.Module, found: MoEMatch) -> None:
             f"{getattr(forward, '__qualname__', type(forward).__name__)} (a parallel plan's dispatch, a hook or another "
             "wrapper): the fused layer would compute around it, not through it.",
         )
-    if found.member is not None:
+    if isinstance(found.member, SlicedMember):
+        experts = len(_sliced_views(module.get_submodule(found.experts_child), found.member, found.unrolled)[0])
+    elif found.member is not None:
         experts = _check_members(module.get_submodule(found.experts_child), found.member)
     else:
         experts = _check_packed(module, found)
@@ -1201,6 +1306,38 @@ def _check_routing(module: nn.Module, found: MoEMatch, experts: int) -> None:
             )
     if r.correction_bias is not None and _tensor(module, r.correction_bias).numel() != experts:
         raise NoMatch("moe.shapes", f"the correction bias {r.correction_bias} does not have one value per expert.")
+
+
+def _sliced_views(owner: nn.Module, member: SlicedMember, experts: int | None) -> tuple[torch.Tensor, ...]:
+    """Gate ``[E, I, H]``, up ``[E, I, H]`` and down ``[E, H, I]`` of every expert: views of the parameters
+    whose slices the loop hands the shared module, in the layout ``F.linear`` applies."""
+    views = []
+    for path, linear in (member.gate, member.up, member.down):
+        p = owner.get_parameter(path)
+        if experts is not None and p.dim() == 2 and p.shape[0] % experts == 0:
+            view = p.view(experts, p.shape[0] // experts, p.shape[1])
+        elif experts is not None and p.dim() == 3 and p.shape[0] == experts:
+            view = p
+        else:
+            raise NoMatch("moe.shapes", f"{path} {tuple(p.shape)} does not hold {experts} experts' blocks.")
+        views.append(view if linear else view.transpose(1, 2))
+    gate, up, down = views
+    if gate.shape != up.shape or down.shape != (experts, gate.shape[2], gate.shape[1]):
+        raise NoMatch(
+            "moe.shapes", f"gate {tuple(gate.shape)}, up {tuple(up.shape)} and down {tuple(down.shape)} are not "
+            "one gated MLP per expert.",
+        )  # fmt: skip
+    return gate, up, down
+
+
+def _stack_sliced(owner: nn.Module, member: SlicedMember, experts: int) -> StackedExperts:
+    gate, up, down = (v.detach() for v in _sliced_views(owner, member, experts))
+    tensors = {"w13": torch.cat([gate, up], dim=1), "w2": down.contiguous().clone()}
+    for name, path in (("w13", member.gate[0]), ("w2", member.down[0])):
+        tensors[name].requires_grad_(owner.get_parameter(path).requires_grad)
+    keys = {"w13": (member.gate[0], member.up[0]), "w2": (member.down[0],)}
+    whole = {p: (tuple(owner.get_parameter(p).shape), not linear) for p, linear in (member.gate, member.up, member.down)}
+    return StackedExperts(tensors, keys, whole)
 
 
 def _stack(members: nn.ModuleList, glu: GLUMember) -> StackedExperts:
