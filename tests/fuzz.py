@@ -382,7 +382,7 @@ class Expert(nn.Module):
     def forward(self, x):
         return self.{d}(F.silu(self.{g}(x)) * self.{u}(x))
 """
-_MOE_MISSES = ["temperature", "shape-branch", "skip-expert", "repeated-tokens"]
+_MOE_MISSES = ["temperature", "shape-branch", "skip-expert", "repeated-tokens", "two-biases"]
 # How the experts loop is written: over the hit experts (nonzero), or over every expert index
 # (unrolled by tracing) with the mask sliced or ``where(chosen == e)``, skipping empty experts or not.
 _MOE_LOOPS = ["hit-experts", "range", "where-equals", "where-equals-skip"]
@@ -398,11 +398,13 @@ def moe_examples(draw) -> Example:
     renorm = order == "softmax-topk" and draw(st.booleans())
     returns_logits = draw(st.booleans())
     miss = draw(st.sampled_from([None] * len(_MOE_MISSES) + _MOE_MISSES))
+    # A 1-D tensor of the block added to the mixture's output after the combine (one: fused; two: refused).
+    biases = 2 if miss == "two-biases" else int(draw(st.booleans()))
     init = [
         f"self.num_experts, self.top_k = {experts}, {top_k}",
         f"self.gate = nn.Linear(hidden, {experts}, bias=False)",
         f"self.experts = nn.ModuleList([Expert(hidden, 16) for _ in range({experts})])",
-    ]
+    ] + [f"self.bias{i} = nn.Parameter(torch.randn(hidden) * 0.1)" for i in range(biases)]
     body = [f"b, s, dim = {x}.shape", f"{x} = {x}.view(-1, dim)", f"logits = self.gate({x})"]
     if order == "softmax-topk":
         body.append("weights = F.softmax(logits, dim=1, dtype=torch.float)")
@@ -445,6 +447,7 @@ def moe_examples(draw) -> Example:
         ]
         body.append("\n        ".join(lines))
     body.append("out = out.reshape(b, s, dim)")
+    body += [f"out = out + self.bias{i}" for i in range(biases)]
     body.append("return out, logits" if returns_logits else "return out")
     expect = "fuse" if miss is None else "refuse"
     source = _module(init, x, body, _EXPERT.format(g=g, u=u, d=d))
