@@ -283,6 +283,35 @@ def test_moe_experts_give_each_token_the_same_bits_whatever_the_token_count():
     _rows_agree(fn, lambda n: torch.randn(n, hidden), sizes=(1, 3, 40))
 
 
+@pytest.mark.parametrize("provider", ["native", "triton"])
+def test_grouped_matmul_gives_each_row_the_same_bits_in_any_group_layout(provider):
+    """The MoE layer's grouped matmul in the mode: a row's product with its group's matrix is the
+    same bits alone and among other rows of its group and of other groups (empty groups included),
+    and rows past the last group are zeros. The Triton kernel (interpreted) reads the groups on the
+    device; both are close to the float64 product."""
+    found = ops.get_op("invariant_grouped_mm")
+    if provider == "triton" and not found.is_supported(found.providers["triton"]):
+        pytest.skip("Triton is not installed")
+    torch.manual_seed(0)
+    groups, k, n = 3, 40, 24
+    mats = torch.randn(groups, k, n)
+    rows = torch.randn(9, k)
+    ends = torch.tensor([4, 4, 8], dtype=torch.int32)  # group 1 empty; row 8 past the last group
+    ops.set_priority([provider], op="invariant_grouped_mm")
+    try:
+        with conformance.assumed(), ops.trace() as log, mode():
+            full = torch._grouped_mm(rows, mats, offs=ends)
+            for i, group in ((0, 0), (3, 0), (5, 2), (7, 2)):
+                alone = torch._grouped_mm(rows[i : i + 1], mats, offs=torch.tensor([1 if g >= group else 0 for g in range(groups)], dtype=torch.int32))
+                assert torch.equal(alone[0], full[i])
+        assert {d.provider for d in log} == {provider}
+        assert torch.equal(full[8], torch.zeros(n))
+        want = torch.cat([rows[:4].double() @ mats[0].double(), rows[4:8].double() @ mats[2].double()])
+        torch.testing.assert_close(full[:8].double(), want, atol=1e-4, rtol=1e-4)
+    finally:
+        ops.set_priority(None, op="invariant_grouped_mm")
+
+
 def test_the_mode_takes_only_providers_declared_invariant_and_ignores_deferral():
     def native(x: torch.Tensor) -> torch.Tensor:
         return x + 1

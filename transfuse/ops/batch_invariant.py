@@ -48,6 +48,7 @@ __all__ = [
     "enable",
     "invariant_attention",
     "invariant_bmm_native",
+    "invariant_grouped_mm_native",
     "invariant_linear",
     "invariant_matmul",
     "is_enabled",
@@ -468,15 +469,42 @@ _INPLACE_ARG = (F.silu, F.elu, F.selu, F.mish)
 
 def _grouped_mm(input, mat2, offs=None, bias=None, out_dtype=None):
     """``torch._grouped_mm`` of rows grouped by ``offs`` (each group times its matrix), ordered."""
-    if offs is None or bias is not None or input.dim() != 2 or mat2.dim() != 3:
+    if offs is None or bias is not None or input.dim() != 2 or mat2.dim() != 3 or mat2.dtype != input.dtype:
         return NotImplemented
-    pieces, start = [], 0
-    for group, end in enumerate(offs.tolist()):
-        if end > start:
-            pieces.append(invariant_matmul(input[start:end], mat2[group]))
-        start = end
-    out = torch.cat(pieces) if pieces else input.new_zeros((0, mat2.shape[-1]))
+    if torch.is_grad_enabled() and (input.requires_grad or mat2.requires_grad):
+        out = invariant_grouped_mm_native(input, mat2, offs)  # each group through autograd's invariant matmul
+    else:
+        out = INVARIANT_GROUPED_MM(input, mat2, offs)
     return out.to(out_dtype) if out_dtype is not None else out
+
+
+def invariant_grouped_mm_native(rows: Tensor, matrices: Tensor, ends: Tensor) -> Tensor:
+    """``torch._grouped_mm(rows, matrices, offs=ends)`` with each output an ordered sum: the rows
+    of group g (``ends[g-1]:ends[g]``) times ``matrices[g]``; rows past the last end are zeros.
+    Reads the group ends on the host; the Triton provider does not."""
+    pieces, start = [], 0
+    for group, end in enumerate(ends.tolist()):
+        if end > start:
+            pieces.append(invariant_matmul(rows[start:end], matrices[group]))
+        start = max(start, end)
+    if start < rows.shape[0]:
+        pieces.append(rows.new_zeros((rows.shape[0] - start, matrices.shape[-1])))
+    return torch.cat(pieces) if pieces else rows.new_zeros((0, matrices.shape[-1]))
+
+
+def _grouped_mm_fake(rows: Tensor, matrices: Tensor, ends: Tensor) -> Tensor:
+    return rows.new_empty((rows.shape[0], matrices.shape[-1]))
+
+
+class _GroupedAsCalled(_AsCalled):
+    """The call as made with fresh rows and matrices, its groups kept."""
+
+    kept = ("ends",)
+
+
+INVARIANT_GROUPED_MM = Op(
+    "invariant_grouped_mm", invariant_grouped_mm_native, library=True, fake=_grouped_mm_fake, sampler=_GroupedAsCalled()
+)
 
 
 # Functions that reduce along a row in an order the library chooses, which the mode does not

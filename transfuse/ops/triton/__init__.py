@@ -24,7 +24,7 @@ import torch
 
 from ..accuracy import RULE, UNIT_ROUNDOFF, Tolerance
 from ..act_and_mul import GELU_AND_MUL, SILU_AND_MUL
-from ..batch_invariant import INVARIANT_ATTENTION, INVARIANT_BMM, INVARIANT_LINEAR
+from ..batch_invariant import INVARIANT_ATTENTION, INVARIANT_BMM, INVARIANT_GROUPED_MM, INVARIANT_LINEAR
 from ..checks import KERNEL_DTYPES, rows_fit, same_rows, weight_fits
 from ..decode_attention import DECODE_ATTENTION
 from ..dispatch import Provider
@@ -317,11 +317,24 @@ def _invariant_attention_args(query, key, value, attn_mask=None, is_causal=False
     )
 
 
+def _invariant_grouped_mm_args(rows, matrices, ends) -> bool:
+    return (
+        on_device(rows, matrices, ends)
+        and rows.dtype in KERNEL_DTYPES
+        and matrices.dtype == rows.dtype
+        and rows.dim() == 2
+        and matrices.dim() == 3
+        and ends.dtype == torch.int32
+        and ends.shape == (matrices.shape[0],)
+    )
+
+
 # Batch-invariant mode's kernels: one tile shape per weight shape, attention walked from each
 # query's first key (``invariant.py``). Forward only.
 for _op, _name, _args in (
     (INVARIANT_LINEAR, "invariant_linear", _invariant_linear_args),
     (INVARIANT_BMM, "invariant_bmm", _invariant_bmm_args),
+    (INVARIANT_GROUPED_MM, "invariant_grouped_mm", _invariant_grouped_mm_args),
     (INVARIANT_ATTENTION, "invariant_attention", _invariant_attention_args),
 ):
     _op.register(

@@ -1,4 +1,5 @@
-"""Triton kernels of batch-invariant mode: a batched GEMM and attention with fixed reduction orders.
+"""Triton kernels of batch-invariant mode: a batched GEMM, a grouped GEMM and attention with fixed
+reduction orders.
 
 GEMM: one tile shape (``BLOCK_M x BLOCK_N``), one reduction tile ``BLOCK_K`` and one warp count
 for a given weight shape, whatever the row count: each output element is reduced over the same
@@ -48,6 +49,36 @@ def _bmm_kernel(
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+@triton.jit
+def _grouped_kernel(
+    a_ptr, b_ptr, ends_ptr, c_ptr, N, K, TILES_M,
+    stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # Program (group e, tile t of its rows): the group's bounds are read here, on the device, so the
+    # launch depends on the shapes alone; a tile past the group's rows does nothing.
+    pid, pid_n = tl.program_id(0), tl.program_id(1)
+    group = pid // TILES_M
+    start = tl.load(ends_ptr + group - 1, mask=group > 0, other=0).to(tl.int64)
+    end = tl.load(ends_ptr + group).to(tl.int64)
+    rm = start + (pid % TILES_M) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    if start + (pid % TILES_M) * BLOCK_M < end:
+        b_base = b_ptr + group.to(tl.int64) * stride_be
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + rk
+            a = tl.load(a_ptr + rm[:, None] * stride_am + ks[None, :] * stride_ak, mask=(rm[:, None] < end) & (ks[None, :] < K), other=0.0)
+            b = tl.load(b_base + ks[:, None] * stride_bk + rn[None, :] * stride_bn, mask=(ks[:, None] < K) & (rn[None, :] < N), other=0.0)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        c = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < end) & (rn[None, :] < N))
+
+
 def _gemm_tiles(n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) from the weight's shape alone."""
     if interpreting():
@@ -87,6 +118,28 @@ def invariant_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> T
 def invariant_bmm(a: Tensor, b: Tensor) -> Tensor:
     """The triton provider of ``invariant_bmm``."""
     return bmm(a, b, None, a.dtype)
+
+
+def invariant_grouped_mm(rows: Tensor, matrices: Tensor, ends: Tensor) -> Tensor:
+    """The triton provider of ``invariant_grouped_mm``: each group's rows times its matrix with the
+    tiles of ``bmm`` for that matrix shape. Nothing is read on the host (a CUDA graph can hold it):
+    the launch covers every group as if it held all the rows, and each program reads its group's
+    bounds from ``ends``. Rows past the last end are zeros."""
+    total, k = rows.shape
+    groups, _, n = matrices.shape
+    out = rows.new_zeros((total, n))
+    if total == 0 or n == 0:
+        return out
+    block_m, block_n, block_k, warps = _gemm_tiles(n, k)
+    tiles_m = triton.cdiv(total, block_m)
+    with device_of(rows):
+        _grouped_kernel[(groups * tiles_m, triton.cdiv(n, block_n))](
+            rows, matrices, ends, out, n, k, tiles_m,
+            rows.stride(0), rows.stride(1), matrices.stride(0), matrices.stride(1), matrices.stride(2),
+            out.stride(0), out.stride(1),
+            IEEE=rows.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        )  # fmt: skip
+    return out
 
 
 @triton.jit
