@@ -13,8 +13,9 @@ holds is committed. ``EXCLUDED`` lists what the rule's scan finds but is not a m
 Loading changes the files in one way only: every import from the rest of transformers
 (``from ...modeling_utils import PreTrainedModel``, ``from .configuration_llama import LlamaConfig``)
 becomes a call of ``third_party_shims.corpus_import``, which takes another model's module from the
-same old release and any other name from the installed transformers, else from the old release's
-own copy of that module (see that file). Two class attributes transformers 5 reads differently are
+same old release and any other name from the installed transformers (``PreTrainedModel`` and
+``ModelOutput`` as subclasses that give the old files' models and outputs what transformers 5
+removed), else from the old release's own copy of that module (see that file). Two class attributes transformers 5 reads differently are
 reset: ``_tied_weights_keys`` as a list, cleared on the model classes (the weights are not tied),
 and ``rope_scaling`` on the config classes, a plain attribute again (None: no scaling); a model
 class gains ``GenerationMixin`` as a base, as transformers 5 gives remote code loaded through an
