@@ -18,7 +18,10 @@ forward source (``ast``, once per class; no forward pass, no trace):
   its parent or a child of its parent (experts held in any other shape);
 - ``rotary``: each call in the forward of a module-level function whose body multiplies by values
   named ``cos`` and ``sin``, calls a function named ``rotate*``, or uses ``view_as_complex`` or
-  ``polar`` (one level of calls followed).
+  ``polar`` (one level of calls followed); and such calls in the methods of the class the forward
+  calls (``self._projections_and_rope(...)``, a forward split in two), or a call of a static method
+  of the class that is itself such a function (``self.apply_rotary(...)``): a count of the
+  forward alone would pass over both.
 
 Modules whose class's forward already calls transfuse (a rewritten instance, a class of an emitted
 modeling file), and what they hold, are left out: transfuse's own work. After a rewrite, ``account`` gives each counted structure that no fusion covers and no refusal names
@@ -319,13 +322,42 @@ def _rotary_calls(cls: type) -> tuple[str, ...]:
     tree, namespace = _forward_tree(cls)
     if tree is None:
         return ()
+    return tuple(_rotary_calls_in(cls, tree, namespace, {"forward"}))
+
+
+def _rotary_calls_in(cls: type, tree: ast.AST, namespace: dict, seen: set[str]) -> list[str]:
+    """The calls of rotary functions in ``tree`` (a method of ``cls``), and in the methods of
+    ``cls`` it calls (each once)."""
     calls = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        if not isinstance(node, ast.Call):
+            continue
+        if isinstance(node.func, ast.Name):
             function = namespace.get(node.func.id)
             if isinstance(function, types.FunctionType) and _rotates(function, depth=1):
                 calls.append(node.func.id)
-    return tuple(calls)
+            continue
+        name = _self_method(node.func)
+        if name is None or name in seen:
+            continue
+        seen.add(name)
+        method = getattr(cls, name, None)
+        if not isinstance(method, types.FunctionType):
+            continue  # a child module, or an attribute of the instance
+        if isinstance(inspect.getattr_static(cls, name), staticmethod) and _rotates(method, depth=1):
+            calls.append(name)
+            continue
+        method_tree, method_namespace = _parsed(method)
+        if method_tree is not None:
+            calls += _rotary_calls_in(cls, method_tree, method_namespace, seen)
+    return calls
+
+
+def _self_method(func: ast.AST) -> str | None:
+    """``name`` for ``self.name`` (a method of the class, not a child module: looked up on the class)."""
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self":
+        return func.attr
+    return None
 
 
 def _rotates(function, depth: int) -> bool:
