@@ -23,7 +23,8 @@ auto class. Attributes the old release's ``PretrainedConfig`` set on every confi
 ``is_decoder``) are given its defaults where transformers 5's configuration lacks them.
 
 A tiny configuration is the config class's defaults with the sizes of ``TINY`` set wherever the
-class has that attribute (hidden size 64, 2 layers, vocabulary 128, 4 experts).
+class has that attribute or its ``__init__`` takes that argument (a size kept under another name,
+``vocab_size`` behind a property) (hidden size 64, 2 layers, vocabulary 128, 4 experts).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import inspect
 import re
 import subprocess
 import sys
@@ -225,7 +227,7 @@ def _model_module(entry: Entry):
 
 
 def tiny_config(config_class, release: str):
-    """The config class's defaults with ``TINY``'s sizes where it has those attributes."""
+    """The config class's defaults with ``TINY``'s sizes where it has those attributes or takes those arguments."""
     import third_party_shims
 
     # transformers 5 reads ``rope_scaling`` as ``rope_parameters``, a dict even when none was given;
@@ -237,6 +239,7 @@ def tiny_config(config_class, release: str):
             setattr(config_class, key, value)
     defaults = config_class()
     known = set(vars(defaults)) | set(getattr(config_class, "attribute_map", {}) or {})
+    known |= set(inspect.signature(config_class.__init__).parameters)
     return config_class(**{k: v for k, v in TINY.items() if k in known})
 
 
