@@ -241,6 +241,23 @@ class StaticMethodAttention(OldAttention):
         return query * cos_pos + rotated_query * sin_pos, key * cos_pos + rotated_key * sin_pos
 
 
+def relative_buckets(num_buckets, position_ids):
+    """Relative-position arithmetic of three arguments (products, a negation, a concatenation)."""
+    relative = -(position_ids[:, None, :] - position_ids[:, :, None])
+    return torch.cat([relative * num_buckets, relative + num_buckets], dim=-1)
+
+
+class BucketsInMethodAttention(OldAttention):
+    """No RoPE, relative-position arithmetic in a method the forward calls → no rotary refusal."""
+
+    def forward(self, hidden_states, position_ids):
+        query_states, key_states, value_states = self.heads(hidden_states)
+        return self.attend(query_states, key_states, value_states) + self.bias(position_ids).sum()
+
+    def bias(self, position_ids):
+        return relative_buckets(4, position_ids).float() * 0.0
+
+
 class ComplexAttention(OldAttention):
     def forward(self, hidden_states, position_ids):
         bsz, q_len, _ = hidden_states.shape
@@ -353,3 +370,8 @@ def test_the_census_counts_rope_called_in_a_method_of_the_class(cls, name):
     from transfuse import census
 
     assert [o.describe() for o in census.count(cls()) if o.kind == "rotary"] == [f"rotary:<model>:{name}"]
+
+
+def test_arithmetic_of_fewer_arguments_in_a_method_is_not_taken_for_rope():
+    module, _ = _rewritten(BucketsInMethodAttention)
+    assert [s.tag for s in transfuse.report(module).skipped if s.kind == "rotary"] == []

@@ -394,9 +394,12 @@ def _methods_called(cls: type, forward: Any) -> list[tuple[str, types.FunctionTy
 
 
 def _in_method(name: str, method: types.FunctionType, static: bool) -> tuple[str, str] | None:
-    """(tag, sentence) for RoPE computed in a method the forward calls; None where it holds none."""
+    """(tag, sentence) for RoPE computed in a method the forward calls; None where it holds none.
+    Below the forward, a form the op does not compute is named only for functions of four or more
+    arguments (q, k, cos and sin): the graph test of ``_near_miss`` also takes other arithmetic of
+    fewer arguments (relative position buckets) for a rotation of one tensor."""
     if static:
-        near = _near_miss(method) if len(_positional(method) or ()) >= 2 else None
+        near = _near_miss(method) if len(_positional(method) or ()) >= 4 else None
         if near is not None:
             return near[0], f"{name}, a static method of the class, {near[1]}"
         if _takes_four(method) and any(prove(method, form) for form in (FOUR, INDEXED, IGNORED_FIFTH)):
@@ -406,7 +409,7 @@ def _in_method(name: str, method: types.FunctionType, static: bool) -> tuple[str
         if any(prove(function, form) for form in (FOUR, INDEXED, IGNORED_FIFTH)):
             return "rotary.in-method", f"{function_name} is called in {name}, a method the forward calls; {_FORWARD_ONLY}"
     for function_name, function in _own_functions(method):
-        near = _near_miss(function)
+        near = _near_miss(function) if len(_positional(function) or ()) >= 4 else None
         if near is not None:
             return near[0], f"{function_name} (called in {name}, a method the forward calls) {near[1]}"
     return None
