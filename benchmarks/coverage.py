@@ -44,7 +44,11 @@ fused. Every counted opportunity must also be accounted for by the report: a fus
 (of its kind, or of the other projection kind: a GLU pair merged as an n-way projection; for a
 mixture, at the module or its ``experts`` child), or a refusal of its kind for that module or its
 class; one neither fused nor refused is "silent" (the table lists them, and the CI subset fails on
-any). A crash is an exception from ``transfuse.rewrite`` or from the rewritten model where the
+any). A module's class is the one it had when the model was built, the one the rewrite saw: a stock
+forward that replaces a module of the model with one of another class (big_bird's block-sparse
+attention becomes full attention on short inputs) is listed in its row ("replaced by its forward"),
+the new module runs as written in the rewritten model too, and its opportunities are accounted
+under the class that was rewritten. A crash is an exception from ``transfuse.rewrite`` or from the rewritten model where the
 stock one ran (a refusal is not one), or a worker that died otherwise or ran past ``--timeout``;
 a worker the kernel killed for memory is counted apart (some composite configurations keep
 full-size sub-models: the table gives their parameter count).
@@ -249,8 +253,12 @@ def run_model(stock, row: dict, started: float, progress=None) -> dict:
     try:
         vocab = stock.config.get_text_config().vocab_size
         ids = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
-        opportunities, where = count_opportunities(stock, ids)
+        # The structure as the rewrite is given it: a forward that replaces a module of its own
+        # (big_bird's block-sparse attention, swapped for full attention on short inputs) leaves a
+        # module of another class at that path, which the rewrite never saw.
+        built = {path: type(module).__name__ for path, module in stock.named_modules()}
         found = census.count(stock)
+        opportunities, where = count_opportunities(stock, ids)
         with torch.no_grad():
             want = stock(input_ids=ids, use_cache=False).logits
     except Exception as exc:  # noqa: BLE001 - the stock model itself does not run on token ids alone
@@ -258,6 +266,9 @@ def run_model(stock, row: dict, started: float, progress=None) -> dict:
     opportunities["rotary"] = sum(o.kind == "rotary" for o in found)
     where["rotary"] = [o.describe().partition(":")[2] for o in found if o.kind == "rotary"]
     row.update(opportunities=opportunities, where=where)
+    replaced = sorted(p for p, m in stock.named_modules() if p in built and type(m).__name__ != built[p])
+    if replaced:
+        row["replaced_in_forward"] = [f"{p} ({built[p]} -> {type(stock.get_submodule(p)).__name__})" for p in replaced]
     try:
         transfuse.rewrite(fused)
     except Exception as exc:  # noqa: BLE001 - recorded: a crash inside transfuse
@@ -269,7 +280,7 @@ def run_model(stock, row: dict, started: float, progress=None) -> dict:
     row["fused"]["gate_up"] += sum(
         census.absorbed(census.Opportunity("gate_up", e.split(":")[0], ""), report) for e in where.get("gate_up", [])
     )
-    row["silent"] = silent_opportunities(stock, where, report, found)
+    row["silent"] = silent_opportunities(stock, where, report, found, built)
     row["unrecognised"] = sorted(f"{s.kind}:{s.path}" for s in report.skipped if s.tag.endswith(".unrecognised-form"))
     row["refusals"] = sorted({s.tag for s in report.skipped})
     row["not_rewritten"] = report.not_rewritten
@@ -309,10 +320,12 @@ _PROJECTIONS = ("qkv", "gate_up")
 _COUNTED = ("rms_norm", "qkv", "gate_up", "moe")  # by the hooks above; rotary by transfuse.census
 
 
-def silent_opportunities(stock, where: dict[str, list[str]], report, found=()) -> list[str]:
+def silent_opportunities(stock, where: dict[str, list[str]], report, found=(), built=None) -> list[str]:
     """The counted opportunities (``kind:module``) that the report neither fused nor refused: those
     of the counts above, and those of transfuse's own structural count (``transfuse.census``, which
-    reads any module's code, not only transformers')."""
+    reads any module's code, not only transformers'). A refusal of a class is looked up under the
+    class each module had when the model was built (``built``: path -> class name), the one the
+    rewrite saw."""
     from transfuse import census
 
     fused = {(f.kind, f.path) for f in report.fusions}
@@ -329,7 +342,7 @@ def silent_opportunities(stock, where: dict[str, list[str]], report, found=()) -
                 continue  # an expert's projections, computed by a fused mixture of experts
             # A mixture is counted at the module holding ``experts``; a fuser may take that child for the block.
             paths = [path, f"{path}.experts"] if kind == "moe" and _has(stock, f"{path}.experts") else [path]
-            seen = [(p, type(stock.get_submodule(p)).__name__) for p in paths]
+            seen = [(p, (built or {}).get(p) or type(stock.get_submodule(p)).__name__) for p in paths]
             if not any(
                 (k, p) in fused or (k, p) in refused or (k, cls) in refused_classes for k in kinds for p, cls in seen
             ):
@@ -435,6 +448,7 @@ def _markdown(rows: list[dict], summary: dict, command: str, versions: str) -> s
         if r.get("not_rewritten"):
             silent += f", not rewritten: {r['not_rewritten'][:160].replace('|', '/')}"
         silent += "".join(f", unrecognised: `{s}`" for s in r.get("unrecognised", []))
+        silent += "".join(f", replaced by its forward: `{s}`" for s in r.get("replaced_in_forward", []))
         lines.append(
             f"| {r['model_type']} | {r['status']} | {cells} | {r['max_logit_diff']:.1e} | {r['generation_equal']} | "
             f"{', '.join(r['refusals'])}{silent} |"

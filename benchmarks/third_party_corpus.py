@@ -13,8 +13,9 @@ holds is committed. ``EXCLUDED`` lists what the rule's scan finds but is not a m
 Loading changes the files in one way only: every import from the rest of transformers
 (``from ...modeling_utils import PreTrainedModel``, ``from .configuration_llama import LlamaConfig``)
 becomes a call of ``third_party_shims.corpus_import``, which takes another model's module from the
-same old release and any other name from the installed transformers, else from the old release's
-own copy of that module (see that file). Two class attributes transformers 5 reads differently are
+same old release and any other name from the installed transformers (``PreTrainedModel`` and
+``ModelOutput`` as subclasses that give the old files' models and outputs what transformers 5
+removed), else from the old release's own copy of that module (see that file). Two class attributes transformers 5 reads differently are
 reset: ``_tied_weights_keys`` as a list, cleared on the model classes (the weights are not tied),
 and ``rope_scaling`` on the config classes, a plain attribute again (None: no scaling); a model
 class gains ``GenerationMixin`` as a base, as transformers 5 gives remote code loaded through an
@@ -22,7 +23,8 @@ auto class. Attributes the old release's ``PretrainedConfig`` set on every confi
 ``is_decoder``) are given its defaults where transformers 5's configuration lacks them.
 
 A tiny configuration is the config class's defaults with the sizes of ``TINY`` set wherever the
-class has that attribute (hidden size 64, 2 layers, vocabulary 128, 4 experts).
+class has that attribute or its ``__init__`` takes that argument (a size kept under another name,
+``vocab_size`` behind a property) (hidden size 64, 2 layers, vocabulary 128, 4 experts).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import inspect
 import re
 import subprocess
 import sys
@@ -224,7 +227,7 @@ def _model_module(entry: Entry):
 
 
 def tiny_config(config_class, release: str):
-    """The config class's defaults with ``TINY``'s sizes where it has those attributes."""
+    """The config class's defaults with ``TINY``'s sizes where it has those attributes or takes those arguments."""
     import third_party_shims
 
     # transformers 5 reads ``rope_scaling`` as ``rope_parameters``, a dict even when none was given;
@@ -236,6 +239,7 @@ def tiny_config(config_class, release: str):
             setattr(config_class, key, value)
     defaults = config_class()
     known = set(vars(defaults)) | set(getattr(config_class, "attribute_map", {}) or {})
+    known |= set(inspect.signature(config_class.__init__).parameters)
     return config_class(**{k: v for k, v in TINY.items() if k in known})
 
 

@@ -299,3 +299,28 @@ def test_an_experts_glu_inside_a_fused_mixture_is_covered_by_it():
     assert not census.absorbed(shared, report) and not census.fused(shared, report)
     rms = census.Opportunity("rms_norm", "block.experts.0", "Norm")
     assert not census.absorbed(rms, report)
+
+
+class SplitForwardAttention(PositionIdsRotaryAttention):
+    """q, k and v projected in a method the forward calls, RoPE applied in another (a forward split
+    into helpers) → both counted."""
+
+    def forward(self, x, position_ids):
+        q, k, v = self.project(x)
+        q, k = self.rotate(q, k, position_ids)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).flatten(2))
+
+    def project(self, x):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, HEADS, -1).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, HEADS, -1).transpose(1, 2)
+        return q, k, self.v_proj(x).view(b, t, HEADS, -1).transpose(1, 2)
+
+    def rotate(self, q, k, position_ids):
+        return apply_rotary_pos_emb(q, k, self.cos_cached, self.sin_cached, position_ids)
+
+
+def test_the_census_reads_the_methods_the_forward_calls():
+    found = [o.describe() for o in census.count(SplitForwardAttention())]
+    assert found == ["qkv:<model>:k_proj+q_proj+v_proj", "rotary:<model>:apply_rotary_pos_emb"]

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,3 +106,44 @@ def test_a_mixture_is_counted_once_and_only_where_the_model_calls_it(coverage):
     model = TinyLM()
     counts, where = coverage.count_opportunities(model, torch.randint(0, 50, (2, 5)))
     assert counts["moe"] == 1 and where["moe"] == ["mlp"], where
+
+
+class _SparseAttention(nn.Module):
+    def __init__(self, q=None, k=None, v=None):
+        super().__init__()
+        self.q, self.k, self.v = q or nn.Linear(8, 8), k or nn.Linear(8, 8), v or nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.q(x) + self.k(x) + self.v(x)
+
+
+class _FullAttention(_SparseAttention):
+    pass
+
+
+class _SwapsItsAttention(nn.Module):
+    """Replaces its attention on the first forward by one of another class holding the same
+    projections, as big_bird's model does for short inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = _SparseAttention()
+
+    def forward(self, x):
+        if type(self.attn) is _SparseAttention:
+            self.attn = _FullAttention(self.attn.q, self.attn.k, self.attn.v)
+        return self.attn(x)
+
+
+def test_a_refusal_is_looked_up_under_the_class_the_rewrite_saw(coverage):
+    """A module the stock forward replaced is accounted under the class it had when built: a refusal
+    of that class covers it; under the class the forward put there, nothing would."""
+    from transfuse.rewriter.report import RewriteReport, SkipRecord
+
+    model = _SwapsItsAttention()
+    built = {path: type(m).__name__ for path, m in model.named_modules()}
+    model(torch.randn(2, 8))
+    report = RewriteReport(skipped=[SkipRecord("_SparseAttention", "qkv", "why", "qkv.partial-trace")])
+    where = {"qkv": ["attn:k+q+v"]}
+    assert coverage.silent_opportunities(model, where, report, (), built) == []
+    assert coverage.silent_opportunities(model, where, report, ()) == ["qkv:attn:k+q+v"]

@@ -4,7 +4,9 @@ and float16, or is refused with a tag.
 * older Llama / T5: the mean of squares of the float32 copy, the *uncast* input times its inverse
   root (the product promotes to float32) → fuses (``RMSNormSpec.promote``);
 * ``x / torch.sqrt(mean(x * x) + eps)`` with the weight first → fuses (``RMSNormSpec.divide``, run as
-  written: no provider divides).
+  written: no provider divides);
+* the weight moved to the input's device first (``self.weight.to(x.device) * f(x)``, the norm in a
+  module-level function) → fuses.
 """
 
 from __future__ import annotations
@@ -78,6 +80,25 @@ class DividedUpcastNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+def _normalised(hidden_states, variance_epsilon=1e-6):
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return (hidden_states * torch.rsqrt(variance + variance_epsilon)).to(input_dtype)
+
+
+class DeviceMovedWeightNorm(nn.Module):
+    """The weight moved to the input's device, times a module-level function's norm → fuses."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.weight = nn.Parameter(1.0 + 0.3 * torch.randn(hidden))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, hidden_states):
+        return self.weight.to(hidden_states.device) * _normalised(hidden_states, self.variance_epsilon)
+
+
 class SquaredOtherValueNorm(nn.Module):
     """The input squared, its sigmoid normalised → refused (``rms_norm.form``)."""
 
@@ -91,7 +112,7 @@ class SquaredOtherValueNorm(nn.Module):
         return self.weight * (torch.sigmoid(x) * torch.rsqrt(variance + self.eps))
 
 
-NORMS = (OlderLlamaNorm, OlderT5Norm, DividedNorm, DividedUpcastNorm)
+NORMS = (OlderLlamaNorm, OlderT5Norm, DividedNorm, DividedUpcastNorm, DeviceMovedWeightNorm)
 
 
 class _Norms(nn.Module):
@@ -117,8 +138,8 @@ def test_older_forms_fuse_and_round_as_the_model_did_bit_for_bit(dtype):
     originals = [norm for norm in model.norms]
     report = _rewritten(model, torch.randn(2, 5, HIDDEN).to(dtype))
     assert [type(n) for n in model.norms] == [RMSNorm] * len(NORMS), report
-    assert [n.spec.promote for n in model.norms] == [True, True, False, False]
-    assert [n.spec.divide for n in model.norms] == [False, False, True, True]
+    assert [n.spec.promote for n in model.norms] == [True, True, False, False, False]
+    assert [n.spec.divide for n in model.norms] == [False, False, True, True, False]
     for shape in [(3, 7, HIDDEN), (1, 1, HIDDEN), (4, HIDDEN)]:
         x = (torch.randn(*shape) * 3).to(dtype)
         with torch.no_grad():

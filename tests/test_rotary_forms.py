@@ -1,6 +1,7 @@
 """Rotary forms of older modeling files: cos and sin read at ``position_ids`` inside the function,
 a parameter kept and ignored, partial rotary cut in the forward, and the forms the op does not
-compute (interleaved pairs, one tensor at a time, complex frequencies), each refused with its tag.
+compute (interleaved pairs, one tensor at a time, complex frequencies, RoPE in a method the forward
+calls), each refused with its tag; the census counts each of those call sites.
 
 The toy attention modules are written as transformers 4.3x-4.4x wrote them: a rotary child holding
 cached cos and sin tables, ``apply_rotary_pos_emb`` a module-level function; each function's
@@ -205,6 +206,58 @@ class OneTensorAttention(OldAttention):
         return self.attend(query, key, value)
 
 
+class InMethodAttention(OldAttention):
+    """RoPE called in a method the forward calls (a forward split in two) → refused (rotary.in-method)."""
+
+    def forward(self, hidden_states, position_ids):
+        query_states, key_states, value_states = self.project_and_rotate(hidden_states, position_ids)
+        return self.attend(query_states, key_states, value_states)
+
+    def project_and_rotate(self, hidden_states, position_ids):
+        query_states, key_states, value_states = self.heads(hidden_states)
+        cos, sin = self.rotary_emb(value_states, seq_len=key_states.shape[-2])
+        query_states, key_states = rope_indexed(query_states, key_states, cos, sin, position_ids)
+        return query_states, key_states, value_states
+
+
+class StaticMethodAttention(OldAttention):
+    """RoPE as a static method of the class, interleaved pairs → refused (rotary.interleaved)."""
+
+    def forward(self, hidden_states, position_ids):
+        query_states, key_states, value_states = self.heads(hidden_states)
+        cos, sin = self.rotary_emb(value_states, seq_len=key_states.shape[-2])
+        half = self.head_dim // 2
+        sinusoidal = torch.cat([sin[position_ids][..., :half], cos[position_ids][..., :half]], dim=-1)[:, None]
+        query_states, key_states = self.apply_rotary(sinusoidal, query_states, key_states)
+        return self.attend(query_states, key_states, value_states)
+
+    @staticmethod
+    def apply_rotary(sinusoidal_pos, query, key, value=None):
+        sin, cos = sinusoidal_pos.chunk(2, dim=-1)
+        sin_pos = torch.stack([sin, sin], dim=-1).reshape_as(sinusoidal_pos)
+        cos_pos = torch.stack([cos, cos], dim=-1).reshape_as(sinusoidal_pos)
+        rotated_query = torch.stack([-query[..., 1::2], query[..., ::2]], dim=-1).reshape_as(query)
+        rotated_key = torch.stack([-key[..., 1::2], key[..., ::2]], dim=-1).reshape_as(key)
+        return query * cos_pos + rotated_query * sin_pos, key * cos_pos + rotated_key * sin_pos
+
+
+def relative_buckets(num_buckets, position_ids):
+    """Relative-position arithmetic of three arguments (products, a negation, a concatenation)."""
+    relative = -(position_ids[:, None, :] - position_ids[:, :, None])
+    return torch.cat([relative * num_buckets, relative + num_buckets], dim=-1)
+
+
+class BucketsInMethodAttention(OldAttention):
+    """No RoPE, relative-position arithmetic in a method the forward calls → no rotary refusal."""
+
+    def forward(self, hidden_states, position_ids):
+        query_states, key_states, value_states = self.heads(hidden_states)
+        return self.attend(query_states, key_states, value_states) + self.bias(position_ids).sum()
+
+    def bias(self, position_ids):
+        return relative_buckets(4, position_ids).float() * 0.0
+
+
 class ComplexAttention(OldAttention):
     def forward(self, hidden_states, position_ids):
         bsz, q_len, _ = hidden_states.shape
@@ -267,6 +320,8 @@ def test_the_rewritten_call_passes_the_positions_and_says_how_they_are_read():
         (InterleavedAttention, "rotary.interleaved"),
         (OneTensorAttention, "rotary.one-tensor"),
         (ComplexAttention, "rotary.complex"),
+        (InMethodAttention, "rotary.in-method"),
+        (StaticMethodAttention, "rotary.interleaved"),
     ],
 )
 def test_forms_the_op_does_not_compute_are_refused_each_with_its_tag(cls, tag):
@@ -308,3 +363,15 @@ def test_the_standalone_runtime_form_reads_the_tables_at_the_positions():
     assert all(torch.equal(g, w) for g, w in zip(got, want))
     got = rotary(q, k, cos, sin, 1, rope_squeezed, positions, True)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("cls, name", [(InMethodAttention, "rope_indexed"), (StaticMethodAttention, "apply_rotary")])
+def test_the_census_counts_rope_called_in_a_method_of_the_class(cls, name):
+    from transfuse import census
+
+    assert [o.describe() for o in census.count(cls()) if o.kind == "rotary"] == [f"rotary:<model>:{name}"]
+
+
+def test_arithmetic_of_fewer_arguments_in_a_method_is_not_taken_for_rope():
+    module, _ = _rewritten(BucketsInMethodAttention)
+    assert [s.tag for s in transfuse.report(module).skipped if s.kind == "rotary"] == []

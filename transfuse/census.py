@@ -10,6 +10,8 @@ forward source (``ast``, once per class; no forward pass, no trace):
 - ``qkv`` / ``gate_up``: two or more ``nn.Linear`` children called in the forward on the same value
   (the same expression, no assignment to its names between the calls); a pair whose results are
   multiplied (directly or through one call, an activation) is a ``gate_up``, any other set a ``qkv``;
+  the methods of the class the forward calls through ``self`` are read the same way, each on its own
+  (a forward split into helpers: ``self.heads(x)`` projecting q, k and v);
 - ``moe``: a module holding a ``ModuleList`` of two or more modules of one class with two or more
   ``nn.Linear`` children each (expert MLPs), or a parameter of three dimensions (stacked experts; not
   a convolution of ``torch.nn``), beside a router: a 2-D weight with one row per expert outside the
@@ -18,7 +20,9 @@ forward source (``ast``, once per class; no forward pass, no trace):
   its parent or a child of its parent (experts held in any other shape);
 - ``rotary``: each call in the forward of a module-level function whose body multiplies by values
   named ``cos`` and ``sin``, calls a function named ``rotate*``, or uses ``view_as_complex`` or
-  ``polar`` (one level of calls followed).
+  ``polar`` (one level of calls followed); such calls in the methods of the class the forward
+  calls (``self._projections_and_rope(...)``, a forward split in two); and calls of a static method
+  of the class that is itself such a function (``self.apply_rotary(...)``).
 
 Modules whose class's forward already calls transfuse (a rewritten instance, a class of an emitted
 modeling file), and what they hold, are left out: transfuse's own work. After a rewrite, ``account`` gives each counted structure that no fusion covers and no refusal names
@@ -116,6 +120,40 @@ def _of_module(path: str, module: nn.Module, parent: nn.Module | None) -> list[O
 def _forward_tree(cls: type) -> tuple[ast.FunctionDef | None, dict]:
     """The class's forward, parsed, and the globals it reads (None where its source cannot be read)."""
     return _parsed(unwrapped_forward(cls))
+
+
+@functools.lru_cache(maxsize=4096)
+def _own_code(cls: type) -> tuple[tuple[ast.FunctionDef, dict], ...]:
+    """The forward, parsed, and each method of the class it calls through ``self`` (and those call
+    in turn), each once: a forward split into helpers is read whole. Static methods are not
+    followed (they are functions of their arguments, read where they are called)."""
+    tree, namespace = _forward_tree(cls)
+    found, seen = [], {"forward"}
+    todo = [(tree, namespace)] if tree is not None else []
+    while todo:
+        found.append(todo.pop(0))
+        for node in ast.walk(found[-1][0]):
+            name = _self_method(node.func) if isinstance(node, ast.Call) else None
+            if name is None or name in seen or _is_static(cls, name):
+                continue
+            seen.add(name)
+            method = getattr(cls, name, None)
+            if isinstance(method, types.FunctionType):  # not a child module or an attribute of the instance
+                method_tree, method_namespace = _parsed(method)
+                if method_tree is not None:
+                    todo.append((method_tree, method_namespace))
+    return tuple(found)
+
+
+def _self_method(func: ast.AST) -> str | None:
+    """``name`` for ``self.name`` (a method of the class, or a child module: looked up on the class)."""
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self":
+        return func.attr
+    return None
+
+
+def _is_static(cls: type, name: str) -> bool:
+    return isinstance(inspect.getattr_static(cls, name, None), staticmethod)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -245,9 +283,11 @@ def _self_call(node: ast.AST, linears: frozenset) -> str | None:
 
 @functools.lru_cache(maxsize=4096)
 def _shared_inputs(cls: type, linears: frozenset) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    tree, _ = _forward_tree(cls)
-    if tree is None:
-        return ()
+    found = {group for tree, _ in _own_code(cls) for group in _shared_inputs_in(tree, linears)}
+    return tuple(sorted(found))
+
+
+def _shared_inputs_in(tree: ast.FunctionDef, linears: frozenset) -> list[tuple[str, tuple[str, ...]]]:
     assigned = _assignments(tree)
     groups: dict[tuple, set[str]] = {}
     for node in ast.walk(tree):
@@ -263,7 +303,7 @@ def _shared_inputs(cls: type, linears: frozenset) -> tuple[tuple[str, tuple[str,
         ordered = tuple(sorted(names))
         glu = len(names) == 2 and _multiplied(tree, ordered, results)
         found.append(("gate_up" if glu else "qkv", ordered))
-    return tuple(sorted(found))
+    return found
 
 
 def _assignments(tree: ast.AST) -> dict[str, list[int]]:
@@ -313,18 +353,22 @@ def _multiplied(tree: ast.AST, pair: tuple[str, ...], results: dict[str, str]) -
 
 @functools.lru_cache(maxsize=4096)
 def _rotary_calls(cls: type) -> tuple[str, ...]:
-    """The forward's calls of module-level rotary functions (by function name, one per call)."""
+    """The calls of module-level rotary functions in the forward and the methods it calls, and the
+    calls of static methods that are such functions (by function name, one per call)."""
     if cls.forward is nn.Module.forward:
         return ()
-    tree, namespace = _forward_tree(cls)
-    if tree is None:
-        return ()
     calls = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-            function = namespace.get(node.func.id)
-            if isinstance(function, types.FunctionType) and _rotates(function, depth=1):
-                calls.append(node.func.id)
+    for tree, namespace in _own_code(cls):
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            if isinstance(node.func, ast.Name):
+                function = namespace.get(node.func.id)
+                if isinstance(function, types.FunctionType) and _rotates(function, depth=1):
+                    calls.append(node.func.id)
+            elif (name := _self_method(node.func)) is not None and _is_static(cls, name):
+                if _rotates(getattr(cls, name), depth=1):
+                    calls.append(name)
     return tuple(calls)
 
 

@@ -618,10 +618,28 @@ def _param_name(node) -> str | None:
     return None
 
 
+def _peel_weight(node: fx.Node) -> tuple[fx.Node, list[Cast]]:
+    """The value under the casts and device moves of ``node`` (``self.weight.to(x.device)``: a move
+    to the input's device, which the fused layer's weight is on already), and the casts."""
+    inner, casts = peel_casts(node)
+    while _moves_to_a_device(inner):
+        inner, more = peel_casts(inner.args[0])
+        casts += more
+    return inner, casts
+
+
+def _moves_to_a_device(node) -> bool:
+    """``t.to(device)``: a copy to a device (the tracer reads ``x.device`` as a constant), no cast."""
+    return (
+        op_name(node) == "to" and len(node.args) == 2 and isinstance(node.args[1], torch.device)
+        and set(node.kwargs) <= {"non_blocking"}
+    )  # fmt: skip
+
+
 def _weight_term(node, matched: set[fx.Node]) -> tuple[str, bool, bool] | None:
     if not isinstance(node, fx.Node):
         return None
-    inner, casts = peel_casts(node)
+    inner, casts = _peel_weight(node)
     name = _param_name(inner)
     if name is not None:
         _require_fp32_casts(casts, node)
@@ -631,7 +649,7 @@ def _weight_term(node, matched: set[fx.Node]) -> tuple[str, bool, bool] | None:
         a, b = operands(inner)[:2]
         for one, w in ((a, b), (b, a)):
             if isinstance(one, (int, float)) and one == 1 and isinstance(w, fx.Node):
-                w_inner, w_casts = peel_casts(w)
+                w_inner, w_casts = _peel_weight(w)
                 if _param_name(w_inner) is None:
                     continue
                 if casts:

@@ -29,6 +29,10 @@ the fused op reads the tables itself. Forms the op does not compute are refused 
 tag, found from the graph of the functions the forward calls: interleaved pairs
 (``rotary.interleaved``), a rotary width read from cos (``rotary.partial``), complex frequencies
 (``rotary.complex``), and a function applied to one tensor at a time (``rotary.one-tensor``).
+The fused op replaces calls in the forward only: RoPE called in a method of the class that the
+forward calls (``self._projections_and_rope(...)``), or a static method of the class that is
+itself the RoPE (``self.apply_rotary(...)``), is refused (``rotary.in-method``), or with the tag of
+its form where the op would not compute it anyway.
 """
 
 from __future__ import annotations
@@ -82,7 +86,10 @@ class RotaryFuser(SourceFuser[RotaryMatch]):
 
     def wants(self, module: nn.Module) -> bool:
         forward = unwrapped_forward(type(module))
-        return bool(_candidates(forward) or _own_functions(forward))
+        methods = _methods_called(type(module), forward)
+        if any(static for _, _, static in methods):
+            return True  # a static method may be the RoPE itself
+        return any(_candidates(f) or _own_functions(f) for f in [forward] + [method for _, method, _ in methods])
 
     def match(self, analysis: ClassAnalysis) -> RotaryMatch | Refusal | None:
         forward = unwrapped_forward(analysis.cls)
@@ -100,6 +107,10 @@ class RotaryFuser(SourceFuser[RotaryMatch]):
             if near is not None:
                 tag, why = near
                 return Refusal(tag, f"{name} {why}", analysis.where())
+        for name, method, static in _methods_called(analysis.cls, forward):
+            refusal = _in_method(name, method, static)
+            if refusal is not None:
+                return Refusal(*refusal, analysis.where())
         return None
 
     def edit(self, tree: cst.FunctionDef, found: RotaryMatch, context: EditContext) -> cst.FunctionDef:
@@ -361,6 +372,50 @@ def _own_functions(forward: Any) -> list[tuple[str, types.FunctionType]]:
             if positional is not None and len(positional) >= 2:
                 found.append((name, value))
     return found
+
+
+def _methods_called(cls: type, forward: Any) -> list[tuple[str, types.FunctionType, bool]]:
+    """The methods of ``cls`` the forward names, and those they name in turn: (name, function,
+    whether it is static). Names that are not methods of the class (child modules) are passed over."""
+    found, seen, todo = [], {"forward"}, [forward]
+    while todo:
+        code = getattr(todo.pop(), "__code__", None)
+        for name in code.co_names if code is not None else ():
+            if name in seen:
+                continue
+            seen.add(name)
+            value = inspect.getattr_static(cls, name, None)
+            static = isinstance(value, staticmethod)
+            function = value.__func__ if static else value
+            if isinstance(function, types.FunctionType):
+                found.append((name, function, static))
+                todo.append(function)
+    return found
+
+
+def _in_method(name: str, method: types.FunctionType, static: bool) -> tuple[str, str] | None:
+    """(tag, sentence) for RoPE computed in a method the forward calls; None where it holds none.
+    Below the forward, a form the op does not compute is named only for functions of four or more
+    arguments (q, k, cos and sin): the graph test of ``_near_miss`` also takes other arithmetic of
+    fewer arguments (relative position buckets) for a rotation of one tensor."""
+    if static:
+        near = _near_miss(method) if len(_positional(method) or ()) >= 4 else None
+        if near is not None:
+            return near[0], f"{name}, a static method of the class, {near[1]}"
+        if _takes_four(method) and any(prove(method, form) for form in (FOUR, INDEXED, IGNORED_FIFTH)):
+            return "rotary.in-method", f"{name} is rotate-half RoPE, but a static method of the class; {_FORWARD_ONLY}"
+        return None
+    for function_name, function in _candidates(method):
+        if any(prove(function, form) for form in (FOUR, INDEXED, IGNORED_FIFTH)):
+            return "rotary.in-method", f"{function_name} is called in {name}, a method the forward calls; {_FORWARD_ONLY}"
+    for function_name, function in _own_functions(method):
+        near = _near_miss(function) if len(_positional(function) or ()) >= 4 else None
+        if near is not None:
+            return near[0], f"{function_name} (called in {name}, a method the forward calls) {near[1]}"
+    return None
+
+
+_FORWARD_ONLY = "the fused op replaces calls of module-level functions in the forward only."
 
 
 def _near_miss(function: types.FunctionType) -> tuple[str, str] | None:
