@@ -116,7 +116,7 @@ def test_emit_writes_a_directory_stock_transformers_loads(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
     with torch.no_grad():
         assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, model.config.vocab_size)
-    again = run("emit", "llama", "--out", str(out))
+    again = run_here("emit", "llama", "--out", str(out))  # (a one-line error: in this process)
     assert again.returncode == 1
     assert "already exists; pass --force" in again.stderr and "Traceback" not in again.stderr
     assert "force=True" not in again.stderr and "loading" not in again.stderr  # refused before any work

@@ -23,10 +23,26 @@ from transfuse.compile.attention import IMPLEMENTATION
 from transfuse.tiny import tiny_model
 
 
+# Rewritten CPU models by what made them: each test gets a deep copy (the rewrite of a seeded tiny
+# model is the same every time; a copy is that model, its report included) and the random state
+# the rewrite left, as if it had rewritten its own.
+_REWRITTEN: dict[tuple, tuple[torch.nn.Module, torch.Tensor]] = {}
+
+
 def _model(model_type: str = "llama", device: str = "cpu", dtype=torch.float32, **overrides):
+    from transfuse.ops import dispatch
+
+    key = (model_type, dtype, repr(sorted(overrides.items())), repr(sorted(dispatch._USER_PRIORITY.items())))
+    if device == "cpu" and key in _REWRITTEN:
+        model, rng = _REWRITTEN[key]
+        torch.set_rng_state(rng)
+        return copy.deepcopy(model)
     torch.manual_seed(0)
     model = tiny_model(model_type, **overrides).to(device, dtype).eval()
-    return transfuse.rewrite(model)
+    transfuse.rewrite(model)
+    if device == "cpu":
+        _REWRITTEN[key] = (copy.deepcopy(model), torch.get_rng_state())
+    return model
 
 
 def _padded_batch(device: str = "cpu"):

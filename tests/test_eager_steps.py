@@ -651,18 +651,21 @@ _READ_ON_THE_HOST = {
 
 
 @pytest.fixture(params=["native", "triton"])
-def providers(request, triton_for):
+def providers(request, triton_for, model_type):
     """The ops' providers a step runs: the CPU's own, or the Triton kernels a GPU runs (their Python
     wrappers and launches, which a capture holds too), interpreted on CPU tensors. Yields the
-    provider expected to run the step's attention."""
+    provider expected to run the step's attention, and the model of ``model_type`` with its decode
+    steps on, rewritten with the CPU's providers before the Triton ones are put first (the steps
+    are what is recorded; interpreted, the rewrite's checks would take minutes)."""
     if request.param == "native":
-        yield "native"
+        yield "native", _model(model_type)
         return
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton's providers on CPU tensors need its interpreter (no GPU)")
+    model = _model(model_type)
     request.getfixturevalue("kernel_launches_traced")
     with triton_for(*(name for name, op in dispatch._OPS.items() if "triton" in op.providers)):
-        yield "triton"
+        yield "triton", model
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
@@ -675,7 +678,7 @@ def test_a_step_issues_the_same_ops_at_every_position(model_type, providers, sto
     Recorded on the CPU, where the path runs the forward at every step, with the CPU's providers
     and with the GPU's Triton kernels (interpreted; each launch recorded with its arguments and
     grid, as a graph holds it)."""
-    model = _model(model_type)
+    providers, model = providers
     ids, mask = _batch()
     traces = []
     monkeypatch.setattr(eager_steps.EagerSteps, "__init__", tracing_steps(traces))

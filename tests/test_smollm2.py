@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -9,6 +11,15 @@ import transfuse
 from transfuse.ops import RMSNorm
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def rewritten_smollm2(smollm2_dir):
+    """The checkpoint (the GGUF file's weights, dequantised) loaded in float32 and rewritten, once
+    for the module's tests; a test that changes it takes a copy."""
+    from transformers import AutoModelForCausalLM
+
+    return transfuse.rewrite(AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval())
 
 
 def test_greedy_generation_is_identical_after_rewrite(smollm2_dir):
@@ -33,16 +44,14 @@ def test_greedy_generation_is_identical_after_rewrite(smollm2_dir):
     assert (logits_after - logits_before).abs().max() <= 1e-5 * logits_before.abs().max()
 
 
-def test_the_gguf_journey_explain_emit_and_load(smollm2_gguf, tmp_path):
+def test_the_gguf_journey_explain_emit_and_load(smollm2_gguf, rewritten_smollm2, tmp_path):
     """MODEL may be a GGUF file: explain reads it, emit writes a plain safetensors checkpoint
     (dequantised) with the rewritten modeling files and the tokenizer, which stock transformers
-    loads and generates from with the runtime rewrite's tokens."""
+    loads and generates from with the runtime rewrite's tokens (of the same file's weights)."""
     import subprocess
     import sys
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from transfuse.models import load_gguf
 
     explained = subprocess.run(
         [sys.executable, "-m", "transfuse", "explain", smollm2_gguf, "-q"], capture_output=True, text=True, timeout=600
@@ -58,20 +67,19 @@ def test_the_gguf_journey_explain_emit_and_load(smollm2_gguf, tmp_path):
     assert any(p.suffix == ".safetensors" for p in out.iterdir())
     loaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(out)
-    runtime, _ = load_gguf(smollm2_gguf)
-    transfuse.rewrite(runtime)
+    runtime = rewritten_smollm2
     prompt = tokenizer("The three primary colours are", return_tensors="pt")
     generate = dict(max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     with torch.no_grad():
         assert torch.equal(loaded.generate(**prompt, **generate), runtime.generate(**prompt, **generate))
 
 
-def test_the_decode_paths_give_the_checkpoint_s_own_answers(smollm2_dir, monkeypatch):
+def test_the_decode_paths_give_the_checkpoint_s_own_answers(smollm2_dir, rewritten_smollm2, monkeypatch):
     """Real weights, where a wrong cache or position changes the tokens at once (tiny random models
     repeat theirs): a padded batch of two prompts decodes 24 tokens greedily through the eager
     decode path's store (its steps as a GPU would capture them, without the graphs) and through
     ``transfuse.compile``'s calls, each against the rewritten model's own ``generate``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from transfuse.compile import eager_steps
 
@@ -81,8 +89,7 @@ def test_the_decode_paths_give_the_checkpoint_s_own_answers(smollm2_dir, monkeyp
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:  # (transformers 5.17's GGUF conversion sets none)
         tokenizer.pad_token = tokenizer.eos_token
-    model = transfuse.rewrite(AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval())
-    transfuse.decode_steps(model)
+    model = transfuse.decode_steps(copy.deepcopy(rewritten_smollm2))
     prompts = tokenizer(["The three primary colours are", "Write a haiku about the sea, please:"],
                         return_tensors="pt", padding=True)
     assert not prompts.attention_mask.all()  # (padded: the mask is part of what is checked)
