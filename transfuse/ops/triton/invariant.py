@@ -22,18 +22,13 @@ from . import device_of, interpreting
 
 
 @triton.jit
-def _bmm_kernel(
-    a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K,
-    stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn, stride_cb, stride_cm, stride_cn,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _tile(
+    a_base, b_base, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    pid_m, pid_n, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    """The float32 products of rows ``rm`` (those below ``M``) of ``a`` with columns ``rn`` of ``b``,
+    summed over ``K`` in steps of ``BLOCK_K``, in order: the one reduction of every GEMM of the mode."""
     rk = tl.arange(0, BLOCK_K)
-    a_base = a_ptr + batch.to(tl.int64) * stride_ab
-    b_base = b_ptr + batch.to(tl.int64) * stride_bb
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + rk
@@ -43,6 +38,22 @@ def _bmm_kernel(
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _bmm_kernel(
+    a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K,
+    stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn, stride_cb, stride_cm, stride_cn,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    a_base = a_ptr + batch.to(tl.int64) * stride_ab
+    b_base = b_ptr + batch.to(tl.int64) * stride_bb
+    acc = _tile(a_base, b_base, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     c = c_ptr + batch.to(tl.int64) * stride_cb + rm[:, None] * stride_cm + rn[None, :] * stride_cn
@@ -63,18 +74,9 @@ def _grouped_kernel(
     end = tl.load(ends_ptr + group).to(tl.int64)
     rm = start + (pid % TILES_M) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
     if start + (pid % TILES_M) * BLOCK_M < end:
-        b_base = b_ptr + group.to(tl.int64) * stride_be
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + rk
-            a = tl.load(a_ptr + rm[:, None] * stride_am + ks[None, :] * stride_ak, mask=(rm[:, None] < end) & (ks[None, :] < K), other=0.0)
-            b = tl.load(b_base + ks[:, None] * stride_bk + rn[None, :] * stride_bn, mask=(ks[:, None] < K) & (rn[None, :] < N), other=0.0)
-            if IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
+        acc = _tile(a_ptr, b_ptr + group.to(tl.int64) * stride_be, rm, rn, end, N, K, stride_am, stride_ak,
+                    stride_bk, stride_bn, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         c = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < end) & (rn[None, :] < N))
 
