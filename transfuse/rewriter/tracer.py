@@ -9,7 +9,8 @@ differs from ``fx.Tracer`` in these ways:
 * every proxy carries a value (``node.meta["val"]``): the op is also run on meta
   tensors, so ``x.shape``, ``len``, iteration and ``bool`` of shapes are concrete,
   while ``x.dtype`` stays a node, so a cast back to the input dtype is told apart from a
-  cast to float32;
+  cast to float32; ``torch.finfo(x.dtype)`` (and ``iinfo``) reads the dtype that node holds, as a
+  guard, so ``masked_fill(..., torch.finfo(scores.dtype).min)`` does not stop the trace;
 * scalar attributes of ``self`` (floats such as eps, ints such as top_k, bools such as
   a normalisation flag) become ``get_attr`` nodes, so a fuser knows which attribute
   supplied a constant and can read it per instance; control flow that reads one is a
@@ -577,6 +578,47 @@ def _attention_interface_as_leaf():
                 setattr(AttentionInterface, name, entry)
 
 
+def _concrete_dtype(value: Any) -> Any:
+    """A traced dtype (``x.dtype``) as the dtype its node holds, read as a guard; anything else as is."""
+    if isinstance(value, ValueProxy) and isinstance(value.value, torch.dtype):
+        value.tracer.guards.append(value.node)
+        return value.value
+    return value
+
+
+def _info_reading_traced_dtypes(original: type) -> type:
+    """A stand-in for ``torch.finfo`` or ``torch.iinfo`` (types that take only a real ``torch.dtype``)
+    that takes a traced dtype too: ``torch.finfo(scores.dtype).min`` is the number for the dtype
+    the trace saw. Its instances are the original's, and ``isinstance`` answers as for the original."""
+
+    class InfoType(type):
+        def __call__(cls, *args, **kwargs):
+            return original(*map(_concrete_dtype, args), **{k: _concrete_dtype(v) for k, v in kwargs.items()})
+
+        def __instancecheck__(cls, obj) -> bool:
+            return isinstance(obj, original)
+
+        def __subclasscheck__(cls, sub) -> bool:
+            return issubclass(sub, original)
+
+    return InfoType(original.__name__, (), {"__module__": original.__module__, "__doc__": original.__doc__})
+
+
+@contextlib.contextmanager
+def _dtype_infos_of_traced_values():
+    """``torch.finfo`` and ``torch.iinfo`` take traced dtypes for the length of the trace (a dtype
+    stays a node, see the module docstring, and the real types refuse anything but a dtype); a call
+    from another thread meanwhile, with a real dtype, gets what the original gives."""
+    originals = {name: getattr(torch, name) for name in ("finfo", "iinfo")}
+    for name, original in originals.items():
+        setattr(torch, name, _info_reading_traced_dtypes(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch, name, original)
+
+
 # Libraries whose functions take a tensor of any framework and look at its type (a proxy has none
 # they know): their calls are leaves, valued by running them on meta tensors.
 _OPAQUE_LIBRARIES = ("einops",)
@@ -765,7 +807,7 @@ def trace_module(
         try:
             tracer.self_node = tracer.graph.placeholder("self")
             tracer.self_node.meta["val"] = module
-            with _patched_module_call(tracer), _attention_interface_as_leaf():
+            with _patched_module_call(tracer), _attention_interface_as_leaf(), _dtype_infos_of_traced_values():
                 with _self_state_as_nodes(tracer, module) as attr_nodes, _methods_as_leaves(module):
                     trace.self_attrs = attr_nodes
                     try:
