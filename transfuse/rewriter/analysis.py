@@ -30,7 +30,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .capture import Probe
+from .capture import Probe, class_key
 from .fusion import Fuser, Refusal
 from .graph import location
 from .tracer import Trace, trace_module, unwrapped_forward
@@ -38,10 +38,6 @@ from .tracer import Trace, trace_module, unwrapped_forward
 __all__ = ["ClassAnalysis", "analyse", "class_key", "clear_cache"]
 
 logger = logging.getLogger("transfuse")
-
-
-def class_key(module: nn.Module) -> tuple:
-    return (type(module), tuple((name, type(child)) for name, child in module.named_children()))
 
 
 @dataclass
@@ -52,6 +48,9 @@ class ClassAnalysis:
     trace: Trace
     traced_path: str
     had_example: bool
+    # The module whose recorded call the trace was made with, where the probe never reached the
+    # traced one: another of its class (``analyse``).
+    borrowed_from: str | None = None
     # The class key's children: name -> class.
     children: dict[str, type] = field(default_factory=dict)
     # Shapes and dtypes of the recorded call the trace was made with (None without one).
@@ -169,7 +168,12 @@ def _call_signature(call) -> tuple | None:
 
 
 def analyse(module: nn.Module, path: str, probe: Probe) -> ClassAnalysis:
-    """The cached analysis of ``module``'s class, tracing it (with this instance's recorded call) if new."""
+    """The cached analysis of ``module``'s class, tracing it (with this instance's recorded call) if new.
+
+    An instance the probe never reached (a decoder's cross-attention in a model run without an
+    encoder) whose attributes no cached trace was specialised on is traced with the recorded call of
+    a reached module of its class key, as verification borrows such a call to check it
+    (``checking.prepare``); with none, without values (its trace stops where a value is needed)."""
     key = class_key(module)
     call = probe.calls.get(path)
     signature = _call_signature(call)
@@ -186,13 +190,18 @@ def analyse(module: nn.Module, path: str, probe: Probe) -> ClassAnalysis:
             None,
         )
     if cached is None:
+        called_at, borrowed = path, None
+        if call is None and (found := probe.call_of_class(key)) is not None:
+            borrowed, call = found
+            called_at, signature, returned = borrowed, _call_signature(call), True
         example = (call.args, call.kwargs) if call is not None else None
-        trace = trace_module(module, example, _children_outputs(path, module, probe))
+        trace = trace_module(module, example, _children_outputs(called_at, module, probe))
         cached = ClassAnalysis(
             cls=type(module),
             trace=trace,
             traced_path=path,
             had_example=example is not None,
+            borrowed_from=borrowed,
             children=dict(key[1]),
             signature=signature,
             returned=returned,

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_map
 
 from .tracer import is_kv_cache
 
-__all__ = ["Call", "Probe", "ProbeUnavailable", "eval_mode", "is_meta_model", "make_probe", "record_calls"]
+__all__ = ["Call", "Probe", "ProbeUnavailable", "class_key", "eval_mode", "is_meta_model", "make_probe", "record_calls"]
 
 _aten = torch.ops.aten
 
@@ -54,6 +54,21 @@ class Probe:
     error: str | None = None
     calls: dict[str, Call] = field(default_factory=dict)  # module path -> first call, as meta tensors
     real_calls: dict[str, Call] = field(default_factory=dict)  # module path -> first call, real tensors
+    classes: dict[str, tuple] = field(default_factory=dict)  # module path (of ``calls``) -> its ``class_key``
+
+    def call_of_class(self, key: tuple) -> tuple[str, Call] | None:
+        """The first recorded call that returned of a module whose ``class_key`` is ``key``, with its path."""
+        for path, call in self.calls.items():
+            if call.output is not None and self.classes.get(path) == key:
+                return path, call
+        return None
+
+
+def class_key(module: nn.Module) -> tuple:
+    """A module's class and its children's names and classes: what its traced graph depends on
+    besides the instance's attributes (a decoder layer with a dense MLP and one with a mixture of
+    experts have different keys)."""
+    return (type(module), tuple((name, type(child)) for name, child in module.named_children()))
 
 
 def is_meta_model(model: nn.Module) -> bool:
@@ -192,6 +207,7 @@ def record_calls(model: nn.Module, probe: Probe, real_paths: set[str] = frozense
         def pre(module, args, kwargs):
             if path not in probe.calls:
                 probe.calls[path] = Call(_as_meta(args), _as_meta(kwargs))
+                probe.classes[path] = class_key(module)
             if path in real_paths and path not in probe.real_calls:
                 probe.real_calls[path] = Call(_snapshot(args), _snapshot(kwargs))
 
