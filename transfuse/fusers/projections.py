@@ -7,6 +7,8 @@ that calls the projections once in each (``in_each_arm``)."""
 
 from __future__ import annotations
 
+import inspect
+import types
 from typing import Callable
 
 import libcst as cst
@@ -16,7 +18,7 @@ from torch import nn
 from ..rewriter.analysis import ClassAnalysis
 from ..rewriter.fusion import Refusal
 from ..rewriter.graph import NoMatch
-from ..rewriter.source import EditContext, self_calls, self_references
+from ..rewriter.source import EditContext, method_source, self_calls, self_references
 from ..rewriter.specialise import decide, guarded_by, pure
 from ..rewriter.syntax import (
     ParentMap,
@@ -76,8 +78,17 @@ def free_child_name(analysis: ClassAnalysis, base: str) -> str:
 
 
 def single_call(tree: cst.FunctionDef, name: str, context: EditContext, kind: str) -> cst.Call:
-    """The one call ``self.<name>(arg)``; refused if the projection is called or used otherwise."""
+    """The one call ``self.<name>(arg)``; refused if the projection is called or used otherwise, or
+    called in another method of the class that ``tree`` calls (``<kind>.in-method``): an edit
+    rewrites one method's source."""
     calls = self_calls(tree, name)
+    method = _method_calling(tree, name, context.cls) if not calls else None
+    if method is not None:
+        raise NoMatch(
+            f"{kind}.in-method",
+            f"self.{name} is called in self.{method}, a method that {tree.name.value} calls, not in {tree.name.value}: "
+            f"the merge rewrites the source of {tree.name.value} only.",
+        )
     if len(calls) != 1:
         tag = f"{kind}.called-twice" if calls else f"{kind}.not-called"
         raise NoMatch(tag, f"self.{name}(...) is written {len(calls)} times in {tree.name.value}, not once.")
@@ -90,6 +101,25 @@ def single_call(tree: cst.FunctionDef, name: str, context: EditContext, kind: st
     if len(call.args) != 1 or call.args[0].keyword is not None or call.args[0].star:
         raise NoMatch(f"{kind}.input-expression", f"self.{name} is not called with one positional argument.")
     return call
+
+
+def _method_calling(tree: cst.FunctionDef, name: str, cls: type) -> str | None:
+    """The method of ``cls`` that calls ``self.<name>(...)`` among those ``tree`` calls through
+    ``self``, directly or through one another (``self._project(x)`` projecting q, k and v), as
+    the census reads them; None if none does. Static methods are not followed: no ``self``."""
+    seen, pending = {tree.name.value}, [tree]
+    while pending:
+        for call in m.findall(pending.pop(0), m.Call(func=m.Attribute(value=m.Name("self")))):
+            called = call.func.attr.value
+            method = inspect.getattr_static(cls, called, None) if called not in seen else None
+            seen.add(called)
+            source = method_source(method) if isinstance(method, types.FunctionType) else None
+            if source is None:
+                continue
+            if self_calls(source.node, name):
+                return called
+            pending.append(source.node)
+    return None
 
 
 def merge_calls(

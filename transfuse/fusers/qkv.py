@@ -17,7 +17,11 @@ called exactly once as ``self.<name>(<name>)`` and used nowhere else in the forw
 calls read the same variable; the calls sit in sibling statements, and between the first and
 the last nothing rebinds that variable, writes a tensor in place, or hands the variable to
 another call; no other linear reads it there. The merged call goes right before the first of
-the statements, so it dominates every use.
+the statements, so it dominates every use. Projections called in a method of the class that the
+forward calls (``q, k, v = self._project(x)``) are refused (``qkv.in-method``): an edit rewrites
+the forward's source only. A module the probe never reached is traced with the call of a reached
+one of its class; with none, it is traced without input values, stops where the forward needs
+one, and is refused as not reached (``qkv.not-reached``).
 
 A forward with two paths is proved on one (``rewriter/specialise.py``): where the proof fails
 on the whole body, it is tried again on the body specialised to an optional argument being
@@ -304,7 +308,8 @@ def _cast_inputs(analysis: ClassAnalysis, by_input: dict[fx.Node, list[fx.Node]]
 
 def _unreached(analysis: ClassAnalysis) -> Refusal | None:
     """Two or more linear children of which the trace saw too few calls to group: a list of linears
-    (no forward of its own; the module holding it calls them), or a trace that stopped first."""
+    (no forward of its own; the module holding it calls them), a module the probe never reached (nor
+    another of its class, whose call it would be traced with), or a trace that stopped first."""
     linears = linear_children(analysis)
     called = {n.target for n in analysis.trace.graph.nodes if n.op == "call_module" and n.target in linears}
     if len(linears) < 2 or not analysis.trace.partial or len(called) == len(linears):
@@ -314,6 +319,15 @@ def _unreached(analysis: ClassAnalysis) -> Refusal | None:
             "qkv.module-list",
             f"the {len(linears)} linears of this {analysis.cls.__name__} are called by the module that holds it, "
             "whose forward is not this class's: members of a list are not merged.",
+            analysis.where(),
+        )
+    if not analysis.had_example:
+        return Refusal(
+            "qkv.not-reached",
+            f"the probe input never reached this module, nor another of its class, so its forward was traced "
+            f"without input values and stopped before {len(linears) - len(called)} of its {len(linears)} linear "
+            f"children ({analysis.trace.describe_stop()}): which of them read one value is not known. Pass "
+            "example_inputs that reach it.",
             analysis.where(),
         )
     return Refusal(
