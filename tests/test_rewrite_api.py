@@ -150,7 +150,7 @@ def test_a_rewritten_model_is_freed_when_dropped():
 
 def test_a_composite_models_probe_takes_its_text_vocabulary():
     """gemma3's vocabulary is in text_config: the probe is its token ids (the vision tower, which
-    token ids never reach, is refused as not reached, its attention's projections as not traced)."""
+    token ids never reach, is refused as not reached, its attention's projections too)."""
     text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, vocab_size=256)  # fmt: skip
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
@@ -159,7 +159,7 @@ def test_a_composite_models_probe_takes_its_text_vocabulary():
     transfuse.rewrite(model)
     report = transfuse.report(model)
     assert report.not_rewritten is None and {"rms_norm", "qkv", "gate_up"} <= set(report.counts())
-    assert all(s.tag.startswith(("verify.not-reached", "moe.", "qkv.partial-trace")) for s in report.skipped), report
+    assert all(s.tag.startswith(("verify.not-reached", "moe.", "qkv.not-reached")) for s in report.skipped), report
 
 
 def test_a_model_without_get_input_embeddings_is_probed_from_its_config():
