@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+import transfuse.fusers  # noqa: F401 - installs the proof the op checks ``original`` with
 from transfuse import ops
 from transfuse.ops import rotary_native
 
@@ -285,7 +286,8 @@ def test_rotary_backward_native_is_autograds_gradient():
 
 
 class _RopeOf(nn.Module):
-    """The rewritten forward's call: the model's own function passed as ``original``."""
+    """The rewritten forward's call: the model's own function passed as ``original`` (proved by the
+    rotary fuser's proof, which importing the fusers installs)."""
 
     def forward(self, q, k, cos, sin):
         return ops.rotary(q, k, cos, sin, original=apply_rotary_pos_emb)

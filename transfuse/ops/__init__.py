@@ -28,7 +28,15 @@ from .moe import ExpertsSpec, RoutingSpec, moe_experts, moe_experts_native, moe_
 from .moe_layer import StackedExperts, moe_block, moe_block_applies
 from .platform import Platform, current_platform
 from .rms_norm import GATE_ACTIVATIONS, RMSNormSpec, gated_rms_norm, gated_rms_norm_native, rms_norm, rms_norm_native
-from .rotary import rotary, rotary_backward_native, rotary_native
+from .rotary import (
+    RotaryLayout,
+    rotary,
+    rotary_backward_native,
+    rotary_native,
+    rotary_one,
+    rotary_one_backward_native,
+    rotary_one_native,
+)
 
 __all__ = [
     "ACTIVATIONS",
@@ -44,6 +52,7 @@ __all__ = [
     "GatedRMSNorm",
     "RMSNorm",
     "RMSNormSpec",
+    "RotaryLayout",
     "RoutingSpec",
     "StackedExperts",
     "act_and_mul",
@@ -79,6 +88,9 @@ __all__ = [
     "rotary",
     "rotary_backward_native",
     "rotary_native",
+    "rotary_one",
+    "rotary_one_backward_native",
+    "rotary_one_native",
     "set_compile_mode",
     "set_priority",
     "silu_and_mul_native",

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ..ops.act_and_mul import act_and_mul
 from ..ops.layers import MergedProjection
 from ..ops.moe import _looped_matmul
-from ..ops.rotary import rotary_native
+from ..ops.rotary import rotary_native, rotary_one_native
 
 __all__ = ["FORMS", "RUNTIME_MODULE", "replaces", "use_installed"]
 
@@ -53,14 +53,29 @@ def replaces(original: str) -> Callable[[Callable], Callable]:
 
 
 @replaces("transfuse.ops.rotary.rotary")
-def rotary(q, k, cos, sin, unsqueeze_dim=1, original=None, position_ids=None, indexed=False):
+def rotary(
+    q, k, cos, sin, unsqueeze_dim=1, original=None, position_ids=None, indexed=False, *, interleaved=False,
+    expand="none", first_half=False, partial=False, upcast=False, cast=False,
+):  # fmt: skip
     """The model's own function where the call names it (the fuser proved that the op computes
     it), with the call's own arguments; else the native definition."""
     if original is not None:
         return original(q, k, cos, sin) if position_ids is None else original(q, k, cos, sin, position_ids)
     if indexed:
         cos, sin = (t.reshape(t.shape[-2:])[position_ids] for t in (cos, sin))
-    return rotary_native(q, k, cos, sin, unsqueeze_dim)
+    return rotary_native(q, k, cos, sin, unsqueeze_dim, interleaved, expand, first_half, partial, upcast, cast)
+
+
+@replaces("transfuse.ops.rotary.rotary_one")
+def rotary_one(
+    x, cos, sin, unsqueeze_dim=1, original=None, sin_first=False, *, interleaved=False, expand="none",
+    first_half=False, partial=False, upcast=False, cast=False,
+):  # fmt: skip
+    """The model's own function where the call names it, with the call's own arguments (``(x, sin,
+    cos)`` with ``sin_first``); else the native definition."""
+    if original is not None:
+        return original(x, sin, cos) if sin_first else original(x, cos, sin)
+    return rotary_one_native(x, cos, sin, unsqueeze_dim, interleaved, expand, first_half, partial, upcast, cast)
 
 
 @replaces("transfuse.ops.act_and_mul.act_and_mul_linear")

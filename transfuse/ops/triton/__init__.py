@@ -4,9 +4,9 @@ Providers backed by these kernels are registered eagerly (below) with a ``suppor
 that only looks for the package; the kernel module is imported on first call. Under
 ``TRITON_INTERPRET=1`` (set before Triton is imported) the kernels run on CPU tensors,
 which is how CI tests their logic without a GPU. Kernels live in one module per op family:
-``rms_norm.py`` (rms_norm, fused_add_rms_norm, gated_rms_norm), ``act_and_mul.py`` and ``rotary.py`` (each with its
-backward kernels and the ``torch.autograd.Function`` that pairs them: the provider's ``autograd``) and
-``cross_entropy.py`` (a loss and its gradient in one kernel, and the in-place scale of the saved
+``rms_norm.py`` (rms_norm, fused_add_rms_norm, gated_rms_norm), ``act_and_mul.py`` and ``rotary.py``
+(rotary and rotary_one; each with its backward kernels and the ``torch.autograd.Function`` that pairs
+them: the provider's ``autograd``) and ``cross_entropy.py`` (a loss and its gradient in one kernel, and the in-place scale of the saved
 gradients, for ``linear_cross_entropy``) and ``decode_attention.py`` (one query per sequence over a
 buffer of keys and values, forward only).
 """
@@ -33,7 +33,7 @@ from ..linear_cross_entropy import CROSS_ENTROPY_GRAD, SCALE_
 from ..moe import MOE_EXPERTS, MOE_EXPERTS_FP8, MOE_ROUTE
 from ..platform import current_platform
 from ..rms_norm import GATED_RMS_NORM, RMS_NORM
-from ..rotary import ROTARY
+from ..rotary import EXPANDS, ROTARY, ROTARY_ONE, RotaryLayout, rotary_width
 from .moe_configs import token_thresholds
 
 __all__ = ["MAX_HIDDEN", "available", "device_of", "interpreting", "on_device"]
@@ -107,29 +107,42 @@ def _act_and_mul_args(x, approximate: str = "none") -> bool:
     return on_device(x) and rows_fit(x, _MAX_ACT_WIDTH) and x.shape[-1] % 2 == 0 and approximate in ("none", "tanh")
 
 
-def _rotary_args(q, k, cos, sin, unsqueeze_dim: int = 1) -> bool:
-    """q and k ``[B, H, S, D]`` (unsqueeze_dim 1) or ``[B, S, H, D]`` (2), heads may differ (GQA),
-    unit stride along D and any other strides; cos and sin ``[B or 1, S, D]``; one float dtype;
-    cos and sin without a gradient to compute (the kernels' backward has none for them)."""
-    if not (on_device(q, k, cos, sin) and q.dim() == 4 and k.dim() == 4 and cos.dim() == 3):
+def _rotary_args(q, k, cos, sin, *layout, **named) -> bool:
+    """q and k, whose head counts may differ (GQA): see ``_rotates``."""
+    return _rotates((q, k), cos, sin, RotaryLayout(*layout, **named))
+
+
+def _rotary_one_args(x, cos, sin, *layout, **named) -> bool:
+    return _rotates((x,), cos, sin, RotaryLayout(*layout, **named))
+
+
+def _rotates(tensors: tuple, cos, sin, layout: RotaryLayout) -> bool:
+    """The tensors ``[B, H, S, D]`` (unsqueeze_dim 1) or ``[B, S, H, D]`` (2), of one batch, length
+    and head size, unit stride along D and any other strides; cos and sin ``[B or 1, S, width]``,
+    whose rotary width (cut and widened as the layout says) is even and the head size, or with
+    ``partial`` at most that; one float dtype; cos and sin without a gradient to compute (the
+    kernels' backward has none for them)."""
+    if not (on_device(*tensors, cos, sin) and all(t.dim() == 4 for t in tensors) and cos.dim() == 3):
         return False
-    dtype = q.dtype
-    if dtype not in KERNEL_DTYPES or not (k.dtype == cos.dtype == sin.dtype == dtype):
+    dtype = tensors[0].dtype
+    if dtype not in KERNEL_DTYPES or any(t.dtype != dtype for t in (*tensors, cos, sin)):
         return False
-    if unsqueeze_dim in (1, -3):
-        (b, _, s, d), (kb, _, ks, kd) = q.shape, k.shape
-    elif unsqueeze_dim in (2, -2):
-        (b, s, _, d), (kb, ks, _, kd) = q.shape, k.shape
-    else:
+    if layout.unsqueeze_dim not in (1, -3, 2, -2) or layout.expand not in EXPANDS:
         return False
+    heads_axis = 1 if layout.unsqueeze_dim in (1, -3) else 2
+    sizes = {tuple(n for i, n in enumerate(t.shape) if i != heads_axis) for t in tensors}
+    if len(sizes) != 1:
+        return False
+    (b, s, d), width = sizes.pop(), rotary_width(cos.shape[-1], layout.expand, layout.first_half)
     return (
-        (kb, ks, kd) == (b, s, d)
-        and 0 < d <= _MAX_ROTARY_DIM
-        and d % 2 == 0
+        0 < d <= _MAX_ROTARY_DIM
+        and 0 < width <= d
+        and width % 2 == 0
+        and (layout.partial or width == d)
         and cos.shape[0] in (1, b)
-        and cos.shape[1:] == (s, d)
+        and cos.shape[1] == s
         and sin.shape == cos.shape
-        and q.stride(-1) == k.stride(-1) == cos.stride(-1) == sin.stride(-1) == 1
+        and all(t.stride(-1) == 1 for t in (*tensors, cos, sin))
         and not (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad))
     )
 
@@ -270,6 +283,7 @@ _provider(
     batch_invariant=True,
 )  # fmt: skip
 _provider(ROTARY, "rotary", "rotary", _rotary_args, backward=True, batch_invariant=True)
+_provider(ROTARY_ONE, "rotary", "rotary_one", _rotary_one_args, backward=True, batch_invariant=True)
 # Forward only: under autograd the native definition runs. In batch-invariant mode it runs one
 # program a query, without splits (``invariant.decode_attention``).
 DECODE_ATTENTION.register(

@@ -1,23 +1,31 @@
-"""Triton kernels for rotary: ``x * cos + rotate_half(x) * sin`` for the query and the key in one launch.
+"""Triton kernels for rotary and rotary_one: ``x * cos + rotate(x) * sin`` for the query and the key
+(or one tensor) in one launch, in every layout of ``transfuse/ops/rotary.py``.
 
 Each program takes a block of positions of one sequence and a block of heads, of the query or of
-the key (the query's blocks first): the positions' cos and sin are read once for the block. With
-``x = [x1 | x2]`` and ``c = [c1 | c2]``, ``s = [s1 | s2]`` split alike, the output is
-``[x1 c1 - x2 s1 | x2 c2 + x1 s2]``, rounded where ``apply_rotary_pos_emb``'s separate ops round:
-each product to the input dtype, then the sum (``round(-x2 s1) == -round(x2 s1)``). The products of
-two float16 or bfloat16 values are exact in float32, so after those roundings the result is native's
-bit for bit. In float32 the kernels are compiled with ``enable_fp_fusion=False``, so that no
-multiply-add is contracted into an FMA, which would round once where native rounds twice (on an
+the key (the query's blocks first): the positions' cos and sin are read once for the block. The
+rotation pairs channel ``a`` with channel ``b``: ``(j, j + width / 2)`` for the halves, ``(2j, 2j +
+1)`` for interleaved pairs (constexpr ``INTERLEAVED``). Channel ``i`` reads its table at ``i``, at
+``i // 2`` (tables widened by ``repeat_interleave``) or at ``i % (width / 2)`` (widened by
+``repeat``) (constexpr ``EXPAND``); a table's first half only is read where the layout cuts it,
+which changes no index. The output is ``[x_a c_a - x_b s_a | x_b c_b + x_a s_b]`` for each pair,
+rounded where the native ops round: each product to the dtype they compute in (constexpr
+``COMPUTE``: float32 where the model computes from float32 copies, else the input's), then the sum
+(``round(-x_b s_a) == -round(x_b s_a)``), stored in the output's dtype. The products
+of two float16 or bfloat16 values are exact in float32, so after those roundings the result is
+native's bit for bit. In float32 the kernels are compiled with ``enable_fp_fusion=False``, so that
+no multiply-add is contracted into an FMA, which would round once where native rounds twice (on an
 H200 with Triton's default contraction the PTX held 16 ``fma.rn.f32`` and 649,252 of 4.2M float32
-outputs differed from native; without it, none and none).
+outputs differed from native; without it, none and none). Channels past the rotary width (partial
+rotary, constexpr ``PASS`` of them) are copied.
 
 The backward is the same kernel on the outputs' gradient ``g``: native autograd computes
-``round(round(g c) + rotate_half^T(round(g s)))`` with ``rotate_half^T(y) = [y2 | -y1]``, that is
-``[g1 c1 + g2 s2 | g2 c2 - g1 s1]`` with the same roundings. Only ``cos`` and ``sin`` are kept.
+``round(round(g c) + rotate^T(round(g s)))`` with ``rotate^T`` the rotation's negation, that is
+``[g_a c_a + g_b s_b | g_b c_b - g_a s_a]`` with the same roundings, and the passed channels'
+gradient as it is. Only ``cos`` and ``sin`` are kept.
 
-The outputs have the strides native's outputs have for the same inputs (PyTorch's TensorIterator
-chooses them from the inputs' strides); they are found once per layout by running the native
-formula on meta tensors.
+The outputs have the strides and dtype native's outputs have for the same inputs (PyTorch's
+TensorIterator chooses the strides from the inputs'); they are found once per layout by running the
+native definition on meta tensors.
 """
 
 from __future__ import annotations
@@ -30,11 +38,18 @@ import triton.language as tl
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..rotary import _rotate_half
+from ..rotary import EXPANDS, RotaryLayout, rotary_one_backward_native, rotary_one_native, rotary_width
 from . import device_of
 from .launch import Kernel
 
-__all__ = ["rotary", "rotary_autograd", "rotary_backward"]
+__all__ = [
+    "rotary",
+    "rotary_autograd",
+    "rotary_backward",
+    "rotary_one",
+    "rotary_one_autograd",
+    "rotary_one_backward",
+]
 
 # Launch shape, measured on an H200 (Llama-3-8B's 32 query and 8 key heads of 128, bf16, q and k
 # slices of a merged projection; CUDA-graph replays): blocks of 8 heads (at most _TILE elements a half,
@@ -44,6 +59,8 @@ __all__ = ["rotary", "rotary_autograd", "rotary_backward"]
 # several positions gained nothing (within 1%). A grid over rows with the head blocks fastest was
 # 6% faster at 32768 tokens than the head blocks in a second grid axis.
 _TILE, _THREAD_BYTES = 1024, 8
+# The dtype the products round to, where the model computes in its inputs' dtype.
+_TRITON_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 # Benchmarks and tests override the launch here: block_s, block_h, num_warps, masked (predicate even
 # exact tiles), index_64 (64-bit offsets at any size).
 TUNING: dict = {}
@@ -56,37 +73,54 @@ def _round(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def _table_column(channel, PAIRS: tl.constexpr, EXPAND: tl.constexpr):
+    """The table column channel ``channel`` reads: itself, or with the table widened by
+    ``repeat_interleave`` (1) or ``repeat`` (2), its pair's."""
+    column = channel
+    if EXPAND == 1:
+        column = channel // 2
+    if EXPAND == 2:
+        column = channel % PAIRS
+    return column
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr, out_ptr, b, s, s_mask, h0, H,
     x_sb, x_ss, x_sh, o_sb, o_ss, o_sh,
-    c1, c2, s1, s2,
-    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr, EVEN: tl.constexpr,
+    ca, cb, sa, sb, ch_a, ch_b, pair_mask,
+    PAIRS: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_H: tl.constexpr,
+    COMPUTE: tl.constexpr, BACKWARD: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
-    """Heads ``h0 : h0 + BLOCK_H`` of ``x`` at positions ``s`` (``[BLOCK_S, 1, 1]``), rotated into ``out``."""
-    dtype = x_ptr.dtype.element_ty
+    """Heads ``h0 : h0 + BLOCK_H`` of ``x`` at positions ``s`` (``[BLOCK_S, 1, 1]``), rotated into ``out``:
+    the products rounded to ``COMPUTE``, the sums stored in ``out``'s dtype."""
+    out_dtype = out_ptr.dtype.element_ty
     heads = h0 + tl.arange(0, BLOCK_H)[None, :, None]
-    cols = tl.arange(0, BLOCK_HALF)[None, None, :]
-    x = x_ptr + b * x_sb + s * x_ss + heads * x_sh + cols
-    out = out_ptr + b * o_sb + s * o_ss + heads * o_sh + cols
-    if EVEN:  # blocks that tile the positions, the heads and the half exactly need no predicate
-        a1 = tl.load(x).to(tl.float32)
-        a2 = tl.load(x + HALF).to(tl.float32)
+    x = x_ptr + b * x_sb + s * x_ss + heads * x_sh
+    out = out_ptr + b * o_sb + s * o_ss + heads * o_sh
+    if EVEN:  # blocks that tile the positions, the heads and the pairs exactly need no predicate
+        a = tl.load(x + ch_a).to(tl.float32)
+        z = tl.load(x + ch_b).to(tl.float32)
     else:
-        mask = s_mask & (heads < H) & (cols < HALF)
-        a1 = tl.load(x, mask=mask, other=0.0).to(tl.float32)
-        a2 = tl.load(x + HALF, mask=mask, other=0.0).to(tl.float32)
+        mask = s_mask & (heads < H) & pair_mask
+        a = tl.load(x + ch_a, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(x + ch_b, mask=mask, other=0.0).to(tl.float32)
     if BACKWARD:
-        o1 = _round(a1 * c1, dtype) + _round(a2 * s2, dtype)
-        o2 = _round(a2 * c2, dtype) - _round(a1 * s1, dtype)
+        oa = _round(a * ca, COMPUTE) + _round(z * sb, COMPUTE)
+        ob = _round(z * cb, COMPUTE) - _round(a * sa, COMPUTE)
     else:
-        o1 = _round(a1 * c1, dtype) - _round(a2 * s1, dtype)
-        o2 = _round(a2 * c2, dtype) + _round(a1 * s2, dtype)
+        oa = _round(a * ca, COMPUTE) - _round(z * sa, COMPUTE)
+        ob = _round(z * cb, COMPUTE) + _round(a * sb, COMPUTE)
     if EVEN:
-        tl.store(out, o1.to(dtype))
-        tl.store(out + HALF, o2.to(dtype))
+        tl.store(out + ch_a, oa.to(out_dtype))
+        tl.store(out + ch_b, ob.to(out_dtype))
     else:
-        tl.store(out, o1.to(dtype), mask=mask)
-        tl.store(out + HALF, o2.to(dtype), mask=mask)
+        tl.store(out + ch_a, oa.to(out_dtype), mask=mask)
+        tl.store(out + ch_b, ob.to(out_dtype), mask=mask)
+    if PASS > 0:  # the channels past the rotary width, as they are
+        passed = 2 * PAIRS + tl.arange(0, BLOCK_PASS)[None, None, :]
+        pass_mask = s_mask & (heads < H) & (passed < 2 * PAIRS + PASS)
+        tl.store(out + passed, tl.load(x + passed, mask=pass_mask).to(out_dtype), mask=pass_mask)
 
 
 @Kernel
@@ -97,8 +131,9 @@ def _rotary_kernel(
     q_sb, q_ss, q_sh, k_sb, k_ss, k_sh,
     qo_sb, qo_ss, qo_sh, ko_sb, ko_ss, ko_sh,
     c_sb, c_ss, s_sb, s_ss,
-    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
-    BACKWARD: tl.constexpr, EVEN: tl.constexpr, INDEX_64: tl.constexpr,
+    PAIRS: tl.constexpr, BLOCK_PAIRS: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, EXPAND: tl.constexpr,
+    COMPUTE: tl.constexpr, BACKWARD: tl.constexpr, EVEN: tl.constexpr, INDEX_64: tl.constexpr,
 ):  # fmt: skip
     # One axis, the head blocks of a row of positions fastest: programs launched together read
     # neighbouring memory (a row's q heads, then its k heads, which a merged projection keeps beside
@@ -111,28 +146,34 @@ def _rotary_kernel(
     b = row // S_BLOCKS
     s = (row % S_BLOCKS) * BLOCK_S + tl.arange(0, BLOCK_S)[:, None, None]
     s_mask = s < S
-    cols = tl.arange(0, BLOCK_HALF)[None, None, :]
-    c_row = cos_ptr + b * c_sb + s * c_ss + cols
-    s_row = sin_ptr + b * s_sb + s * s_ss + cols
-    # [BLOCK_S, 1, BLOCK_HALF]: each position's cos and sin, read once for the block of heads.
-    if EVEN:
-        c1, c2 = tl.load(c_row).to(tl.float32), tl.load(c_row + HALF).to(tl.float32)
-        s1, s2 = tl.load(s_row).to(tl.float32), tl.load(s_row + HALF).to(tl.float32)
+    pairs = tl.arange(0, BLOCK_PAIRS)[None, None, :]
+    if INTERLEAVED:
+        ch_a, ch_b = 2 * pairs, 2 * pairs + 1
     else:
-        cmask = s_mask & (cols < HALF)
-        c1 = tl.load(c_row, mask=cmask, other=0.0).to(tl.float32)
-        c2 = tl.load(c_row + HALF, mask=cmask, other=0.0).to(tl.float32)
-        s1 = tl.load(s_row, mask=cmask, other=0.0).to(tl.float32)
-        s2 = tl.load(s_row + HALF, mask=cmask, other=0.0).to(tl.float32)
+        ch_a, ch_b = pairs, pairs + PAIRS
+    col_a, col_b = _table_column(ch_a, PAIRS, EXPAND), _table_column(ch_b, PAIRS, EXPAND)
+    c_row = cos_ptr + b * c_sb + s * c_ss
+    s_row = sin_ptr + b * s_sb + s * s_ss
+    pair_mask = pairs < PAIRS
+    # [BLOCK_S, 1, BLOCK_PAIRS]: each position's cos and sin, read once for the block of heads.
+    if EVEN:
+        ca, cb = tl.load(c_row + col_a).to(tl.float32), tl.load(c_row + col_b).to(tl.float32)
+        sa, sb = tl.load(s_row + col_a).to(tl.float32), tl.load(s_row + col_b).to(tl.float32)
+    else:
+        cmask = s_mask & pair_mask
+        ca = tl.load(c_row + col_a, mask=cmask, other=0.0).to(tl.float32)
+        cb = tl.load(c_row + col_b, mask=cmask, other=0.0).to(tl.float32)
+        sa = tl.load(s_row + col_a, mask=cmask, other=0.0).to(tl.float32)
+        sb = tl.load(s_row + col_b, mask=cmask, other=0.0).to(tl.float32)
     if block < Q_BLOCKS:
         _rotate_heads(
             q_ptr, q_out_ptr, b, s, s_mask, block * BLOCK_H, HQ, q_sb, q_ss, q_sh, qo_sb, qo_ss, qo_sh,
-            c1, c2, s1, s2, HALF, BLOCK_HALF, BLOCK_H, BACKWARD, EVEN,
+            ca, cb, sa, sb, ch_a, ch_b, pair_mask, PAIRS, PASS, BLOCK_PASS, BLOCK_H, COMPUTE, BACKWARD, EVEN,
         )  # fmt: skip
     else:
         _rotate_heads(
             k_ptr, k_out_ptr, b, s, s_mask, (block - Q_BLOCKS) * BLOCK_H, HK, k_sb, k_ss, k_sh, ko_sb, ko_ss, ko_sh,
-            c1, c2, s1, s2, HALF, BLOCK_HALF, BLOCK_H, BACKWARD, EVEN,
+            ca, cb, sa, sb, ch_a, ch_b, pair_mask, PAIRS, PASS, BLOCK_PASS, BLOCK_H, COMPUTE, BACKWARD, EVEN,
         )  # fmt: skip
 
 
@@ -149,41 +190,45 @@ def _extent(x: Tensor) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def _native_strides(shape: tuple, stride: tuple, cos_shape: tuple, cos_stride: tuple, sin_stride: tuple, dim: int):
-    """The strides of native's output for an input of ``shape`` and ``stride``: the native formula's
-    layout, worked out by PyTorch itself on meta tensors (no data, no device work)."""
+def _native_output(shape, stride, dtype, cos_shape, cos_stride, sin_stride, cos_dtype, layout, backward):
+    """The strides and dtype of native's output (or input gradient, ``backward``) for an input of
+    ``shape``, ``stride`` and ``dtype``: worked out by PyTorch itself on meta tensors (no data, no
+    device work)."""
 
-    def meta(size, strides):
-        return torch.empty_strided(size, strides, dtype=torch.float32, device="meta")
+    def meta(size, strides, dtype):
+        return torch.empty_strided(size, strides, dtype=dtype, device="meta")
 
-    x, cos, sin = meta(shape, stride), meta(cos_shape, cos_stride), meta(cos_shape, sin_stride)
+    x, cos, sin = meta(shape, stride, dtype), meta(cos_shape, cos_stride, cos_dtype), meta(cos_shape, sin_stride, cos_dtype)
     with torch.no_grad():
-        cos, sin = cos.unsqueeze(dim), sin.unsqueeze(dim)
-        return (x * cos + _rotate_half(x) * sin).stride()
+        out = (rotary_one_backward_native if backward else rotary_one_native)(x, cos, sin, *layout)
+    return out.stride(), out.dtype
 
 
-def _like_native(x: Tensor, cos: Tensor, sin: Tensor, dim: int) -> Tensor:
-    strides = _native_strides(tuple(x.shape), x.stride(), tuple(cos.shape), cos.stride(), sin.stride(), dim)
-    return torch.empty_strided(x.shape, strides, dtype=x.dtype, device=x.device)
+def _like_native(x: Tensor, cos: Tensor, sin: Tensor, layout: RotaryLayout, backward: bool = False) -> Tensor:
+    strides, dtype = _native_output(
+        tuple(x.shape), x.stride(), x.dtype, tuple(cos.shape), cos.stride(), sin.stride(), cos.dtype, layout, backward
+    )
+    return torch.empty_strided(x.shape, strides, dtype=dtype, device=x.device)
 
 
-def _launch_shape(hq: int, hk: int, half: int, element_size: int) -> tuple[int, int, int, int]:
-    """(BLOCK_HALF, BLOCK_S, BLOCK_H, num_warps): blocks of heads no larger than the smaller head
+def _launch_shape(hq: int, hk: int, pairs: int, element_size: int) -> tuple[int, int, int, int]:
+    """(BLOCK_PAIRS, BLOCK_S, BLOCK_H, num_warps): blocks of heads no larger than the smaller head
     count (so that neither q's nor k's blocks are mostly padding), one position a block."""
-    block_half = triton.next_power_of_2(half)
+    block_pairs = triton.next_power_of_2(pairs)
     heads = min(hq, hk) if hq and hk else max(hq, hk)
-    block_h = TUNING.get("block_h", max(1, min(triton.next_power_of_2(heads), _TILE // block_half)))
+    block_h = TUNING.get("block_h", max(1, min(triton.next_power_of_2(heads), _TILE // block_pairs)))
     block_s = TUNING.get("block_s", 1)
-    tile = block_s * block_h * block_half  # elements of one half-load
+    tile = block_s * block_h * block_pairs  # elements of one half-load
     num_warps = TUNING.get("num_warps", max(1, min(8, tile * element_size // _THREAD_BYTES // 32)))
-    return block_half, block_s, block_h, num_warps
+    return block_pairs, block_s, block_h, num_warps
 
 
 def _launch(
     q: Tensor | None, k: Tensor | None, cos: Tensor, sin: Tensor, q_out: Tensor | None, k_out: Tensor | None,
-    dim: int, backward: bool,
+    layout: RotaryLayout, backward: bool,
 ) -> None:  # fmt: skip
     """Rotate ``q`` into ``q_out`` and ``k`` into ``k_out`` (either pair may be None) in one launch."""
+    dim = layout.unsqueeze_dim
     first = q if q is not None else k
     batch, d = first.shape[0], first.shape[-1]
     seq = first.shape[2] if dim == 1 else first.shape[1]
@@ -191,10 +236,11 @@ def _launch(
     hk = 0 if k is None else k.shape[1 if dim == 1 else 2]
     if batch * seq == 0 or hq + hk == 0:
         return
-    half = d // 2
-    block_half, block_s, block_h, num_warps = _launch_shape(hq, hk, half, first.element_size())
+    width = rotary_width(cos.shape[-1], layout.expand, layout.first_half) if layout.partial else d
+    pairs, passed = width // 2, d - width
+    block_pairs, block_s, block_h, num_warps = _launch_shape(hq, hk, pairs, first.element_size())
     s_blocks, q_blocks, k_blocks = triton.cdiv(seq, block_s), triton.cdiv(hq, block_h), triton.cdiv(hk, block_h)
-    even = half == block_half and seq % block_s == 0 and hq % block_h == 0 and hk % block_h == 0
+    even = pairs == block_pairs and seq % block_s == 0 and hq % block_h == 0 and hk % block_h == 0
     tensors = [t for t in (q, k, q_out, k_out, cos, sin) if t is not None]
     index_64 = TUNING.get("index_64", max(map(_extent, tensors)) >= 2**31)
     # A missing pair borrows the other's pointers and strides: its blocks are never launched.
@@ -208,56 +254,119 @@ def _launch(
             seq, s_blocks, hq, hk, q_blocks, q_blocks + k_blocks,
             *_bsh(q, dim), *_bsh(k, dim), *_bsh(q_out, dim), *_bsh(k_out, dim),
             c_sb, cos.stride(1), s_sb, sin.stride(1),
-            HALF=half, BLOCK_HALF=block_half, BLOCK_S=block_s, BLOCK_H=block_h,
-            BACKWARD=backward, EVEN=even and not TUNING.get("masked", False), INDEX_64=index_64,
+            PAIRS=pairs, BLOCK_PAIRS=block_pairs, PASS=passed, BLOCK_PASS=triton.next_power_of_2(max(passed, 1)),
+            BLOCK_S=block_s, BLOCK_H=block_h, INTERLEAVED=layout.interleaved, EXPAND=EXPANDS.index(layout.expand),
+            COMPUTE=tl.float32 if layout.upcast else _TRITON_DTYPES[first.dtype], BACKWARD=backward, EVEN=even and not TUNING.get("masked", False), INDEX_64=index_64,
             num_warps=num_warps, enable_fp_fusion=False,
         )  # fmt: skip
 
 
-def _dim(unsqueeze_dim: int) -> int:
-    return unsqueeze_dim + 4 if unsqueeze_dim < 0 else unsqueeze_dim
+def _layout(*parameters) -> RotaryLayout:
+    """The layout, its unsqueeze dimension counted from the front (1 or 2)."""
+    layout = RotaryLayout(*parameters)
+    dim = layout.unsqueeze_dim
+    return layout._replace(unsqueeze_dim=dim + 4 if dim < 0 else dim)
 
 
-def rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1) -> tuple[Tensor, Tensor]:
+def rotary(
+    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1, interleaved: bool = False,
+    expand: str = "none", first_half: bool = False, partial: bool = False, upcast: bool = False, cast: bool = False,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The triton provider of ``rotary``: both outputs from one launch, laid out as native's."""
-    dim = _dim(unsqueeze_dim)
-    q_out, k_out = _like_native(q, cos, sin, dim), _like_native(k, cos, sin, dim)
-    _launch(q, k, cos, sin, q_out, k_out, dim, backward=False)
+    layout = _layout(unsqueeze_dim, interleaved, expand, first_half, partial, upcast, cast)
+    q_out, k_out = _like_native(q, cos, sin, layout), _like_native(k, cos, sin, layout)
+    _launch(q, k, cos, sin, q_out, k_out, layout, backward=False)
     return q_out, k_out
 
 
-def rotary_backward(
-    grad_q: Tensor | None, grad_k: Tensor | None, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1
-) -> tuple[Tensor | None, Tensor | None]:
-    """The gradients of ``q`` and ``k`` for the outputs' gradients (None: that output had none),
-    each laid out like its output's gradient would be by native (the forward's layout)."""
-    dim = _dim(unsqueeze_dim)
-    grads = [g if g is None or g.stride(-1) == 1 else g.contiguous() for g in (grad_q, grad_k)]
-    outs = [None if g is None else _like_native(g, cos, sin, dim) for g in grads]
+def rotary_one(
+    x: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1, interleaved: bool = False, expand: str = "none",
+    first_half: bool = False, partial: bool = False, upcast: bool = False, cast: bool = False,
+) -> Tensor:  # fmt: skip
+    """The triton provider of ``rotary_one``, laid out as native's output."""
+    layout = _layout(unsqueeze_dim, interleaved, expand, first_half, partial, upcast, cast)
+    out = _like_native(x, cos, sin, layout)
+    _launch(x, None, cos, sin, out, None, layout, backward=False)
+    return out
+
+
+def _gradients(grads: list[Tensor | None], cos: Tensor, sin: Tensor, layout: RotaryLayout) -> list[Tensor | None]:
+    """The inputs' gradients for the outputs' (None: that output had none), each laid out like
+    native's."""
+    grads = [g if g is None or g.stride(-1) == 1 else g.contiguous() for g in grads]
+    outs = [None if g is None else _like_native(g, cos, sin, layout, backward=True) for g in grads]
     if any(g is not None for g in grads):
-        _launch(grads[0], grads[1], cos, sin, outs[0], outs[1], dim, backward=True)
-    return outs[0], outs[1]
+        _launch(grads[0], grads[1] if len(grads) > 1 else None, cos, sin, outs[0], outs[1] if len(outs) > 1 else None,
+                layout, backward=True)  # fmt: skip
+    return outs
+
+
+def rotary_backward(
+    grad_q: Tensor | None, grad_k: Tensor | None, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1,
+    interleaved: bool = False, expand: str = "none", first_half: bool = False, partial: bool = False,
+    upcast: bool = False, cast: bool = False,
+) -> tuple[Tensor | None, Tensor | None]:  # fmt: skip
+    """The gradients of ``q`` and ``k`` for the outputs' gradients (None: that output had none)."""
+    layout = _layout(unsqueeze_dim, interleaved, expand, first_half, partial, upcast, cast)
+    grad_q, grad_k = _gradients([grad_q, grad_k], cos, sin, layout)
+    return grad_q, grad_k
+
+
+def rotary_one_backward(
+    grad: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1, interleaved: bool = False, expand: str = "none",
+    first_half: bool = False, partial: bool = False, upcast: bool = False, cast: bool = False,
+) -> Tensor:  # fmt: skip
+    """The gradient of ``rotary_one``'s ``x`` for its output's gradient."""
+    layout = _layout(unsqueeze_dim, interleaved, expand, first_half, partial, upcast, cast)
+    return _gradients([grad], cos, sin, layout)[0]
 
 
 class _RotaryFunction(torch.autograd.Function):
     """``rotary`` with these kernels' backward: only cos and sin are kept."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin, unsqueeze_dim):
+    def forward(ctx, q, k, cos, sin, *layout):
         ctx.set_materialize_grads(False)  # an output nothing used gives its input no gradient
         ctx.save_for_backward(cos, sin)
-        ctx.unsqueeze_dim = unsqueeze_dim
-        return rotary(q, k, cos, sin, unsqueeze_dim)
+        ctx.layout = layout
+        return rotary(q, k, cos, sin, *layout)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_q, grad_k):
         cos, sin = ctx.saved_tensors
         need_q, need_k = ctx.needs_input_grad[:2]
-        grad_q, grad_k = rotary_backward(grad_q if need_q else None, grad_k if need_k else None, cos, sin, ctx.unsqueeze_dim)
-        return grad_q, grad_k, None, None, None
+        grad_q, grad_k = rotary_backward(grad_q if need_q else None, grad_k if need_k else None, cos, sin, *ctx.layout)
+        return grad_q, grad_k, None, None, *(None,) * len(ctx.layout)
 
 
-def rotary_autograd(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1) -> tuple[Tensor, Tensor]:
+class _RotaryOneFunction(torch.autograd.Function):
+    """``rotary_one`` with these kernels' backward: only cos and sin are kept."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, *layout):
+        ctx.save_for_backward(cos, sin)
+        ctx.layout = layout
+        return rotary_one(x, cos, sin, *layout)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return rotary_one_backward(grad, cos, sin, *ctx.layout), None, None, *(None,) * len(ctx.layout)
+
+
+def rotary_autograd(
+    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1, interleaved: bool = False,
+    expand: str = "none", first_half: bool = False, partial: bool = False, upcast: bool = False, cast: bool = False,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The triton provider of ``rotary`` for calls that need a backward (of q and k; never of cos or sin)."""
-    return _RotaryFunction.apply(q, k, cos, sin, unsqueeze_dim)
+    return _RotaryFunction.apply(q, k, cos, sin, unsqueeze_dim, interleaved, expand, first_half, partial, upcast, cast)
+
+
+def rotary_one_autograd(
+    x: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1, interleaved: bool = False, expand: str = "none",
+    first_half: bool = False, partial: bool = False, upcast: bool = False, cast: bool = False,
+) -> Tensor:  # fmt: skip
+    """The triton provider of ``rotary_one`` for calls that need a backward (of x; never of cos or sin)."""
+    return _RotaryOneFunction.apply(x, cos, sin, unsqueeze_dim, interleaved, expand, first_half, partial, upcast, cast)
