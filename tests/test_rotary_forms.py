@@ -1,7 +1,8 @@
 """Rotary forms of older modeling files: cos and sin read at ``position_ids`` inside the function,
-a parameter kept and ignored, partial rotary cut in the forward, and the forms the op does not
-compute (interleaved pairs, one tensor at a time, complex frequencies, RoPE in a method the forward
-calls), each refused with its tag; the census counts each of those call sites.
+a parameter kept and ignored, partial rotary cut in the forward, interleaved pairs of q and k, one
+tensor at a time, and the forms the op does not take (complex frequencies, sin and cos in one table,
+RoPE in a method the forward calls), each refused with its tag; the census counts each of those
+call sites.
 
 The toy attention modules are written as transformers 4.3x-4.4x wrote them: a rotary child holding
 cached cos and sin tables, ``apply_rotary_pos_emb`` a module-level function; each function's
@@ -63,14 +64,14 @@ def rotate_every_two(x):
 
 
 def rope_interleaved(q, k, cos, sin):
-    """Interleaved pairs for q and k at once → refused (rotary.interleaved)."""
+    """Interleaved pairs for q and k at once, half-width tables → fuses (interleaved, repeat_interleave)."""
     cos = torch.repeat_interleave(cos[:, None, :, :], 2, 3)
     sin = torch.repeat_interleave(sin[:, None, :, :], 2, 3)
     return (q * cos) + (rotate_every_two(q) * sin), (k * cos) + (rotate_every_two(k) * sin)
 
 
 def rope_one_tensor(tensor, sin, cos):
-    """GPT-J's: one tensor, interleaved pairs → refused (rotary.one-tensor)."""
+    """GPT-J's: one tensor, interleaved pairs, sin before cos → fuses, each call a ``rotary_one``."""
     sin = torch.repeat_interleave(sin[:, None, :, :], 2, 3)
     cos = torch.repeat_interleave(cos[:, None, :, :], 2, 3)
     return (tensor * cos) + (rotate_every_two(tensor) * sin)
@@ -221,7 +222,7 @@ class InMethodAttention(OldAttention):
 
 
 class StaticMethodAttention(OldAttention):
-    """RoPE as a static method of the class, interleaved pairs → refused (rotary.interleaved)."""
+    """RoPE as a static method of the class, sin and cos in one table → refused (rotary.one-table)."""
 
     def forward(self, hidden_states, position_ids):
         query_states, key_states, value_states = self.heads(hidden_states)
@@ -287,7 +288,14 @@ def _rewritten(cls):
     return module, stock
 
 
-@pytest.mark.parametrize("cls", [IndexedAttention, SqueezedAttention, KeptParameterAttention, PartialInForwardAttention])
+OP_CALLS = {InterleavedAttention: ["rotary"], OneTensorAttention: ["rotary_one", "rotary_one"]}
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [IndexedAttention, SqueezedAttention, KeptParameterAttention, PartialInForwardAttention, InterleavedAttention,
+     OneTensorAttention],
+)  # fmt: skip
 def test_older_rope_calls_fuse_with_the_originals_numbers_bit_for_bit(cls):
     module, stock = _rewritten(cls)
     report = transfuse.report(module)
@@ -295,7 +303,7 @@ def test_older_rope_calls_fuse_with_the_originals_numbers_bit_for_bit(cls):
     x, positions = _inputs()
     with torch.no_grad(), ops.trace() as calls:
         got = module(x, positions)
-    assert [c.op for c in calls] == ["rotary"]
+    assert [c.op for c in calls] == OP_CALLS.get(cls, ["rotary"])
     with torch.no_grad():
         assert torch.equal(got, stock(x, positions))
     # gradients too: the op's backward for the tables' rows
@@ -317,11 +325,9 @@ def test_the_rewritten_call_passes_the_positions_and_says_how_they_are_read():
     "cls, tag",
     [
         (ReadsPositionsAttention, "rotary.form"),
-        (InterleavedAttention, "rotary.interleaved"),
-        (OneTensorAttention, "rotary.one-tensor"),
         (ComplexAttention, "rotary.complex"),
         (InMethodAttention, "rotary.in-method"),
-        (StaticMethodAttention, "rotary.interleaved"),
+        (StaticMethodAttention, "rotary.one-table"),
     ],
 )
 def test_forms_the_op_does_not_compute_are_refused_each_with_its_tag(cls, tag):

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import transfuse
-from transfuse.fusers.rotary import rotary_unsqueeze_dim
+from transfuse.fusers.rotary import rotary_layout
+from transfuse.ops import RotaryLayout
 
 
 def _rotate_half(x):
@@ -44,13 +45,24 @@ def rope_wrong_sign(q, k, cos, sin):
 
 
 def rope_partial(q, k, cos, sin):
-    """Partial rotary, the width read from cos (Phi-3) → refused (rotary.partial): cos is measured."""
+    """Partial rotary, the width read from cos (Phi-3) → fuses (partial): the rest passes through."""
     width = cos.shape[-1]
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     q_rot, q_pass = q[..., :width], q[..., width:]
     k_rot, k_pass = k[..., :width], k[..., width:]
     q_out = torch.cat([q_rot * cos + _rotate_half(q_rot) * sin, q_pass], dim=-1)
     k_out = torch.cat([k_rot * cos + _rotate_half(k_rot) * sin, k_pass], dim=-1)
+    return q_out, k_out
+
+
+def rope_partial_pass_first(q, k, cos, sin):
+    """Partial rotary with the passed channels put first → refused (rotary.partial): the values differ."""
+    width = cos.shape[-1]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    q_rot, q_pass = q[..., :width], q[..., width:]
+    k_rot, k_pass = k[..., :width], k[..., width:]
+    q_out = torch.cat([q_pass, q_rot * cos + _rotate_half(q_rot) * sin], dim=-1)
+    k_out = torch.cat([k_pass, k_rot * cos + _rotate_half(k_rot) * sin], dim=-1)
     return q_out, k_out
 
 
@@ -111,6 +123,15 @@ class PartialAttention(LlamaLikeAttention):
         return (q @ k.transpose(-1, -2)).sum(-1).transpose(1, 2)
 
 
+class PartialPassFirstAttention(LlamaLikeAttention):
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.heads, self.dim).transpose(1, 2)
+        k = self.k(x).view(b, t, self.heads, self.dim).transpose(1, 2)
+        q, k = rope_partial_pass_first(q, k, cos[..., : self.dim // 2], sin[..., : self.dim // 2])
+        return (q @ k.transpose(-1, -2)).sum(-1).transpose(1, 2)
+
+
 class SigmoidAttention(LlamaLikeAttention):
     def forward(self, x, cos, sin):
         b, t, _ = x.shape
@@ -147,11 +168,12 @@ def _rewritten(cls):
     return module, stock, (x, cos, sin)
 
 
-def test_the_functions_proved_rotate_half_rope_and_the_ones_refused():
-    assert rotary_unsqueeze_dim(rope) == 1
-    assert rotary_unsqueeze_dim(rope_tokens_first) == 2
-    for function in (rope_wrong_sign, rope_partial, rope_scaled):
-        assert rotary_unsqueeze_dim(function) is None, function.__name__
+def test_the_functions_proved_rope_and_the_ones_refused():
+    assert rotary_layout(rope) == RotaryLayout(1)
+    assert rotary_layout(rope_tokens_first) == RotaryLayout(2)
+    assert rotary_layout(rope_partial) == RotaryLayout(1, partial=True)
+    for function in (rope_wrong_sign, rope_partial_pass_first, rope_scaled):
+        assert rotary_layout(function) is None, function.__name__
 
 
 def test_transformers_own_rope_functions_are_proved():
@@ -159,15 +181,15 @@ def test_transformers_own_rope_functions_are_proved():
     from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3
     from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb as qwen3
 
-    assert rotary_unsqueeze_dim(llama) == 1 and rotary_unsqueeze_dim(qwen3) == 1
-    assert rotary_unsqueeze_dim(phi3) is None  # partial rotary: its width is cos's
+    assert rotary_layout(llama) == RotaryLayout(1) and rotary_layout(qwen3) == RotaryLayout(1)
+    assert rotary_layout(phi3) == RotaryLayout(1, partial=True)  # partial rotary: its width is cos's
 
 
 def test_a_rope_call_becomes_the_fused_op_with_the_same_numbers_and_gradients():
-    for cls in (LlamaLikeAttention, TokensFirstAttention):
+    for cls in (LlamaLikeAttention, TokensFirstAttention, PartialAttention):
         module, stock, (x, cos, sin) = _rewritten(cls)
         assert transfuse.report(module).counts() == {"rotary": 1}, transfuse.report(module)
-        assert "rotary(q, k, cos, sin, unsqueeze_dim=" in transfuse.diff(module) and "original=rope" in transfuse.diff(module)
+        assert "rotary(q, k, cos" in transfuse.diff(module) and "original=rope" in transfuse.diff(module)
         x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
         got, want = module(x1, cos, sin), stock(x2, cos, sin)
         assert torch.equal(got, want)
@@ -179,7 +201,7 @@ def test_a_rope_call_becomes_the_fused_op_with_the_same_numbers_and_gradients():
 
 
 def test_rope_functions_the_op_does_not_compute_are_refused_with_the_reason():
-    for cls, tag in ((WrongSignAttention, "rotary.form"), (PartialAttention, "rotary.partial")):
+    for cls, tag in ((WrongSignAttention, "rotary.form"), (PartialPassFirstAttention, "rotary.partial")):
         module, stock, (x, cos, sin) = _rewritten(cls)
         report = transfuse.report(module)
         assert report.counts() == {}, report
