@@ -1,5 +1,8 @@
-"""rotary: the native op against transformers' ``apply_rotary_pos_emb`` bit for bit, and the triton
-provider against native, forward and backward, on odd shapes in float32, float16 and bfloat16.
+"""rotary and rotary_one: the native ops against transformers' functions bit for bit (the default
+layout against ``apply_rotary_pos_emb``, each other layout against a modeling file written in it), and
+the triton providers against native, forward and backward, on odd shapes in float32, float16 and
+bfloat16, in every layout; a layout the kernels cannot take runs native, and conformance judges
+each layout on its own.
 
 q and k are laid out as a fused attention's are: the transposed head views of column slices of one
 merged q/k/v projection (non-contiguous, not dense), with fewer key heads than query heads (GQA).
@@ -8,7 +11,8 @@ with native's strides. Under Triton's CPU interpreter float32 and float16 are st
 rounds to nearest), but a float32 to bfloat16 cast truncates (see ``test_kernels.py``): there the
 bfloat16 forward must be bit for bit native's formula with truncating casts at the same points
 (which a kernel rounding anywhere else fails), and its gradients are held to ``test_kernels_backward``'s
-error factor against a float64 reference. New tensors start as NaN (``poisoned_allocations``), so an
+error factor against a float64 reference; the layouts' tests hold forward and gradients to native
+run with every bfloat16 rounding truncated (``_TruncatingBfloat16``), bit for bit. New tensors start as NaN (``poisoned_allocations``), so an
 element a kernel never writes cannot pass.
 
 Under the interpreter every launch runs each program in Python, so there the shapes are a covering
@@ -17,16 +21,19 @@ subset of the GPU's full product.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-import transfuse.fusers  # noqa: F401 - installs the proof the op checks ``original`` with
 from transfuse import ops
+from transfuse.fusers.rotary import rotary_layout  # (importing it installs the op's proof)
 from transfuse.ops import rotary_native
+from transfuse.ops.rotary import FOUR, ONE_SIN_FIRST, table_width
 
 from .test_kernels import DEVICE, DTYPES, INTERPRETED, _rounds_like_torch, poisoned_allocations  # noqa: F401
 from .test_kernels_backward import _error, _factor, _floor, seeded, triton_first  # noqa: F401 (fixtures)
@@ -287,7 +294,7 @@ def test_rotary_backward_native_is_autograds_gradient():
 
 class _RopeOf(nn.Module):
     """The rewritten forward's call: the model's own function passed as ``original`` (proved by the
-    rotary fuser's proof, which importing the fusers installs)."""
+    rotary fuser's proof, which importing the fuser installs)."""
 
     def forward(self, q, k, cos, sin):
         return ops.rotary(q, k, cos, sin, original=apply_rotary_pos_emb)
@@ -327,3 +334,160 @@ def test_rotary_compiled_with_autograd_in_library_mode_calls_the_op_and_its_back
     if backend == "recording":
         targets = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
         assert "transfuse.rotary" in targets, targets
+
+
+# ---- the layouts (``RotaryLayout``) and the one-tensor op -----------------------------------------
+
+# Beside the default, each layout parameter at each of its values (the idiom each stands for).
+LAYOUTS = {
+    "pairs": dict(interleaved=True),
+    "pairs, half tables (GPT-J)": dict(interleaved=True, expand="repeat_interleave"),
+    "halves, half tables repeated (gpt-oss)": dict(expand="repeat"),
+    "pairs, first half widened (Helium)": dict(interleaved=True, expand="repeat_interleave", first_half=True),
+    "partial (NeoX, Nemotron)": dict(partial=True),
+    "pairs, first half widened, partial (GLM)": dict(interleaved=True, expand="repeat_interleave", first_half=True,
+                                                     partial=True),
+    "first half, partial": dict(first_half=True, partial=True),
+    "pairs in float32 (Cohere)": dict(interleaved=True, upcast=True),
+    "halves cast back (OLMo)": dict(cast=True),
+}
+# (batch, seq, layout, unsqueeze_dim): a decode step of strided heads, a prompt of separate ones, and
+# strided heads of another batch, each dimension.
+LAYOUT_CASES = [(2, 1, "merged", 1), (1, 5, "separate", 2), (2, 3, "merged", 2)]
+
+
+def _layout_inputs(layout: dict, b: int, s: int, kind: str, dim: int, dtype):
+    """The q/k/v projection's output (HQ, HK and HK heads of 16 channels, 8 of them rotated where the
+    layout is partial), cos and sin of the width that layout reads."""
+    d = 16
+    width = 8 if layout.get("partial") else d
+    table = table_width(width, layout.get("expand", "none"), layout.get("first_half", False))
+    qkv = torch.randn(b, s, (HQ + 2 * HK) * d, device=DEVICE).to(dtype)
+    cos, sin = (torch.randn(b, s, table, device=DEVICE).to(dtype) for _ in range(2))
+    return qkv, cos, sin
+
+
+class _TruncatingBfloat16(TorchDispatchMode):
+    """bfloat16 arithmetic as Triton's interpreter does it: each sum or product in float32, then
+    truncated to bfloat16 (a cast from float32 too), where PyTorch rounds to nearest. Under it a native
+    definition gives what a kernel rounding where it rounds gives under the interpreter."""
+
+    ARITHMETIC = (torch.ops.aten.mul.Tensor, torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not (isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16):
+            return out
+        if func in self.ARITHMETIC:
+            wide = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
+            return _truncated(func(*wide, **kwargs))
+        if func is torch.ops.aten._to_copy.default and args[0].dtype == torch.float32:
+            return _truncated(args[0])
+        return out
+
+
+def _reference(dtype):
+    """Where native's bits are what a kernel must give: as it is, or truncating as the interpreter does."""
+    return contextlib.nullcontext() if _rounds_like_torch(dtype) else _TruncatingBfloat16()
+
+
+def _layout_grads(fn, qkv, cos, sin, grads_out, dim, kind, **layout):
+    leaf = qkv.detach().requires_grad_()
+    q, k = _qk(leaf, 16, dim, kind)
+    torch.autograd.backward(fn(q, k, cos, sin, dim, **layout), grads_out)
+    return leaf.grad
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_computes_every_layout_as_native_does_forward_and_backward(triton_first, dtype, name):
+    """Both ops, forward and the gradients of q and k, at a decode step and on strided heads, bit for
+    bit native's (under the interpreter, bfloat16 against native with its roundings truncated)."""
+    layout = LAYOUTS[name]
+    for b, s, kind, dim in LAYOUT_CASES:
+        what = f"{name} {dtype} B{b} S{s} {kind} dim {dim}"
+        qkv, cos, sin = _layout_inputs(layout, b, s, kind, dim, dtype)
+        q, k = _qk(qkv, 16, dim, kind)
+        with ops.trace() as calls:
+            got = ops.get_op("rotary")(q, k, cos, sin, dim, **layout)
+            got_one = ops.get_op("rotary_one")(k, cos, sin, dim, **layout)
+        assert [c.provider for c in calls] == ["triton", "triton"], f"{what}: {calls}"
+        with _reference(dtype):
+            want, want_one = ops.rotary_native(q, k, cos, sin, dim, **layout), ops.rotary_one_native(k, cos, sin, dim, **layout)
+        grads_out = [torch.randn(w.shape, device=DEVICE).to(dtype) for w in want]
+        with ops.trace() as calls:
+            grad = _layout_grads(ops.get_op("rotary"), qkv, cos, sin, grads_out, dim, kind, **layout)
+        assert [(c.provider, c.grad) for c in calls] == [("triton", True)], f"{what}: {calls}"
+        with _reference(dtype):
+            grad_want = _layout_grads(ops.rotary_native, qkv, cos, sin, grads_out, dim, kind, **layout)
+        for part, g, w in [*zip("qk", got, want), ("one", got_one, want_one), ("grad", grad, grad_want)]:
+            assert g.dtype == w.dtype and not g.isnan().any(), f"{what} {part}: dtype, or elements never written"
+            assert torch.equal(g, w), f"{what} {part}: off by {(g.double() - w.double()).abs().max()}"
+
+
+def test_a_layout_the_kernels_cannot_take_runs_native_and_says_so(triton_first):
+    """Tables of float32 for tensors of bfloat16 (a model that casts back computes in the wider
+    dtype): the kernels take one dtype, so dispatch records native for those calls."""
+    qkv, cos, sin = _layout_inputs({"cast": True}, 1, 3, "merged", 1, torch.bfloat16)
+    q, k = _qk(qkv, 16, 1, "merged")
+    with ops.trace() as calls:
+        got = ops.rotary(q, k, cos.float(), sin.float(), cast=True)
+        one = ops.rotary_one(q, cos.float(), sin.float(), cast=True)
+    assert [(c.op, c.provider) for c in calls] == [("rotary", "native"), ("rotary_one", "native")]
+    want = ops.rotary_native(q, k, cos.float(), sin.float(), cast=True)
+    assert all(torch.equal(g, w) and g.dtype == torch.bfloat16 for g, w in zip(got, want))
+    assert torch.equal(one, want[0])
+    with ops.trace() as calls:  # the same layout with one dtype: the kernel
+        ops.rotary(q, k, cos, sin, cast=True)
+    assert [c.provider for c in calls] == ["triton"]
+
+
+def test_the_layouts_native_definitions_are_the_modeling_files_functions_bit_for_bit():
+    """Each layout against a transformers function written in it (the layout the fuser's proof finds),
+    in float32 and bfloat16, on heads transposed out of a projection's output: values and strides."""
+    import importlib
+
+    for model in ("cohere", "olmo2", "glm", "helium", "ernie4_5", "phi3", "nemotron", "gptj"):
+        function = importlib.import_module(f"transformers.models.{model}.modeling_{model}").apply_rotary_pos_emb
+        form = ONE_SIN_FIRST if model == "gptj" else FOUR
+        layout = rotary_layout(function, form)
+        assert layout is not None, model
+        for dtype in (torch.float32, torch.bfloat16):
+            qkv, cos, sin = _layout_inputs(layout._asdict(), 2, 5, "merged", layout.unsqueeze_dim, dtype)
+            q, k = _qk(qkv, 16, layout.unsqueeze_dim, "merged")
+            if form == ONE_SIN_FIRST:
+                pairs = [(ops.rotary_one_native(q, cos, sin, *layout), function(q, sin, cos))]
+            else:
+                pairs = zip(ops.rotary_native(q, k, cos, sin, *layout), function(q, k, cos, sin))
+            for g, w in pairs:
+                assert torch.equal(g, w) and g.dtype == w.dtype and g.stride() == w.stride(), (model, dtype)
+
+
+def test_the_conformance_check_judges_each_layout_on_its_own():
+    """A provider that computes the default layout whatever it is asked: conformance passes it for
+    the default layout and refuses it for interleaved pairs (inputs made in the call's layout), and
+    dispatch runs native there."""
+    from transfuse.ops import conformance
+
+    def ignores_layout(q, k, cos, sin, unsqueeze_dim=1, *layout):
+        return ops.rotary_native(q, k, cos, sin, unsqueeze_dim)
+
+    def ignores_layout_one(x, cos, sin, unsqueeze_dim=1, *layout):
+        return ops.rotary_one_native(x, cos, sin, unsqueeze_dim)
+
+    qkv, cos, sin = _layout_inputs({}, 1, 3, "merged", 1, torch.float32)
+    q, k = _qk(qkv, 16, 1, "merged")
+    ops.register_provider("rotary", "ignores_layout", ignores_layout)
+    ops.register_provider("rotary_one", "ignores_layout", ignores_layout_one)
+    try:
+        with ops.trace() as calls:
+            ops.rotary(q, k, cos, sin)
+            ops.rotary(q, k, cos, sin, interleaved=True)
+            ops.rotary_one(q, cos, sin)
+            ops.rotary_one(q, cos, sin, interleaved=True)
+    finally:
+        ops.unregister_provider("rotary", "ignores_layout")
+        ops.unregister_provider("rotary_one", "ignores_layout")
+    assert [c.provider for c in calls] == ["ignores_layout", "native", "ignores_layout", "native"]
+    assert not conformance.checking()

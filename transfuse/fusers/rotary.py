@@ -19,7 +19,9 @@ function is taken for the op in a layout only when both hold:
   casts and the input dtypes round.
 * **Its values** equal the op's native definition in that layout bit for bit on random inputs, in
   float32, in bfloat16, and bfloat16 tensors with float32 tables, at two rotary widths (for partial
-  rotary, one narrower than the head and one as wide), with its own arguments. Two such polynomials
+  rotary, one narrower than the head and one as wide), with its own arguments; the inputs are laid
+  out as a model's (transposed heads, heads cut from wider ones) and the outputs must be laid out
+  alike (the strides decide how the matmuls after them sum). Two such polynomials
   that agree at random real points are the same polynomial (with probability one), so with the
   first condition this is a proof up to that probability, not a sample. The layouts are
   enumerated (partial rotary and a table's first half only where the graph reads a table's width,
@@ -74,6 +76,7 @@ from ..ops.rotary import (
     CallForm,
     RotaryLayout,
     set_prover,
+    table_width,
 )
 from ..rewriter.analysis import ClassAnalysis
 from ..rewriter.fusion import Fused, Refusal, SourceFuser
@@ -255,7 +258,7 @@ def _proof(function: types.FunctionType, form: CallForm) -> tuple[RotaryLayout |
     outputs: dict = {}  # the function's outputs per input case, shared by the layouts tried
     layout = next((each for each in _layouts(found) if _values_agree(function, form, each, outputs)), None)
     if layout is None:
-        return None, "its values equal those of none of the op's layouts (bit for bit, on random inputs)"
+        return None, "its values equal those of none of the op's layouts (bit for bit and laid out alike, on random inputs)"
     if found.measures and not layout.partial and _takes_narrower_tables(function, form, layout, outputs):
         # at run time the op would hand every such call to the function (``ops.rotary._outside``)
         return None, (
@@ -268,7 +271,7 @@ def _proof(function: types.FunctionType, form: CallForm) -> tuple[RotaryLayout |
 def _takes_narrower_tables(function: types.FunctionType, form: CallForm, layout: RotaryLayout, outputs: dict) -> bool:
     """The function returns a value where the tables rotate 8 channels of a head of 16."""
     with torch.device("cpu"):
-        key = (layout.unsqueeze_dim, _table_width(8, layout), 16, _DTYPES[0])
+        key = (layout.unsqueeze_dim, table_width(8, layout.expand, layout.first_half), 16, _DTYPES[0])
         if key not in outputs:
             outputs[key] = _run(function, form, *key)
     return any(got is not None for _, _, got in outputs[key])
@@ -454,7 +457,7 @@ def _values_agree_on_cpu(function: types.FunctionType, form: CallForm, layout: R
 
     native = rotary_native if form.tensors == 2 else rotary_one_native
     for width, head in ((8, 16), (16, 16)) if layout.partial else ((8, 8), (16, 16)):
-        table = _table_width(width, layout)
+        table = table_width(width, layout.expand, layout.first_half)
         for dtypes in _DTYPES:
             key = (layout.unsqueeze_dim, table, head, dtypes)
             if key not in outputs:
@@ -471,19 +474,16 @@ def _values_agree_on_cpu(function: types.FunctionType, form: CallForm, layout: R
     return True
 
 
-def _table_width(width: int, layout: RotaryLayout) -> int:
-    """The width of the tables that rotate ``width`` channels in ``layout``."""
-    stored = width if layout.expand == "none" else width // 2
-    return 2 * stored if layout.first_half else stored
-
-
 def _run(function: types.FunctionType, form: CallForm, dim: int, table: int, head: int, dtypes: tuple) -> list:
     """The function's outputs on random inputs of these sizes, in each table shape the form reads:
     ``[(tensors, tables as read, output or None), ...]``."""
     generator = torch.Generator().manual_seed(0)
     heads = (4, 2)[: form.tensors]
-    shapes = [(2, h, 5, head) if dim == 1 else (2, 5, h, head) for h in heads]
-    tensors = tuple(torch.randn(s, generator=generator).to(dtypes[0]) for s in shapes)
+    # laid out as a model's are: heads of one projection's output transposed, or cut from wider ones
+    if dim == 1:
+        tensors = tuple(torch.randn(2, 5, h, head, generator=generator).to(dtypes[0]).transpose(1, 2) for h in heads)
+    else:
+        tensors = tuple(torch.randn(2, 5, h, head + 2, generator=generator).to(dtypes[0])[..., :head] for h in heads)
     positions = torch.randint(0, 7, (2, 5), generator=generator)
     if form.indexed:  # tables of 7 positions, as they are held: [7, width] or [1, 1, 7, width]
         tables = [torch.randn(7, table, generator=generator).to(dtypes[1]) for _ in range(2)]
@@ -509,9 +509,10 @@ def _same(got: Any, want: Any) -> bool:
     if not (isinstance(got, tuple) and len(got) == len(want)):
         return False
     return all(
-        isinstance(g, torch.Tensor) and g.shape == w.shape and g.dtype == w.dtype and torch.equal(g, w)
+        isinstance(g, torch.Tensor) and g.shape == w.shape and g.stride() == w.stride() and g.dtype == w.dtype
+        and torch.equal(g, w)
         for g, w in zip(got, want)
-    )
+    )  # fmt: skip
 
 
 def _check_call(

@@ -46,6 +46,7 @@ __all__ = [
     "rotary_one_backward_native",
     "rotary_one_native",
     "rotary_width",
+    "table_width",
 ]
 
 # How a table of one value a pair is widened to one a channel.
@@ -118,6 +119,12 @@ def rotary_width(table_width: int, expand: str = "none", first_half: bool = Fals
     """The channels a table of ``table_width`` rotates, once cut and widened."""
     width = table_width // 2 if first_half else table_width
     return width if expand == "none" else 2 * width
+
+
+def table_width(width: int, expand: str = "none", first_half: bool = False) -> int:
+    """The width of the tables that rotate ``width`` channels, cut and widened as given."""
+    stored = width if expand == "none" else width // 2
+    return 2 * stored if first_half else stored
 
 
 def _embed(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, partial: bool, upcast: bool, cast: bool) -> Tensor:
