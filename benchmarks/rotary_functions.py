@@ -8,8 +8,9 @@ this machine and takes its ``apply_rotary_pos_emb`` where it has one. With ``--s
 every PyTorch ``modeling_*.py`` under DIR (an unpacked older wheel, say) and runs only its
 module-level function definitions, each on its own in a namespace holding ``torch`` (the files
 themselves would not import against this transformers); definitions that need anything else are
-left out. Either way, runs the fuser's proof in each call form and its classification of the
-forms it refuses (``transfuse/fusers/rotary.py``) and prints a count per outcome with the modules.
+left out. Either way, runs the fuser's proof in each call form (the layout it proves for each) and
+its classification of the forms it refuses (``transfuse/fusers/rotary.py``) and prints a count per
+outcome with the modules.
 About a minute on 2 CPU cores.
 """
 
@@ -63,24 +64,36 @@ def _from_source(directory: Path) -> dict[str, object]:
     return found
 
 
+def _layout(layout) -> str:
+    """The layout's parameters that are not the default's."""
+    named = layout.keywords()
+    dim = named.pop("unsqueeze_dim")
+    return ", ".join([f"unsqueeze_dim {dim}", *(k if v is True else f"{k}={v}" for k, v in named.items())])
+
+
 def main() -> None:
-    from transfuse.fusers.rotary import FOUR, IGNORED_FIFTH, INDEXED, _graph_is_polynomial, _near_miss, prove
+    from transfuse.fusers.rotary import _near_miss, prove
+    from transfuse.ops.rotary import FOUR, IGNORED_FIFTH, INDEXED, ONE, ONE_SIN_FIRST
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", type=Path, help="read modeling_*.py files under this directory instead")
     args = parser.parse_args()
     functions = _from_source(args.source) if args.source else _installed()
-    forms = {FOUR: "(q, k, cos, sin)", INDEXED: "cos and sin read at position_ids", IGNORED_FIFTH: "position_ids ignored"}
+    forms = {
+        FOUR: "(q, k, cos, sin)",
+        INDEXED: "cos and sin read at position_ids",
+        IGNORED_FIFTH: "position_ids ignored",
+        ONE: "(x, cos, sin)",
+        ONE_SIN_FIRST: "(x, sin, cos)",
+    }
     outcomes: dict[str, list[str]] = defaultdict(list)
     for name, function in functions.items():
-        proved = [f"{text}, unsqueeze_dim {prove(function, form)}" for form, text in forms.items() if prove(function, form)]
+        proved = [f"{text}: {_layout(layout)}" for form, text in forms.items() if (layout := prove(function, form))]
         near = _near_miss(function)
         if proved:
             outcome = "proved (" + "; ".join(proved) + ")"
         elif near is not None:
             outcome = f"refused as {near[0]}"
-        elif _graph_is_polynomial(function):
-            outcome = "graph passes, values differ: not fused"
         else:
             outcome = "passed over: not a rotation by cos and sin"
         outcomes[outcome].append(name)

@@ -91,6 +91,8 @@ CASES = {
     "gemma2, soft-capped, sliding window 4": ("gemma2", {"sliding_window": 4}),
     "gpt_oss, sinks, sliding window 4": ("gpt_oss", {"sliding_window": 4}),
     "qwen3_moe": ("qwen3_moe", {}),
+    "cohere, rotary of interleaved pairs in float32": ("cohere", {}),
+    "nemotron, partial rotary": ("nemotron", {}),
 }
 
 
@@ -99,6 +101,8 @@ def test_generate_and_logits_match_the_eager_model(case):
     spec = CASES[case]
     model_type, overrides = (case, {}) if spec == {} else spec
     model = _model(model_type, **overrides)
+    if "rotary" in case:  # the rewritten call, the op's in that layout, is in the compiled forward
+        assert transfuse.report(model).counts().get("rotary"), transfuse.report(model)
     ids, mask = _padded_batch()
     want_tokens = _generate(model, ids, mask)
     with torch.no_grad():

@@ -29,7 +29,9 @@ from transfuse.ops import MergedProjection
 from transfuse.rewriter.emit import emit
 from transfuse.tiny import tiny_model
 
-FAMILIES = ["llama", "qwen3_moe", "mixtral"]
+# gptj: rotary_one (one tensor, sin before cos, interleaved pairs, half-width tables); cohere: rotary
+# of interleaved pairs in float32.
+FAMILIES = ["llama", "qwen3_moe", "mixtral", "gptj", "cohere"]
 REMOTE = ["remote own code", "remote subclass"]
 LOADER = Path(__file__).with_name("standalone_loader.py")
 
@@ -200,6 +202,18 @@ def test_with_transfuse_installed_the_emitted_model_calls_its_dispatched_ops(emi
     assert torch.equal(got, logits)
     lines = _runtime_lines(caplog)
     assert len(lines) == 1 and f"transfuse {transfuse.__version__}" in lines[0] and "kernels" in lines[0], lines
+
+
+@pytest.mark.parametrize("name, op", [("gptj", "rotary_one"), ("cohere", "rotary")])
+def test_with_transfuse_installed_an_emitted_rotary_layout_calls_its_op(name, op, emitted):
+    directory, ids, logits, _, _ = emitted[name]
+    text = (directory / f"modeling_{name}.py").read_text()
+    assert f"{op}(" in text and "interleaved=True" in text and "original=apply_rotary_pos_emb" in text
+    loaded = _load(directory)
+    with ops.trace() as calls:
+        got = _logits(loaded, torch.load(ids))
+    assert op in {c.op for c in calls}
+    assert torch.equal(got, logits)
 
 
 def test_a_transfuse_of_another_version_is_not_used(emitted, tmp_path, caplog, monkeypatch):

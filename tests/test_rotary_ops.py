@@ -250,35 +250,6 @@ def test_arguments_the_kernel_refuses(triton_first):
         assert not provider.supports_args(*args), what
 
 
-class _Rope(nn.Module):
-    def forward(self, q, k, cos, sin):
-        return ops.rotary(q, k, cos, sin)
-
-
-@pytest.mark.parametrize("mode", ["native", "library"])
-def test_rotary_compiles_fullgraph_in_both_modes(mode):
-    torch._dynamo.reset()
-    graphs = []
-
-    def recording_backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    qkv, cos, sin = _inputs(2, 3, 1, 8, torch.float32)
-    q, k = _qk(qkv, 8, 1, "merged")
-    ops.set_compile_mode(mode, "rotary")
-    try:
-        with torch.no_grad():
-            got = torch.compile(_Rope(), fullgraph=True, backend=recording_backend)(q, k, cos, sin)
-    finally:
-        ops.set_compile_mode(None, "rotary")
-        torch._dynamo.reset()
-    for g, w in zip(got, rotary_native(q, k, cos, sin)):
-        assert torch.equal(g, w)
-    targets = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
-    assert ("transfuse.rotary" in targets) == (mode == "library"), targets
-
-
 def test_rotary_backward_native_is_autograds_gradient():
     torch.manual_seed(0)
     qkv, cos, sin = _inputs(2, 5, 1, 8, torch.float64)
@@ -491,3 +462,38 @@ def test_the_conformance_check_judges_each_layout_on_its_own():
         ops.unregister_provider("rotary_one", "ignores_layout")
     assert [c.provider for c in calls] == ["ignores_layout", "native", "ignores_layout", "native"]
     assert not conformance.checking()
+
+
+class _Rope(nn.Module):
+    def __init__(self, **layout):
+        super().__init__()
+        self.layout = layout
+
+    def forward(self, q, k, cos, sin):
+        return ops.rotary(q, k, cos, sin, **self.layout), ops.rotary_one(q, cos, sin, **self.layout)
+
+
+@pytest.mark.parametrize("layout", [{}, LAYOUTS["pairs, first half widened, partial (GLM)"], LAYOUTS["pairs in float32 (Cohere)"]],
+                         ids=["default", "glm", "cohere"])  # fmt: skip
+@pytest.mark.parametrize("mode", ["native", "library"])
+def test_rotary_compiles_fullgraph_in_both_modes(mode, layout):
+    torch._dynamo.reset()
+    graphs = []
+
+    def recording_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    qkv, cos, sin = _layout_inputs(layout, 2, 3, "merged", 1, torch.float32)
+    q, k = _qk(qkv, 16, 1, "merged")
+    ops.set_compile_mode(mode)
+    try:
+        with torch.no_grad():
+            (got, got_one) = torch.compile(_Rope(**layout), fullgraph=True, backend=recording_backend)(q, k, cos, sin)
+    finally:
+        ops.set_compile_mode(None)
+        torch._dynamo.reset()
+    for g, w in zip((*got, got_one), (*rotary_native(q, k, cos, sin, **layout), ops.rotary_one_native(q, cos, sin, **layout))):
+        assert torch.equal(g, w)
+    targets = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
+    assert ("transfuse.rotary" in targets and "transfuse.rotary_one" in targets) == (mode == "library"), targets
