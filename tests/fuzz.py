@@ -486,14 +486,18 @@ _ROPES = {
                        "    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)\n"
                        "    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)\n",
                        "q, k = rope(q, k, cos[pos], sin[pos], pos)"),
-}
-_ROPE_MISSES = {
     "interleaved": ("def rope(q, k, cos, sin):\n    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)\n"
                     "    return (q * cos) + (rotate_every_two(q) * sin), (k * cos) + (rotate_every_two(k) * sin)\n",
                     "q, k = rope(q, k, cos[pos], sin[pos])"),
     "one-tensor": ("def rope(t, cos, sin):\n    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)\n"
                    "    return (t * cos) + (rotate_half(t) * sin)\n",
                    "q = rope(q, cos[pos], sin[pos])\n        k = rope(k, cos[pos], sin[pos])"),
+    "one-tensor-half-tables": ("def rope(t, sin, cos):\n"
+                               "    sin = torch.repeat_interleave(sin[:, None, :, :], 2, 3)\n"
+                               "    cos = torch.repeat_interleave(cos[:, None, :, :], 2, 3)\n"
+                               "    return (t * cos) + (rotate_every_two(t) * sin)\n",
+                               "q = rope(q, sin[pos][..., :4], cos[pos][..., :4])\n"
+                               "        k = rope(k, sin[pos][..., :4], cos[pos][..., :4])"),
     "partial": ("def rope(q, k, cos, sin):\n    width = cos.shape[-1] // 2\n"
                 "    cos, sin = cos[..., :width].unsqueeze(1), sin[..., :width].unsqueeze(1)\n"
                 "    q_rot, k_rot = q[..., :width], k[..., :width]\n"
@@ -501,9 +505,33 @@ _ROPE_MISSES = {
                 "    k_rot = (k_rot * cos) + (rotate_half(k_rot) * sin)\n"
                 "    return torch.cat((q_rot, q[..., width:]), -1), torch.cat((k_rot, k[..., width:]), -1)\n",
                 "q, k = rope(q, k, cos[pos], sin[pos])"),
+    "float32": ("def rope(q, k, cos, sin):\n    dtype = q.dtype\n    q, k = q.float(), k.float()\n"
+                "    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)\n"
+                "    q_embed, k_embed = (q * cos) + (rotate_every_two(q) * sin), (k * cos) + (rotate_every_two(k) * sin)\n"
+                "    return q_embed.to(dtype), k_embed.to(dtype)\n",
+                "q, k = rope(q, k, cos[pos], sin[pos])"),
+}
+_ROPE_MISSES = {
     "wrong-sign": ("def rope(q, k, cos, sin):\n    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)\n"
                    "    return (q * cos) - (rotate_half(q) * sin), (k * cos) - (rotate_half(k) * sin)\n",
                    "q, k = rope(q, k, cos[pos], sin[pos])"),
+    "interleaved-wrong-sign": ("def rope(q, k, cos, sin):\n    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)\n"
+                               "    return (q * cos) - (rotate_every_two(q) * sin), (k * cos) - (rotate_every_two(k) * sin)\n",
+                               "q, k = rope(q, k, cos[pos], sin[pos])"),
+    "one-tensor-wrong-sign": ("def rope(t, cos, sin):\n    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)\n"
+                              "    return (t * cos) - (rotate_half(t) * sin)\n",
+                              "q = rope(q, cos[pos], sin[pos])\n        k = rope(k, cos[pos], sin[pos])"),
+    "partial-passed-first": ("def rope(q, k, cos, sin):\n    width = cos.shape[-1] // 2\n"
+                             "    cos, sin = cos[..., :width].unsqueeze(1), sin[..., :width].unsqueeze(1)\n"
+                             "    q_rot, k_rot = q[..., :width], k[..., :width]\n"
+                             "    q_rot = (q_rot * cos) + (rotate_half(q_rot) * sin)\n"
+                             "    k_rot = (k_rot * cos) + (rotate_half(k_rot) * sin)\n"
+                             "    return torch.cat((q[..., width:], q_rot), -1), torch.cat((k[..., width:], k_rot), -1)\n",
+                             "q, k = rope(q, k, cos[pos], sin[pos])"),
+    "tables-cut-to-length": ("def rope(q, k, cos, sin):\n"
+                             "    cos, sin = cos[:, : q.shape[2]].unsqueeze(1), sin[:, : q.shape[2]].unsqueeze(1)\n"
+                             "    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)\n",
+                             "q, k = rope(q, k, cos[pos], sin[pos])"),
 }
 
 
