@@ -13,10 +13,11 @@ function is taken for the op in a layout only when both hold:
 * **Its graph** (``torch.fx`` traces it on its own) has only the operations RoPE in those layouts is
   made of: products, sums, differences, negations, concatenations, stacks, slices, flattens and
   casts of the rotated tensors, and cos and sin read only through data movement (unsqueeze,
-  squeeze, slices without a step, ``repeat_interleave``, ``repeat``, a concatenation or stack of
-  themselves, casts) into products, and through their shape (the width of partial rotary and of a
-  table's first half). Every value is then a polynomial in the inputs' elements, rounded where the
-  casts and the input dtypes round.
+  squeeze, a cut of their width ``t[..., :w]`` or a new dimension ``t[:, None]``, never of their
+  positions, which would be whole at the proof's sizes only; ``repeat_interleave``, ``repeat``, a
+  concatenation or stack of themselves, casts) into products, and through their shape (the width of
+  partial rotary and of a table's first half). Every value is then a polynomial in the inputs'
+  elements, rounded where the casts and the input dtypes round.
 * **Its values** equal the op's native definition in that layout bit for bit on random inputs, in
   float32, in bfloat16, and bfloat16 tensors with float32 tables, at two rotary widths (for partial
   rotary, one narrower than the head and one as wide), with its own arguments; the inputs are laid
@@ -26,7 +27,13 @@ function is taken for the op in a layout only when both hold:
   first condition this is a proof up to that probability, not a sample. The layouts are
   enumerated (partial rotary and a table's first half only where the graph reads a table's width,
   casts only where it casts); the first that agrees is the function's, partial rotary before whole
-  (a partial function called with tables as wide as the head is the whole form too).
+  (a partial function called with tables as wide as the head is the whole form too). A whole layout
+  is not taken for a function that reads a table's width and computes a value from tables narrower
+  than the head: it does something there that the op does not (the passed channels first, say).
+
+At run time the op hands a call outside what the proof covered to the function itself
+(``transfuse.ops.rotary._outside``: tables narrower than the head for a whole layout, q and k of
+two dtypes with a cast).
 
 Each call site in the forward must pass its tensors, cos and sin positionally, and constants for
 the function's other parameters; the unsqueeze dimension the function applies is found by the check
@@ -43,7 +50,7 @@ A function with the graph of a rotation by cos and sin that the proof does not t
 the tag of the form it has: complex frequencies (``rotary.complex``), sin and cos read from one
 table (``rotary.one-table``), one tensor at a time (``rotary.one-tensor``), interleaved pairs
 (``rotary.interleaved``), a width read from cos (``rotary.partial``), else ``rotary.form``; its
-sentence says what failed (an operation of its graph, or its values). The fused op replaces calls in
+sentence says what failed (an operation of its graph, its values, or narrower tables). The fused op replaces calls in
 the forward only: RoPE called in a method of the class that the forward calls
 (``self._projections_and_rope(...)``), or a static method of the class that is itself the RoPE
 (``self.apply_rotary(...)``), is refused (``rotary.in-method``), or with the tag of its form where
