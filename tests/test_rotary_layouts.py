@@ -300,7 +300,8 @@ FUSES = {
     GPTJAttention: (["rotary_one", "rotary_one"],
                     'rotary_one(k_rot, cos, sin, unsqueeze_dim=2, interleaved=True, expand="repeat_interleave", '
                     "original=rope_gptj, sin_first=True)"),
-    CohereAttention: (["rotary"], "rotary(q, k, cos, sin, unsqueeze_dim=1, interleaved=True, upcast=True, original=rope_cohere)"),
+    CohereAttention: (["rotary"],
+                      "rotary(q, k, cos, sin, unsqueeze_dim=1, interleaved=True, upcast=True, original=rope_cohere)"),
     NemotronAttention: (["rotary"], "rotary(q, k, cos, sin, unsqueeze_dim=1, partial=True, original=rope_nemotron)"),
     GLMAttention: (["rotary"], 'rotary(q, k, cos, sin, unsqueeze_dim=1, interleaved=True, expand="repeat_interleave", '
                                "first_half=True, partial=True, original=rope_glm)"),

@@ -12,8 +12,8 @@ rounds to nearest), but a float32 to bfloat16 cast truncates (see ``test_kernels
 bfloat16 forward must be bit for bit native's formula with truncating casts at the same points
 (which a kernel rounding anywhere else fails), and its gradients are held to ``test_kernels_backward``'s
 error factor against a float64 reference; the layouts' tests hold forward and gradients to native
-run with every bfloat16 rounding truncated (``_TruncatingBfloat16``), bit for bit. New tensors start as NaN (``poisoned_allocations``), so an
-element a kernel never writes cannot pass.
+run with every bfloat16 rounding truncated (``_TruncatingBfloat16``), bit for bit. New tensors start
+as NaN (``poisoned_allocations``), so an element a kernel never writes cannot pass.
 
 Under the interpreter every launch runs each program in Python, so there the shapes are a covering
 subset of the GPU's full product.

@@ -149,7 +149,9 @@ class RotaryFuser(SourceFuser[RotaryMatch]):
             form, layout = _check_call(call, function_globals.get(name), name, forms[name])
             replacements.append((call, cst.parse_expression(_fused_call(call, name, form, layout, context))))
         if not replacements:
-            raise NoMatch("rotary.placement", f"no call of {', '.join(forms)} in the forward passes its tensors, cos and sin.")
+            raise NoMatch(
+                "rotary.placement", f"no call of {', '.join(forms)} in the forward passes its tensors, cos and sin."
+            )
         return replace_nodes(tree, replacements)
 
     def declaration(self, found: RotaryMatch) -> None:
@@ -626,7 +628,9 @@ def _near_miss(function: types.FunctionType) -> tuple[str, str] | None:
     if not ("mul" in names and names & {"neg", "sub"} and names & {"cat", "stack"} and names & {"add", "sub"}):
         return None
     if _one_table(graph, calls):
-        return "rotary.one-table", "reads sin and cos from one table (split in the function); the fused op takes cos and sin."
+        return "rotary.one-table", (
+            "reads sin and cos from one table (split in the function); the fused op takes cos and sin."
+        )
     interleaved = "stack" in names or "repeat_interleave" in names or any(_steps_by_two(n) for n in calls)
     why = _why_not(function)
     if _outputs(graph) == 1:

@@ -6,8 +6,8 @@ that only looks for the package; the kernel module is imported on first call. Un
 which is how CI tests their logic without a GPU. Kernels live in one module per op family:
 ``rms_norm.py`` (rms_norm, fused_add_rms_norm, gated_rms_norm), ``act_and_mul.py`` and ``rotary.py``
 (rotary and rotary_one; each with its backward kernels and the ``torch.autograd.Function`` that pairs
-them: the provider's ``autograd``) and ``cross_entropy.py`` (a loss and its gradient in one kernel, and the in-place scale of the saved
-gradients, for ``linear_cross_entropy``) and ``decode_attention.py`` (one query per sequence over a
+them: the provider's ``autograd``) and ``cross_entropy.py`` (a loss and its gradient in one kernel,
+and the in-place scale of the saved gradients, for ``linear_cross_entropy``) and ``decode_attention.py`` (one query per sequence over a
 buffer of keys and values, forward only).
 """
 

@@ -256,8 +256,8 @@ def _launch(
             c_sb, cos.stride(1), s_sb, sin.stride(1),
             PAIRS=pairs, BLOCK_PAIRS=block_pairs, PASS=passed, BLOCK_PASS=triton.next_power_of_2(max(passed, 1)),
             BLOCK_S=block_s, BLOCK_H=block_h, INTERLEAVED=layout.interleaved, EXPAND=EXPANDS.index(layout.expand),
-            COMPUTE=tl.float32 if layout.upcast else _TRITON_DTYPES[first.dtype], BACKWARD=backward, EVEN=even and not TUNING.get("masked", False), INDEX_64=index_64,
-            num_warps=num_warps, enable_fp_fusion=False,
+            COMPUTE=tl.float32 if layout.upcast else _TRITON_DTYPES[first.dtype], BACKWARD=backward,
+            EVEN=even and not TUNING.get("masked", False), INDEX_64=index_64, num_warps=num_warps, enable_fp_fusion=False,
         )  # fmt: skip
 
 
