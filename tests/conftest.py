@@ -28,15 +28,19 @@ if not os.environ.get("TRANSFUSE_CACHE_DIR"):  # the compile cache: a directory 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 warnings.filterwarnings("ignore", module="transformers")
+# Under pytest-xdist the workers share the cores: each takes its part of them, and so do the
+# processes its tests start (``python -m transfuse ...``), which would otherwise take every core
+# and, with the other worker busy, spend their time in OpenMP's spin-waits.
+_THREADS = max(1, min(4, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+if "PYTEST_XDIST_WORKER" in os.environ:  # (a worker inherits the controller's environment)
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
 
 
 def pytest_configure(config):
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    # Under pytest-xdist the workers share the cores: each takes its part of them.
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // workers)))
+    torch.set_num_threads(_THREADS)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -6,6 +6,7 @@ refuse a change of dtype, torchao's keep their own) is judged against its own ou
 from __future__ import annotations
 
 import importlib.util
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -46,6 +47,21 @@ SCHEMES = {
 NOT_UPCAST = {"quanto-int8", "quanto-int4", "torchao-int8"}
 # Where the projections cannot merge in the scheme's storage (``transfuse.ops.quantized``), and why.
 UNMERGED = {"quanto-int4": "optimum-quanto: q_proj is optimum-quanto qint4 WeightQBitsTensor: its PackedTensor"}
+
+
+@pytest.fixture(autouse=True)
+def quanto_unpacks_without_its_extension(monkeypatch):
+    """optimum-quanto unpacks int4 codes on the CPU with a C++ extension that it compiles on first
+    use (a minute or more, in every fresh environment); its own Python definition of that op
+    (``quanto::unpack``'s default kernel) gives the same codes, and runs here instead."""
+    if importlib.util.find_spec("optimum") is None or importlib.util.find_spec("optimum.quanto") is None:
+        return
+    import optimum.quanto  # noqa: F401 (registers the op and the extension)
+    from optimum.quanto.library.extensions import get_extension
+
+    default = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+    unpack = lambda codes, bits: torch.ops.quanto.unpack.default.redispatch(default, codes, bits)  # noqa: E731
+    monkeypatch.setattr(get_extension("quanto_cpp"), "_lib", SimpleNamespace(unpack=unpack))
 
 
 @pytest.fixture(scope="module")

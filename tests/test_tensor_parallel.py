@@ -18,84 +18,65 @@ from transfuse.rewriter.emit import emit
 from transfuse.tiny import tiny_model
 
 FAMILIES = ["llama", "qwen3", "qwen2", "gemma2", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"]
+EXPERT_PARALLEL_FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss"]
+REWRITTEN_FIRST_FAMILIES = ["llama", "qwen3", "qwen3_moe"]
+FULLY_SHARDED_FAMILIES = ["llama"]
 
 
-@pytest.mark.slow
-def test_tp_over_two_processes_keeps_the_fusions_with_stock_tp_numbers(tmp_path):
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """One launch of ``tests/tp_worker.py`` over two processes for every test below (a launch starts
+    two processes that import torch, transformers and transfuse): each test reads its own lines."""
+    root = tmp_path_factory.mktemp("tp")
     for family in FAMILIES:
-        tiny_model(family).save_pretrained(tmp_path / family)
-        emit(transfuse.rewrite(tiny_model(family)), tmp_path / f"{family}-emitted")
+        tiny_model(family).save_pretrained(root / family)
+        emit(transfuse.rewrite(tiny_model(family)), root / f"{family}-emitted")
     worker = os.path.join(os.path.dirname(__file__), "tp_worker.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFUSE_PROGRESS": "0"}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", worker,
-         str(tmp_path), *FAMILIES],
-        capture_output=True, text=True, timeout=900, env=env,
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", worker, str(root),
+         *FAMILIES, "--ep", *EXPERT_PARALLEL_FAMILIES, "--rewritten-first", *REWRITTEN_FIRST_FAMILIES,
+         "--fully-sharded", *FULLY_SHARDED_FAMILIES],
+        capture_output=True, text=True, timeout=1800, env=env,
     )  # fmt: skip
-    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
-    passed = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("ok ")]
-    assert passed == FAMILIES, done.stdout
 
 
-EXPERT_PARALLEL_FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss"]
+def _passed(launched, mode: str) -> list[str]:
+    """The families whose ``mode`` checks passed (rank 0's ``ok MODE FAMILY`` lines), in order."""
+    lines = [line.split() for line in launched.stdout.splitlines() if line.startswith("ok ")]
+    return [words[2] for words in lines if words[1] == mode]
 
 
 @pytest.mark.slow
-def test_expert_parallelism_over_two_processes_keeps_the_fused_moe_with_one_process_numbers(tmp_path):
+def test_tp_over_two_processes_keeps_the_fusions_with_stock_tp_numbers(launched):
+    assert _passed(launched, "tp") == FAMILIES, (launched.stdout + launched.stderr)[-6000:]
+
+
+@pytest.mark.slow
+def test_expert_parallelism_over_two_processes_keeps_the_fused_moe_with_one_process_numbers(launched):
     """Under ``ep_size=2`` each rank holds half of the experts: every MoE block is fused, its layer
     computes this rank's experts with the grouped kernels and sums the ranks' outputs; the logits and
     a training step's gradients are one process's (within the fp32 rule)."""
-    for family in EXPERT_PARALLEL_FAMILIES:
-        tiny_model(family).save_pretrained(tmp_path / family)
-    worker = os.path.join(os.path.dirname(__file__), "tp_worker.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFUSE_PROGRESS": "0"}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", worker,
-         str(tmp_path), "--ep", *EXPERT_PARALLEL_FAMILIES],
-        capture_output=True, text=True, timeout=900, env=env,
-    )  # fmt: skip
-    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
-    passed = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("ok ")]
-    assert passed == EXPERT_PARALLEL_FAMILIES, done.stdout
-
-
-REWRITTEN_FIRST_FAMILIES = ["llama", "qwen3", "qwen3_moe"]
+    assert _passed(launched, "ep") == EXPERT_PARALLEL_FAMILIES, (launched.stdout + launched.stderr)[-6000:]
 
 
 @pytest.mark.slow
-def test_a_model_rewritten_first_and_distributed_afterwards_is_sharded_like_one_merged_from_shards(tmp_path):
+def test_a_model_rewritten_first_and_distributed_afterwards_is_sharded_like_one_merged_from_shards(launched):
     """The plan's ``transfuse_merged_colwise`` entries shard the merged projections of a model rewritten
     in one process, each rank keeping its q and k/v heads (its gate and up rows): bitwise the weights a
     model distributed first and merged from its shards holds; logits, gradients and the checkpoint
     are one process's."""
-    for family in REWRITTEN_FIRST_FAMILIES:
-        tiny_model(family).save_pretrained(tmp_path / family)
-    worker = os.path.join(os.path.dirname(__file__), "tp_worker.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFUSE_PROGRESS": "0"}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", worker,
-         str(tmp_path), "--rewritten-first", *REWRITTEN_FIRST_FAMILIES],
-        capture_output=True, text=True, timeout=900, env=env,
-    )  # fmt: skip
-    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
-    passed = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("ok ")]
-    assert passed == REWRITTEN_FIRST_FAMILIES, done.stdout
+    passed = _passed(launched, "rewritten-first")
+    assert passed == REWRITTEN_FIRST_FAMILIES, (launched.stdout + launched.stderr)[-6000:]
 
 
 @pytest.mark.slow
-def test_fully_sharded_training_of_a_rewritten_model_over_two_processes(tmp_path):
+def test_fully_sharded_training_of_a_rewritten_model_over_two_processes(launched):
     """FSDP2's ``fully_shard`` of a rewritten llama's layers and of the model, one sequence per rank: the
     loss and every gradient are one process's on both sequences (within the fp32 rule)."""
-    tiny_model("llama").save_pretrained(tmp_path / "llama")
-    worker = os.path.join(os.path.dirname(__file__), "tp_worker.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFUSE_PROGRESS": "0"}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", worker,
-         str(tmp_path), "--fully-sharded", "llama"],
-        capture_output=True, text=True, timeout=900, env=env,
-    )  # fmt: skip
-    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
-    assert [line.split()[1] for line in done.stdout.splitlines() if line.startswith("ok ")] == ["llama"], done.stdout
+    passed = _passed(launched, "fully-sharded")
+    assert passed == FULLY_SHARDED_FAMILIES, (launched.stdout + launched.stderr)[-6000:]
+    assert launched.returncode == 0, (launched.stdout + launched.stderr)[-6000:]
 
 
 def test_merging_refuses_row_parallel_parts_and_mixed_parts_with_reasons(monkeypatch):

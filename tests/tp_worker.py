@@ -1,15 +1,18 @@
 """One rank of the tensor-parallel checks (``tests/test_tensor_parallel.py`` launches two over gloo).
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/tp_worker.py DIR [--ep] FAMILY ...
+    python -m torch.distributed.run --nproc-per-node 2 tests/tp_worker.py DIR FAMILY ... [--ep FAMILY ...] \
+        [--rewritten-first FAMILY ...] [--fully-sharded FAMILY ...]
 
 DIR holds, per FAMILY, a tiny checkpoint ``DIR/FAMILY`` and its emitted form ``DIR/FAMILY-emitted``.
 Each rank loads the checkpoint three ways (one process, stock TP, transfuse's drop-in with TP),
 checks fusions, logits, a training step's gradients, ``save_pretrained`` and the emitted form,
-and prints ``ok FAMILY`` (rank 0) when all hold; any failure raises. With ``--ep`` each MoE
-FAMILY is loaded with expert parallelism over the two ranks instead (``ep_size=2``): every MoE
-block is fused, computes this rank's experts, and the logits and a training step's gradients are
-one process's. With ``--rewritten-first`` each FAMILY is rewritten in one process and distributed
-afterwards: its merged projections hold each rank's rows as a model distributed first does.
+and prints ``ok tp FAMILY`` (rank 0) when all hold; any failure raises. The families after ``--ep``
+are loaded with expert parallelism over the two ranks instead (``ep_size=2``): every MoE block is
+fused, computes this rank's experts, and the logits and a training step's gradients are one
+process's (``ok ep FAMILY``). Those after ``--rewritten-first`` are rewritten in one process and
+distributed afterwards: their merged projections hold each rank's rows as a model distributed
+first does. Those after ``--fully-sharded`` are trained under FSDP2. The groups run in turn, in one
+launch (each launch starts two processes that import torch, transformers and transfuse).
 """
 
 from __future__ import annotations
@@ -114,7 +117,7 @@ def _check(root: str, family: str) -> None:
     assert (_logits(emitted, ids) - tp_logits).abs().max().item() <= 1e-6, family
     dist.barrier()
     if dist.get_rank() == 0:
-        print(f"ok {family} {counts} (fused - stock TP logits: {fused_error:.1e})", flush=True)
+        print(f"ok tp {family} {counts} (fused - stock TP logits: {fused_error:.1e})", flush=True)
 
 
 def _check_expert_parallel(root: str, family: str) -> None:
@@ -150,7 +153,7 @@ def _check_expert_parallel(root: str, family: str) -> None:
     _check_gradients(fused, single)
     dist.barrier()
     if dist.get_rank() == 0:
-        print(f"ok {family} {report.counts()} (fused EP - one process logits: {error:.1e})", flush=True)
+        print(f"ok ep {family} {report.counts()} (fused EP - one process logits: {error:.1e})", flush=True)
 
 
 def _distribute(model, **config):
@@ -243,7 +246,7 @@ def _check_rewritten_first(root: str, family: str) -> None:
         assert torch.equal(reloaded.state_dict()[key], value), (family, key)
     dist.barrier()
     if dist.get_rank() == 0:
-        print(f"ok {family} {counts} (logits - one process: {logits_error:.1e})", flush=True)
+        print(f"ok rewritten-first {family} {counts} (logits - one process: {logits_error:.1e})", flush=True)
 
 
 def _check_fully_sharded(root: str, family: str) -> None:
@@ -289,20 +292,23 @@ def _check_fully_sharded(root: str, family: str) -> None:
         _within_fp32_rule(_full(param.grad), expected, name)
     dist.barrier()
     if dist.get_rank() == 0:
-        print(f"ok {family} {counts} (FSDP2 loss {averaged.item() / dist.get_world_size():.6f})", flush=True)
+        print(f"ok fully-sharded {family} {counts} (FSDP2 loss {averaged.item() / dist.get_world_size():.6f})", flush=True)
+
+
+CHECKS = {
+    "--ep": _check_expert_parallel,
+    "--rewritten-first": _check_rewritten_first,
+    "--fully-sharded": _check_fully_sharded,
+}
 
 
 def main() -> int:
-    root, families = sys.argv[1], sys.argv[2:]
-    check = _check
-    if families[:1] == ["--ep"]:
-        check, families = _check_expert_parallel, families[1:]
-    elif families[:1] == ["--rewritten-first"]:
-        check, families = _check_rewritten_first, families[1:]
-    elif families[:1] == ["--fully-sharded"]:
-        check, families = _check_fully_sharded, families[1:]
-    for family in families:
-        check(root, family)
+    root, check = sys.argv[1], _check
+    for arg in sys.argv[2:]:
+        if arg in CHECKS:
+            check = CHECKS[arg]
+        else:
+            check(root, arg)
     return 0
 
 

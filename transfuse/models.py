@@ -44,10 +44,11 @@ def is_gguf(spec: str) -> bool:
     return spec.endswith(".gguf")
 
 
-def load_gguf(path: str, *, dtype: torch.dtype = torch.float32, allow_missing_weights: bool = False):
+def load_gguf(path: str, *, dtype: torch.dtype = torch.float32, allow_missing_weights: bool = False, tokenizer: bool = True):
     """(model, tokenizer) of a GGUF file, dequantised into an ordinary transformers model: one that
     ``save_pretrained`` writes as safetensors (transformers refuses that for a model loaded from
-    GGUF, which stays marked as quantised). Needs the ``gguf`` package."""
+    GGUF, which stays marked as quantised). Needs the ``gguf`` package. ``tokenizer=False``: the
+    model alone, with None (building the tokenizer reads the whole file's vocabulary once more)."""
     from transformers import AutoModelForCausalLM
 
     if not os.path.isfile(path):
@@ -58,7 +59,7 @@ def load_gguf(path: str, *, dtype: torch.dtype = torch.float32, allow_missing_we
             quantised, info = AutoModelForCausalLM.from_pretrained(
                 directory, gguf_file=name, dtype=dtype, ignore_mismatched_sizes=True, output_loading_info=True
             )
-        tokenizer = load_gguf_tokenizer(path)
+        loaded_tokenizer = load_gguf_tokenizer(path) if tokenizer else None
     except ImportError as exc:
         raise ModelError(f"reading GGUF files needs the gguf package (pip install gguf): {exc}") from None
     except (OSError, ValueError, struct.error) as exc:  # struct.error: a header cut short
@@ -69,7 +70,7 @@ def load_gguf(path: str, *, dtype: torch.dtype = torch.float32, allow_missing_we
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.load_state_dict(quantised.state_dict())
-    return model.eval(), tokenizer
+    return model.eval(), loaded_tokenizer
 
 
 def load_gguf_tokenizer(path: str):
@@ -124,7 +125,7 @@ def load_model(
     default), or a model_type (tiny, random: float32 by default)."""
     if is_gguf(spec):
         chosen = torch.float32 if dtype == "auto" else dtype
-        return load_gguf(spec, dtype=chosen, allow_missing_weights=allow_missing_weights)[0]
+        return load_gguf(spec, dtype=chosen, allow_missing_weights=allow_missing_weights, tokenizer=False)[0]
     if os.path.isdir(spec):
         if not os.path.isfile(os.path.join(spec, "config.json")):
             raise ModelError(f"{spec} is a directory but has no config.json; it is not a transformers checkpoint.")
