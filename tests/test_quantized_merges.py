@@ -250,6 +250,66 @@ def test_quanto_int4_for_tinygemm_merges_its_code_rows_bit_for_bit():
     assert all(_inside(p.weight._data._data, [codes]) and not _inside(p.weight._scale_shift, [merged.kernel[0]._scale_shift]) for p in parts)
 
 
+def _tile_packed_attention(widths, in_features=256, group=128, on_cuda=False):
+    """q/k/v of torchao's CUDA int4 layout (``Int4TilePackedTo4dTensor``). On a CUDA GPU, quantized by
+    torchao; elsewhere (tinygemm's packing is CUDA-only) built from random codes and scales of the
+    layout's shapes, whose storage can be merged but not run."""
+    if importlib.util.find_spec("torchao") is None:
+        pytest.skip("torchao is not installed")
+    from torchao.quantization.quantize_.workflows.int4.int4_tile_packed_to_4d_tensor import Int4TilePackedTo4dTensor
+
+    generator = torch.Generator().manual_seed(4)
+    module = torch.nn.Module()
+    for name, width in zip(("q_proj", "k_proj", "v_proj"), widths):
+        layer = torch.nn.Linear(in_features, width, bias=False, dtype=torch.bfloat16, device="cuda" if on_cuda else "cpu")
+        if on_cuda:
+            with torch.no_grad():
+                layer.weight.copy_(torch.randn(width, in_features, generator=generator).to(layer.weight))
+            weight = Int4TilePackedTo4dTensor.from_hp(layer.weight.detach(), [1, group])
+        else:
+            tiles = -(-width // 8)
+            codes = torch.randint(-(2**31), 2**31 - 1, (tiles, in_features // 128, 32, 4), dtype=torch.int32, generator=generator)
+            scales = torch.randn(in_features // group, tiles * 8, 2, generator=generator).to(torch.bfloat16)
+            weight = Int4TilePackedTo4dTensor(codes, scales, [1, group], torch.Size([width, in_features]))
+        layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+        setattr(module, name, layer)
+    return module
+
+
+def test_torchao_int4_tile_packed_parts_merge_their_tiles_of_eight_outputs():
+    module = _tile_packed_attention((64, 32, 32))
+    parts = [module.q_proj, module.k_proj, module.v_proj]
+    codes, scales = [p.weight.qdata.clone() for p in parts], [p.weight.scale_and_zero for p in parts]
+    merged = merge_linears(module, "qkv_proj", ["q_proj", "k_proj", "v_proj"])
+    weight = merged.kernel[0]
+    assert type(weight).__name__ == "Int4TilePackedTo4dTensor" and weight.shape == (128, 256)
+    assert torch.equal(weight.qdata, torch.cat(codes))  # [out / 8, in / 128, 32, 4]: tiles follow tiles
+    assert torch.equal(weight.scale_and_zero, torch.cat(scales, dim=1))  # [in / group, out, 2]
+    for part, own_codes, own_scales in zip(parts, codes, scales):
+        # each part's codes are a view of its tiles in the merged codes; its scales stay its own
+        assert torch.equal(part.weight.qdata, own_codes) and _inside(part.weight.qdata, [weight.qdata])
+        assert part.weight.qdata.is_contiguous() and part.weight.scale_and_zero is own_scales
+
+
+def test_torchao_int4_tile_packed_parts_with_a_padded_tile_are_refused():
+    module = _tile_packed_attention((64, 36, 36))
+    with pytest.raises(MergeError, match=r"k_proj.weight .* packs 8 outputs a tile: its 36 outputs end in a padded tile"):
+        merge_linears(module, "qkv_proj", ["q_proj", "k_proj", "v_proj"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="tinygemm's int4 packing needs a CUDA GPU")
+def test_torchao_int4_tile_packed_merge_computes_its_parts_bit_for_bit_on_cuda():
+    module = _tile_packed_attention((64, 32, 32), in_features=1024, on_cuda=True)
+    parts = [module.q_proj, module.k_proj, module.v_proj]
+    x = torch.randn(3, 5, 1024, generator=torch.Generator().manual_seed(0)).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        want = [p(x) for p in parts]
+        merged = merge_linears(module, "qkv_proj", ["q_proj", "k_proj", "v_proj"])
+        got = merged(x).split(merged.split_sizes, dim=-1)
+        again = [p(x) for p in parts]
+    assert all(torch.equal(g, w) and torch.equal(a, w) for g, w, a in zip(got, want, again))
+
+
 def _fp8_attention(widths, block=(32, 32), in_features=64):
     from transformers.integrations.finegrained_fp8 import FP8Linear
 

@@ -11,6 +11,12 @@ the CPU int4 ``Int4OpaqueTensor``'s ``scale_and_zero``, ``[in / group, out, 2]``
 ``_weight_int4pack_mm_for_cpu``) concatenate along their output axis too, but a part's slice of
 that axis is not contiguous and the kernel reads it as if it were: the merged layer holds such a
 tensor concatenated once more (the scales, not the codes), and the parts keep their own.
+
+Some inner tensors hold a tile of several outputs per entry of their output axis (``_TILES``: the
+CUDA int4 ``Int4TilePackedTo4dTensor``'s ``qdata``, ``[out / 8, in / 128, 32, 4]`` for tinygemm's
+``_weight_int4pack_mm``, and its ``scale_and_zero``, ``[in / group, out, 2]``). Such parts
+concatenate exactly when each part's outputs are whole tiles; a part whose last tile is padded
+(outputs not a multiple of the tile) is refused, naming the tile.
 """
 
 from __future__ import annotations
@@ -31,11 +37,17 @@ def _is_torchao(tensor) -> bool:
 
 
 # (subclass name, inner tensor name) -> the inner tensor's output axis, where it is not the first.
-_OUTPUT_AXES = {("Int4OpaqueTensor", "scale_and_zero"): 1}
+_OUTPUT_AXES = {("Int4OpaqueTensor", "scale_and_zero"): 1, ("Int4TilePackedTo4dTensor", "scale_and_zero"): 1}
+# (subclass name, inner tensor name) -> outputs per entry of the output axis, where more than one.
+_TILES = {("Int4TilePackedTo4dTensor", "qdata"): 8}
 
 
 def _axis(weight, key: str) -> int:
     return _OUTPUT_AXES.get((type(weight).__name__, key), 0)
+
+
+def _tile(weight, key: str) -> int:
+    return _TILES.get((type(weight).__name__, key), 1)
 
 
 def _context(weight, context):
@@ -85,8 +97,13 @@ class TorchAO(Scheme):
             for key, tensor in inner.items():
                 if (tensor is None) != (inner0[key] is None):
                     raise SchemeError(f"{name}.weight has {key} and {names[0]}.weight has not, or the reverse.")
-                axis = _axis(weight, key)
-                if tensor is not None and (tensor.dim() <= axis or tensor.shape[axis] != weight.shape[0]):
+                axis, tile = _axis(weight, key), _tile(weight, key)
+                if tensor is not None and tile > 1 and weight.shape[0] % tile:
+                    raise SchemeError(
+                        f"{name}.weight is a {self.describe(module)} whose {key} packs {tile} outputs a tile: its "
+                        f"{weight.shape[0]} outputs end in a padded tile, which cannot be concatenated."
+                    )
+                if tensor is not None and (tensor.dim() <= axis or tensor.shape[axis] * tile != weight.shape[0]):
                     raise SchemeError(
                         f"{name}.weight is a {self.describe(module)} whose {key} {tuple(tensor.shape)} is not one row "
                         f"per output ({weight.shape[0]}): one {key} for the whole tensor cannot be concatenated."
@@ -120,7 +137,8 @@ class TorchAO(Scheme):
         for module, (start, end) in zip(modules, split_points(sizes)):
             for key, tensor in merged.items():
                 if tensor is not None and _axis(weight, key) == 0:  # others stay the part's own (module doc)
-                    setattr(module.weight, key, alone(tensor[start:end]))
+                    tile = _tile(weight, key)
+                    setattr(module.weight, key, alone(tensor[start // tile : end // tile]))
         point_bias(bias, modules, sizes)
 
     def tensors(self, module: nn.Module) -> list[torch.Tensor]:
