@@ -43,6 +43,38 @@ def pytest_configure(config):
     torch.set_num_threads(_THREADS)
 
 
+# The files that take longest on a 2-core machine (Inductor compiles, the real checkpoint, runs in
+# other processes, the interpreted kernels' training step), longest first. pytest-xdist's
+# ``--dist loadfile`` hands out files in the order of their test counts, most first, and gives
+# each file whole to one worker: a long file of a few tests, handed out last, keeps one worker
+# busy after the other has finished. These are handed out first, in this order.
+LONGEST_FILES = (
+    "test_training.py", "test_smollm2.py", "test_compile.py", "test_cli.py", "test_compile_cache.py",
+    "test_tensor_parallel.py", "test_qkv_paths.py", "test_fuzz.py", "test_emit_and_load.py", "test_peft.py",
+    "test_eager_steps.py", "test_decode_attention.py", "test_packaging.py", "test_compile_freed.py",
+    "test_copy_and_pickle.py", "test_linear_cross_entropy.py", "test_emit_standalone.py", "test_coverage.py",
+    "test_emit_safety.py", "test_bench_train.py",
+)  # fmt: skip
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LongestFilesFirst(LoadFileScheduling):
+        def _assign_work_unit(self, node):
+            if not getattr(self, "_ordered", False):
+                self._ordered = True
+                first = {name: i for i, name in enumerate(LONGEST_FILES)}
+                rank = lambda scope: first.get(os.path.basename(scope), len(first))  # noqa: E731
+                for scope in sorted(self.workqueue, key=rank):  # (stable: the others keep xdist's order)
+                    self.workqueue.move_to_end(scope)
+            super()._assign_work_unit(node)
+
+    return LongestFilesFirst(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 

@@ -99,7 +99,7 @@ def test_diff_is_plain_when_piped_coloured_on_request_and_html_on_request(tmp_pa
     assert plain.returncode == 0, plain.stderr
     assert "+        # transfuse: q_proj, k_proj, v_proj run as one merged projection" in plain.stdout
     assert "\033[" not in plain.stdout
-    coloured = run("diff", "llama", "-q", "--color", "always", "--html", str(tmp_path / "d.html"))
+    coloured = run_here("diff", "llama", "-q", "--color", "always", "--html", str(tmp_path / "d.html"))
     assert "\033[32m+" in coloured.stdout
     page = (tmp_path / "d.html").read_text()
     assert page.startswith("<!DOCTYPE html") and "LlamaAttention" in page and "qkv_proj" in page
@@ -120,7 +120,7 @@ def test_emit_writes_a_directory_stock_transformers_loads(tmp_path):
     assert again.returncode == 1
     assert "already exists; pass --force" in again.stderr and "Traceback" not in again.stderr
     assert "force=True" not in again.stderr and "loading" not in again.stderr  # refused before any work
-    assert run("emit", "llama", "--out", str(out), "--force", "-q").returncode == 0
+    assert run_here("emit", "llama", "--out", str(out), "--force", "-q").returncode == 0
 
 
 def test_a_checkpoint_that_is_not_a_causal_lm_is_a_one_line_error(tmp_path):

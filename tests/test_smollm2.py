@@ -47,22 +47,19 @@ def test_greedy_generation_is_identical_after_rewrite(smollm2_dir):
 def test_the_gguf_journey_explain_emit_and_load(smollm2_gguf, rewritten_smollm2, tmp_path):
     """MODEL may be a GGUF file: explain reads it, emit writes a plain safetensors checkpoint
     (dequantised) with the rewritten modeling files and the tokenizer, which stock transformers
-    loads and generates from with the runtime rewrite's tokens (of the same file's weights)."""
-    import subprocess
-    import sys
-
+    loads and generates from with the runtime rewrite's tokens (of the same file's weights). The
+    commands run in this process (``transfuse.cli.main``, as ``tests/test_cli.py`` runs it)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    explained = subprocess.run(
-        [sys.executable, "-m", "transfuse", "explain", smollm2_gguf, "-q"], capture_output=True, text=True, timeout=600
-    )
+    from .test_cli import run_here
+
+    explained = run_here("explain", smollm2_gguf, "-q")
     assert explained.returncode == 0, explained.stderr[-2000:]
     assert "LlamaForCausalLM" in explained.stdout and "qkv" in explained.stdout
+    # (the README's line)
+    assert "181 fusions (add_rms_norm 30, gate_up 30, qkv 30, rms_norm 61, rotary 30), 0 refused" in explained.stdout
     out = tmp_path / "smollm2-fused"
-    emitted = subprocess.run(
-        [sys.executable, "-m", "transfuse", "emit", smollm2_gguf, "--out", str(out), "-q"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    emitted = run_here("emit", smollm2_gguf, "--out", str(out), "-q")
     assert emitted.returncode == 0, emitted.stderr[-2000:]
     assert any(p.suffix == ".safetensors" for p in out.iterdir())
     loaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
