@@ -224,11 +224,13 @@ def attend(query, key, value, mask, is_causal, scale, out) -> Tensor:
     if out.numel() == 0:
         return out
     if mask is not None:
-        # Each query's first key not masked out: where its walk over the keys starts.
-        start = (mask > torch.finfo(torch.float32).min / 2).int().argmax(-1).to(torch.int32)
-        if start.shape[1] != heads:  # a mask per key/value head: the same start for its query heads
+        # Each query's first key not masked out: where its walk over the keys starts. Found once
+        # where the mask is broadcast (a stride of 0 over heads or queries), then broadcast.
+        base = mask[tuple(slice(0, 1) if mask.stride(i) == 0 else slice(None) for i in range(3))]
+        start = (base > torch.finfo(torch.float32).min / 2).int().argmax(-1).to(torch.int32)
+        if start.shape[1] not in (1, heads):  # a mask per key/value head: the same start for its query heads
             start = start.repeat_interleave(heads // start.shape[1], 1)
-        start = start.contiguous()
+        start = start.expand(batch, heads, q_len).contiguous()
     else:
         start = torch.zeros((batch, heads, q_len), dtype=torch.int32, device=query.device)
     group = heads // kv_heads
