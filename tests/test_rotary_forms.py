@@ -242,6 +242,53 @@ class StaticMethodAttention(OldAttention):
         return query * cos_pos + rotated_query * sin_pos, key * cos_pos + rotated_key * sin_pos
 
 
+def rope_one_modern(x, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """One tensor in the modern arithmetic (gemma3n's) → fuses, each call a ``rotary_one``."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+class KeywordConstantAttention(OldAttention):
+    """Heads kept as ``[batch, seq, heads, dim]``, RoPE told so by a constant passed by keyword
+    (gemma3n, gemma4, the DeepSeek-V3.2 indexer) → fuses, the function proved with that constant."""
+
+    def forward(self, hidden_states, position_ids):
+        bsz, q_len, _ = hidden_states.shape
+        shape = (bsz, q_len, self.num_heads, self.head_dim)
+        query = self.q_proj(hidden_states).view(shape)
+        key = self.k_proj(hidden_states).view(shape)
+        value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        cos, sin = self.rotary_emb(value, seq_len=q_len)
+        cos, sin = cos[position_ids], sin[position_ids]
+        query, key = rope_kept_parameter(query, key, cos, sin, unsqueeze_dim=2)
+        return self.attend(query.transpose(1, 2), key.transpose(1, 2), value)
+
+
+class KeywordConstantOneTensorAttention(OldAttention):
+    def forward(self, hidden_states, position_ids):
+        bsz, q_len, _ = hidden_states.shape
+        shape = (bsz, q_len, self.num_heads, self.head_dim)
+        query = self.q_proj(hidden_states).view(shape)
+        key = self.k_proj(hidden_states).view(shape)
+        value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        cos, sin = self.rotary_emb(value, seq_len=q_len)
+        cos, sin = cos[position_ids], sin[position_ids]
+        query = rope_one_modern(query, cos, sin, unsqueeze_dim=2)
+        key = rope_one_modern(key, cos, sin, unsqueeze_dim=2)
+        return self.attend(query.transpose(1, 2), key.transpose(1, 2), value)
+
+
+class KeywordVariableAttention(OldAttention):
+    """A keyword whose value is computed in the forward → refused (rotary.arguments)."""
+
+    def forward(self, hidden_states, position_ids):
+        query, key, value = self.heads(hidden_states)
+        cos, sin = self.rotary_emb(value, seq_len=key.shape[-2])
+        cos, sin = cos[position_ids], sin[position_ids]
+        query, key = rope_kept_parameter(query, key, cos, sin, unsqueeze_dim=query.dim() - 3)
+        return self.attend(query, key, value)
+
+
 def relative_buckets(num_buckets, position_ids):
     """Relative-position arithmetic of three arguments (products, a negation, a concatenation)."""
     relative = -(position_ids[:, None, :] - position_ids[:, :, None])
@@ -288,13 +335,17 @@ def _rewritten(cls):
     return module, stock
 
 
-OP_CALLS = {InterleavedAttention: ["rotary"], OneTensorAttention: ["rotary_one", "rotary_one"]}
+OP_CALLS = {
+    InterleavedAttention: ["rotary"],
+    OneTensorAttention: ["rotary_one", "rotary_one"],
+    KeywordConstantOneTensorAttention: ["rotary_one", "rotary_one"],
+}
 
 
 @pytest.mark.parametrize(
     "cls",
     [IndexedAttention, SqueezedAttention, KeptParameterAttention, PartialInForwardAttention, InterleavedAttention,
-     OneTensorAttention],
+     OneTensorAttention, KeywordConstantAttention, KeywordConstantOneTensorAttention],
 )  # fmt: skip
 def test_older_rope_calls_fuse_with_the_originals_numbers_bit_for_bit(cls):
     module, stock = _rewritten(cls)
@@ -328,6 +379,7 @@ def test_the_rewritten_call_passes_the_positions_and_says_how_they_are_read():
         (ComplexAttention, "rotary.complex"),
         (InMethodAttention, "rotary.in-method"),
         (StaticMethodAttention, "rotary.one-table"),
+        (KeywordVariableAttention, "rotary.arguments"),
     ],
 )
 def test_forms_the_op_does_not_compute_are_refused_each_with_its_tag(cls, tag):
@@ -354,6 +406,35 @@ def test_a_function_patched_in_after_the_rewrite_gets_the_calls_own_arguments(mo
         module(x, positions)
     # (the proof of the new function ran it too, on its own tensors: the last call is the model's)
     assert calls == [] and seen[-1][0] == (5, 8) and seen[-1][1] is positions  # the tables, not their rows
+
+
+def test_a_constant_passed_by_keyword_is_passed_on_and_proved_with_the_function():
+    module, _ = _rewritten(KeywordConstantAttention)
+    assert "unsqueeze_dim=2" in transfuse.diff(module) and "original_keywords=(('unsqueeze_dim', 2),)" in transfuse.diff(module)
+    x, positions = _inputs()
+    seen = []
+
+    def patched(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):  # RoPE's signature, not RoPE
+        seen.append(unsqueeze_dim)
+        return q, k
+
+    globals()["rope_kept_parameter"], kept = patched, rope_kept_parameter
+    try:
+        with torch.no_grad(), ops.trace() as calls:
+            module(x, positions)
+    finally:
+        globals()["rope_kept_parameter"] = kept
+    assert calls == [] and seen[-1] == 2  # the patched function, called with the call's own keyword
+
+
+def test_a_function_proved_with_a_keyword_is_a_copy_with_that_default():
+    from transfuse.ops.rotary import with_keywords
+
+    variant = with_keywords(rope_kept_parameter, (("unsqueeze_dim", 2),))
+    assert variant is with_keywords(rope_kept_parameter, (("unsqueeze_dim", 2),))  # one object: one proof
+    assert variant.__defaults__ == (None, 2) and rope_kept_parameter.__defaults__ == (None, 1)
+    assert with_keywords(rope_kept_parameter, (("q", 2),)) is None  # no parameter with a default
+    assert with_keywords(rope_kept_parameter, (("dim", 2),)) is None
 
 
 def test_the_standalone_runtime_form_reads_the_tables_at_the_positions():

@@ -59,6 +59,7 @@ the op would not compute it anyway.
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
 import operator
@@ -84,6 +85,7 @@ from ..ops.rotary import (
     RotaryLayout,
     set_prover,
     table_width,
+    with_keywords,
 )
 from ..rewriter.analysis import ClassAnalysis
 from ..rewriter.fusion import Fused, Refusal, SourceFuser
@@ -146,8 +148,9 @@ class RotaryFuser(SourceFuser[RotaryMatch]):
             name = call.func.value
             if name not in forms:
                 continue
-            form, layout = _check_call(call, function_globals.get(name), name, forms[name])
-            replacements.append((call, cst.parse_expression(_fused_call(call, name, form, layout, context))))
+            form, layout, keywords = _check_call(call, function_globals.get(name), name, forms[name])
+            fused = _fused_call(call, name, form, layout, keywords, context)
+            replacements.append((call, cst.parse_expression(fused)))
         if not replacements:
             raise NoMatch(
                 "rotary.placement", f"no call of {', '.join(forms)} in the forward passes its tensors, cos and sin."
@@ -161,19 +164,25 @@ class RotaryFuser(SourceFuser[RotaryMatch]):
         return Fused(replaced=tuple(name for name, _ in found.functions), into="rotary")
 
 
-def _fused_call(call: cst.Call, name: str, form: CallForm, layout: RotaryLayout, context: EditContext) -> str:
+def _fused_call(
+    call: cst.Call, name: str, form: CallForm, layout: RotaryLayout, keywords: tuple, context: EditContext
+) -> str:
     """The op's call standing for ``call``: its tensors, cos and sin, the layout, and ``original``: the
     function by its global name, read at each call, so that a later patch of the module's function
-    (another library's kernel) is still honoured."""
-    arguments = [expression_code(arg.value) for arg in call.args]
+    (another library's kernel) is still honoured; the constants the call passed by keyword as
+    ``original_keywords``."""
+    arguments = [expression_code(arg.value) for arg in call.args if arg.keyword is None]
     named = ", ".join(f'{k}="{v}"' if isinstance(v, str) else f"{k}={v}" for k, v in layout.keywords().items())
+    passed = f", original_keywords={keywords!r}" if keywords else ""
     if form.tensors == 1:
         x, first, second = arguments
         cos, sin = (second, first) if form.sin_first else (first, second)
         fused_op = context.require("transfuse.ops", "rotary_one")
-        return f"{fused_op}({x}, {cos}, {sin}, {named}, original={name}" + (", sin_first=True)" if form.sin_first else ")")
+        return f"{fused_op}({x}, {cos}, {sin}, {named}, original={name}{passed}" + (
+            ", sin_first=True)" if form.sin_first else ")"
+        )
     fused_op = context.require("transfuse.ops", "rotary")
-    fused = f"{fused_op}({', '.join(arguments[:4])}, {named}, original={name}"
+    fused = f"{fused_op}({', '.join(arguments[:4])}, {named}, original={name}{passed}"
     if form.fifth:
         fused += f", position_ids={arguments[4]}"
     return fused + (", indexed=True)" if form.indexed else ")")
@@ -526,21 +535,49 @@ def _same(got: Any, want: Any) -> bool:
 
 def _check_call(
     call: cst.Call, function: Any, name: str, forms: dict[CallForm, RotaryLayout]
-) -> tuple[CallForm, RotaryLayout]:
+) -> tuple[CallForm, RotaryLayout, tuple[tuple[str, Any], ...]]:
     """A call site the fused op can take: the tensors, cos and sin by position (and a fifth argument
-    where its form was proved), the rest left at the defaults the proof used. Its form and layout."""
+    where its form was proved), the rest left at the defaults the proof used or passed by keyword
+    as constants (literals), with which the function is proved again (``with_keywords``). Its form,
+    layout and keywords."""
     if not isinstance(function, types.FunctionType) or not any(prove(function, form) for form in forms):
         raise NoMatch("rotary.placement", f"{name} is rebound in the forward's module.")
-    by_position = not any(arg.keyword is not None or arg.star for arg in call.args)
-    for form in forms if by_position else ():
-        if _arity(form) == len(call.args):
-            return form, forms[form]
+    positional = [arg for arg in call.args if arg.keyword is None and not arg.star]
+    keywords = _constant_keywords(call)
+    if keywords is not None and len(positional) + len(keywords) == len(call.args):
+        if keywords:
+            variant = with_keywords(function, keywords)
+            forms = {form: layout for form in FORMS if variant is not None and (layout := prove(variant, form))}
+        for form in forms:
+            if _arity(form) == len(positional):
+                return form, forms[form], keywords
     raise NoMatch(
         "rotary.arguments",
         f"{name}({', '.join(expression_code(a.value) for a in call.args)}) does not pass its tensors, cos and sin "
-        "by position (and at most a fifth argument the function ignores or reads cos and sin at); the fused "
-        "op was proved with the function's defaults for the rest.",
+        "by position (and at most a fifth argument the function ignores or reads cos and sin at), and the rest as "
+        "constants by keyword that the function is proved with.",
     )
+
+
+def _constant_keywords(call: cst.Call) -> tuple[tuple[str, Any], ...] | None:
+    """The call's keyword arguments whose values are literals (numbers, strings, True, False, None),
+    as ``((name, value), ...)``; None where a keyword passes anything else, or ``**`` is used."""
+    found = []
+    for arg in call.args:
+        if arg.star:
+            if arg.star == "**":
+                return None
+            continue
+        if arg.keyword is None:
+            continue
+        try:
+            value = ast.literal_eval(expression_code(arg.value))
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            return None
+        if not isinstance(value, (int, float, str, bool, type(None))):
+            return None
+        found.append((arg.keyword.value, value))
+    return tuple(found)
 
 
 # ---- forms the op does not take, each with its tag ----------------------------------------

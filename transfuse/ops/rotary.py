@@ -23,9 +23,11 @@ model's own function is called, for the check of ``original`` (see ``rotary``).
 
 from __future__ import annotations
 
+import inspect
+import types
 import weakref
 from collections.abc import Callable
-from typing import Hashable, NamedTuple
+from typing import Any, Hashable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -369,6 +371,7 @@ def rotary(
     partial: bool = False,
     upcast: bool = False,
     cast: bool = False,
+    original_keywords: tuple[tuple[str, Any], ...] = (),
 ) -> tuple[Tensor, Tensor]:
     """The rotary embedding of ``q`` and ``k`` (``[batch, heads, seq, head_dim]`` with
     ``unsqueeze_dim=1``, ``[batch, seq, heads, head_dim]`` with 2; the two may differ in heads),
@@ -387,24 +390,28 @@ def rotary(
     ``position_ids`` is the fifth argument of a call that passes one. With ``indexed`` the
     function reads ``cos`` and ``sin`` (tables of ``[positions, width]``, squeezed of leading
     ones) at those positions, as older modeling files do (``cos[position_ids]``); without it the
-    function was proved not to read the argument at all."""
+    function was proved not to read the argument at all.
+
+    ``original_keywords``: the constants the call passed by keyword (``(("unsqueeze_dim", 2),)``),
+    with which the function was proved (``with_keywords``) and with which it is called."""
     layout = (unsqueeze_dim, interleaved, expand, first_half, partial, upcast, cast)
     form = (INDEXED if indexed else IGNORED_FIFTH) if position_ids is not None else FOUR
     if original is not None and not torch.compiler.is_compiling():
         bad_tables = indexed and not (_is_table(cos) and _is_table(sin))
-        if bad_tables or _outside(q, k, cos, layout) or not _proved(original, form, layout):
-            return original(*_call_arguments(q, k, cos, sin, position_ids))
+        if bad_tables or _outside(q, k, cos, layout) or not _proved(original, form, layout, original_keywords):
+            return original(*_call_arguments(q, k, cos, sin, position_ids), **dict(original_keywords))
     tables = (cos, sin)
     if indexed:
         cos, sin = _at_positions(cos, position_ids), _at_positions(sin, position_ids)
     if not torch.compiler.is_compiling():
         return ROTARY(q, k, cos, sin, *layout)
     if under_compile_use_library_op("rotary", (q, k, cos, sin), backward=True) and (
-        original is None or (_proved_constant(original, form, layout) and not _outside(q, k, cos, layout))
+        original is None
+        or (_proved_constant(original, form, layout, original_keywords) and not _outside(q, k, cos, layout))
     ):
         return ROTARY.library(q, k, cos, sin, *layout)
     if original is not None:
-        return original(*_call_arguments(q, k, *tables, position_ids))
+        return original(*_call_arguments(q, k, *tables, position_ids), **dict(original_keywords))
     return rotary_native(q, k, cos, sin, *layout)
 
 
@@ -422,25 +429,32 @@ def rotary_one(
     partial: bool = False,
     upcast: bool = False,
     cast: bool = False,
+    original_keywords: tuple[tuple[str, Any], ...] = (),
 ) -> Tensor:
     """The rotary embedding of one tensor ``x`` (laid out as ``rotary``'s q), in the layout the
-    keyword parameters give. ``original`` as for ``rotary``: the model's function, called with the
-    call's own arguments where it is not proved to compute this, ``(x, sin, cos)`` with
-    ``sin_first`` (GPT-J's order), else ``(x, cos, sin)``."""
+    keyword parameters give. ``original`` and ``original_keywords`` as for ``rotary``: the model's
+    function, called with the call's own arguments where it is not proved to compute this,
+    ``(x, sin, cos)`` with ``sin_first`` (GPT-J's order), else ``(x, cos, sin)``."""
     layout = (unsqueeze_dim, interleaved, expand, first_half, partial, upcast, cast)
     form = ONE_SIN_FIRST if sin_first else ONE
     if original is not None and not torch.compiler.is_compiling():
-        if _outside(x, None, cos, layout) or not _proved(original, form, layout):
-            return original(x, sin, cos) if sin_first else original(x, cos, sin)
+        if _outside(x, None, cos, layout) or not _proved(original, form, layout, original_keywords):
+            return _call_one(original, x, cos, sin, sin_first, original_keywords)
     if not torch.compiler.is_compiling():
         return ROTARY_ONE(x, cos, sin, *layout)
     if under_compile_use_library_op("rotary_one", (x, cos, sin), backward=True) and (
-        original is None or (_proved_constant(original, form, layout) and not _outside(x, None, cos, layout))
+        original is None
+        or (_proved_constant(original, form, layout, original_keywords) and not _outside(x, None, cos, layout))
     ):
         return ROTARY_ONE.library(x, cos, sin, *layout)
     if original is not None:
-        return original(x, sin, cos) if sin_first else original(x, cos, sin)
+        return _call_one(original, x, cos, sin, sin_first, original_keywords)
     return rotary_one_native(x, cos, sin, *layout)
+
+
+def _call_one(original: Callable, x: Tensor, cos: Tensor, sin: Tensor, sin_first: bool, keywords: tuple) -> Tensor:
+    """The model's own one-tensor call, in its order of the tables."""
+    return original(x, sin, cos, **dict(keywords)) if sin_first else original(x, cos, sin, **dict(keywords))
 
 
 def _outside(x: Tensor, k: Tensor | None, cos: Tensor, layout: tuple) -> bool:
@@ -485,13 +499,17 @@ def set_prover(prover: Callable[[Callable, CallForm], RotaryLayout | None]) -> N
 
 
 @torch.compiler.assume_constant_result
-def _proved_constant(function: Callable, form: CallForm, layout: tuple) -> bool:
+def _proved_constant(function: Callable, form: CallForm, layout: tuple, keywords: tuple = ()) -> bool:
     """``_proved`` run outside a ``torch.compile`` trace (the prover reads source): a constant of the
     graph, which Dynamo guards on the function the global name held."""
-    return _proved(function, form, layout)
+    return _proved(function, form, layout, keywords)
 
 
-def _proved(function: Callable, form: CallForm, layout: tuple) -> bool:
+def _proved(function: Callable, form: CallForm, layout: tuple, keywords: tuple = ()) -> bool:
+    if keywords:
+        function = with_keywords(function, keywords)
+        if function is None:
+            return False
     try:
         forms = _PROVED.setdefault(function, {})
     except TypeError:  # not weakly referenceable: never proved
@@ -499,3 +517,39 @@ def _proved(function: Callable, form: CallForm, layout: tuple) -> bool:
     if form not in forms:
         forms[form] = _PROVER[0](function, form) if _PROVER else None
     return forms[form] == layout
+
+
+# (function, keywords) -> the function with those keywords as its defaults; kept as long as the function.
+_VARIANTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def with_keywords(function: Callable, keywords: tuple[tuple[str, Any], ...]) -> types.FunctionType | None:
+    """``function`` with the constants a call passes by keyword (``((name, value), ...)``) as the
+    defaults of those parameters: a function of the call's positional arguments alone, which the
+    proof takes as it takes any other (one object per function and keywords, so that its proof is
+    made once). None where a keyword names no parameter with a default, or ``function`` is no
+    Python function."""
+    if not isinstance(function, types.FunctionType):
+        return None
+    keywords = tuple(keywords)
+    known = _VARIANTS.setdefault(function, {})
+    if keywords in known:
+        return known[keywords]
+    given = dict(keywords)
+    parameters = inspect.signature(function).parameters
+    positional = [p for p in parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    defaults = function.__defaults__ or ()
+    with_default = positional[len(positional) - len(defaults) :]
+    kw_defaults = dict(function.__kwdefaults__ or {})
+    names = {p.name for p in with_default} | set(kw_defaults)
+    if not set(given) <= names:
+        known[keywords] = None
+        return None
+    variant = types.FunctionType(
+        function.__code__, function.__globals__, function.__name__,
+        tuple(given.get(p.name, d) for p, d in zip(with_default, defaults)), function.__closure__,
+    )  # fmt: skip
+    variant.__kwdefaults__ = {name: given.get(name, value) for name, value in kw_defaults.items()} or None
+    variant.__module__, variant.__qualname__ = function.__module__, function.__qualname__
+    known[keywords] = variant
+    return variant

@@ -55,12 +55,13 @@ def replaces(original: str) -> Callable[[Callable], Callable]:
 @replaces("transfuse.ops.rotary.rotary")
 def rotary(
     q, k, cos, sin, unsqueeze_dim=1, original=None, position_ids=None, indexed=False, *, interleaved=False,
-    expand="none", first_half=False, partial=False, upcast=False, cast=False,
+    expand="none", first_half=False, partial=False, upcast=False, cast=False, original_keywords=(),
 ):  # fmt: skip
     """The model's own function where the call names it (the fuser proved that the op computes
     it), with the call's own arguments; else the native definition."""
     if original is not None:
-        return original(q, k, cos, sin) if position_ids is None else original(q, k, cos, sin, position_ids)
+        tensors = (q, k, cos, sin) if position_ids is None else (q, k, cos, sin, position_ids)
+        return original(*tensors, **dict(original_keywords))
     if indexed:
         cos, sin = (t.reshape(t.shape[-2:])[position_ids] for t in (cos, sin))
     return rotary_native(q, k, cos, sin, unsqueeze_dim, interleaved, expand, first_half, partial, upcast, cast)
@@ -69,12 +70,12 @@ def rotary(
 @replaces("transfuse.ops.rotary.rotary_one")
 def rotary_one(
     x, cos, sin, unsqueeze_dim=1, original=None, sin_first=False, *, interleaved=False, expand="none",
-    first_half=False, partial=False, upcast=False, cast=False,
+    first_half=False, partial=False, upcast=False, cast=False, original_keywords=(),
 ):  # fmt: skip
     """The model's own function where the call names it, with the call's own arguments (``(x, sin,
     cos)`` with ``sin_first``); else the native definition."""
     if original is not None:
-        return original(x, sin, cos) if sin_first else original(x, cos, sin)
+        return original(*((x, sin, cos) if sin_first else (x, cos, sin)), **dict(original_keywords))
     return rotary_one_native(x, cos, sin, unsqueeze_dim, interleaved, expand, first_half, partial, upcast, cast)
 
 
