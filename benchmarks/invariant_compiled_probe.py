@@ -75,6 +75,37 @@ def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
             "max_abs_diff": (a.float() - b.float()).abs().max().item()}  # fmt: skip
 
 
+_SEEN: dict = {"settings": [], "operators": {}}
+
+
+def _explain() -> None:
+    """Record what the compile backend gives Inductor: its settings and each piece's operators."""
+    import torch._inductor.compile_fx as inductor
+
+    from transfuse.compile import backend
+
+    settings, compile_fx = backend._inductor_settings, inductor.compile_fx
+
+    def seen_settings():
+        found = settings()
+        _SEEN["settings"].append(found)
+        return found
+
+    def seen_compile(piece, inputs, *rest, **kwargs):
+        for node in piece.graph.nodes:
+            if node.op == "call_function":
+                name = str(node.target)
+                _SEEN["operators"][name] = _SEEN["operators"].get(name, 0) + 1
+        return compile_fx(piece, inputs, *rest, **kwargs)
+
+    backend._inductor_settings = seen_settings
+    inductor.compile_fx = seen_compile
+    import torch._inductor.config as config
+
+    _SEEN["config"] = {name: getattr(config, name, "absent") for name in ("emulate_precision_casts", "split_reductions", "batch_invariant")}
+    print("inductor config before:", _SEEN["config"], flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -84,7 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new", type=int, default=16)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument(
+        "--explain", action="store_true",
+        help="also record, per variant, the Inductor settings the backend applied and the operators of the "
+             "pieces Inductor compiled (reductions, transfuse's library ops): the json's 'explained'",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.explain:
+        _explain()
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     stock = build(args.layers, device, args.tiny)
@@ -111,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
             row = {"variant": name, "options": options, "error": f"{type(e).__name__}: {e}"[:400]}
             traceback.print_exc()
         row["seconds"] = round(time.perf_counter() - start, 1)
+        if args.explain:
+            row["explained"] = {"settings": [dict(x) for x in _SEEN["settings"]], "operators": dict(_SEEN["operators"])}
+            _SEEN["settings"].clear()
+            _SEEN["operators"].clear()
         rows.append(row)
         print(row, flush=True)
         model = None
