@@ -411,6 +411,33 @@ def test_inductor_compiles_a_modes_pieces_with_eager_rounding_and_unsplit_reduct
         assert seen and set(seen) == ({(True, False)} if invariant else {(False, True)})
 
 
+@pytest.mark.parametrize("inductor", [False, True], ids=["traced", "inductor"])
+def test_compiled_calls_choose_their_providers_inside_the_mode(monkeypatch, inductor):
+    """Counted at each provider choice a compiled call makes when it runs: the mode is on there (a
+    library op in compiled code chooses its provider, and a Triton kernel its launch, at run time;
+    out of the mode those depend on the row count), for prompts and decode steps alike."""
+    from transfuse.ops import dispatch
+
+    seen = []
+    select = dispatch.Op._select
+
+    def recorded(self, grad, args, kwargs):
+        seen.append((self.name, dispatch.batch_invariant_active()))
+        return select(self, grad, args, kwargs)
+
+    monkeypatch.setattr(dispatch.Op, "_select", recorded)
+    model = tiny_model("llama", num_hidden_layers=1).eval()
+    transfuse.rewrite(model, batch_invariant=True, verify=False)
+    transfuse.compile(model, inductor=inductor, cache_dir=False)
+    prompt = torch.randint(0, 100, (1, 5), generator=torch.Generator().manual_seed(3))
+    seen.clear()
+    with torch.no_grad():
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, do_sample=False)
+    assert model._transfuse_compiled.calls["compiled"] > 0
+    assert {"rms_norm", "invariant_linear"} <= {name for name, _ in seen}
+    assert [name for name, active in seen if not active] == []
+
+
 def test_each_samples_training_loss_is_the_same_bits_alone_and_in_a_batch(invariant_model):
     model = invariant_model
     vocab = model.config.vocab_size

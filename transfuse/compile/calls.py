@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..ops.dispatch import batch_invariant_mode
 from . import attention, generate, kv_store, replay
 from .admission import cache_layer_types, dynamic_cache, forward_parameters
 from .attention import IMPLEMENTATION
@@ -115,8 +116,17 @@ class DecodeCalls:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # One call at a time: a call writes the store's position and padding and copies into a
         # graph's buffers, which another thread's call would overwrite before this one's replay.
-        with self._calling:
+        with self._calling, self._mode():
             return self._call(args, kwargs)
+
+    def _mode(self) -> contextlib.AbstractContextManager:
+        """A batch-invariant model's mode, entered around the whole call: the model's own forward
+        enters it too, but inside a compiled call Dynamo traces that ``with`` rather than running
+        it, and the library ops and kernels of the compiled code choose their providers and launches
+        when they run (a captured graph holds the launches made at its capture)."""
+        from ..ops import batch_invariant
+
+        return batch_invariant_mode() if batch_invariant.is_enabled(self.model) else contextlib.nullcontext()
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         model = self.model
