@@ -2,7 +2,7 @@
 reduction orders.
 
 GEMM: one tile shape (``BLOCK_M x BLOCK_N``), one reduction tile ``BLOCK_K`` and one warp count
-for a given weight shape and device, whatever the row count: each output element is reduced over the same
+for a given weight shape, whatever the row count: each output element is reduced over the same
 ``BLOCK_K`` steps by the same instructions, in every batch and at every place in a tile (no
 split-K, no choice by row count).
 
@@ -12,8 +12,6 @@ same places as the sequence alone; blocks past the last unmasked key add exact z
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -83,25 +81,13 @@ def _grouped_kernel(
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < end) & (rn[None, :] < N))
 
 
-def _gemm_tiles(n: int, k: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) from the weight's shape and the device alone.
-
-    Columns are tiled narrower (down to 32) until the weight's column tiles are at least as many
-    as the device's processors: a decode step's rows are one row tile, and with 128-wide tiles a
-    4096-wide output would keep only 32 processors reading the weight."""
+def _gemm_tiles(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) from the weight's shape alone."""
     if interpreting():
         return 16, 16, 16, 1
     block_n = 128 if n >= 128 else max(16, triton.next_power_of_2(n))
-    processors = _processors(device.index if device.index is not None else torch.cuda.current_device())
-    while block_n > 32 and triton.cdiv(n, block_n) < processors:
-        block_n //= 2
     block_k = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
     return 64, block_n, block_k, 4
-
-
-@functools.cache
-def _processors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def bmm(a: Tensor, b: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
@@ -111,7 +97,7 @@ def bmm(a: Tensor, b: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Te
     out = a.new_empty((batch, m, n), dtype=out_dtype)
     if out.numel() == 0:
         return out
-    block_m, block_n, block_k, warps = _gemm_tiles(n, k, a.device)
+    block_m, block_n, block_k, warps = _gemm_tiles(n, k)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), batch)
     with device_of(a):
         _bmm_kernel[grid](
@@ -146,7 +132,7 @@ def invariant_grouped_mm(rows: Tensor, matrices: Tensor, ends: Tensor) -> Tensor
     out = rows.new_zeros((total, n))
     if total == 0 or n == 0:
         return out
-    block_m, block_n, block_k, warps = _gemm_tiles(n, k, rows.device)
+    block_m, block_n, block_k, warps = _gemm_tiles(n, k)
     tiles_m = triton.cdiv(total, block_m)
     with device_of(rows):
         _grouped_kernel[(groups * tiles_m, triton.cdiv(n, block_n))](
