@@ -536,7 +536,7 @@ def with_keywords(function: Callable, keywords: tuple[tuple[str, Any], ...]) -> 
     if keywords in known:
         return known[keywords]
     given = dict(keywords)
-    parameters = inspect.signature(function).parameters
+    parameters = inspect.signature(function, follow_wrapped=False).parameters  # (the code's own, as its defaults are)
     positional = [p for p in parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     defaults = function.__defaults__ or ()
     with_default = positional[len(positional) - len(defaults) :]
