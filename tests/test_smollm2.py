@@ -71,6 +71,33 @@ def test_the_gguf_journey_explain_emit_and_load(smollm2_gguf, rewritten_smollm2,
         assert torch.equal(loaded.generate(**prompt, **generate), runtime.generate(**prompt, **generate))
 
 
+def test_a_gguf_file_is_parsed_once_per_load_and_gguf_is_left_as_it_was(smollm2_gguf, monkeypatch):
+    """Counted: the file's header parsed once for the configuration, the weights and the tokenizer
+    together (transformers parses it for each), gguf's tensor-name map built once (transformers builds
+    it per module); afterwards the ``gguf`` module holds its own names again."""
+    import gguf
+
+    from transfuse.models import load_gguf
+
+    parsed, built = [], []
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def counting_reader(*args, **kwargs):
+        parsed.append(args[0])
+        return reader_class(*args, **kwargs)
+
+    def counting_map(*args):
+        built.append(args)
+        return name_map(*args)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting_reader)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", counting_map)
+    model, tokenizer = load_gguf(smollm2_gguf)
+    assert len(parsed) == 1 and len(built) == 1
+    assert tokenizer("The three primary colours are").input_ids == [504, 1296, 3003, 14797, 359]
+    assert gguf.GGUFReader is counting_reader and gguf.get_tensor_name_map is counting_map
+
+
 def test_the_decode_paths_give_the_checkpoint_s_own_answers(smollm2_dir, rewritten_smollm2, monkeypatch):
     """Real weights, where a wrong cache or position changes the tokens at once (tiny random models
     repeat theirs): a padded batch of two prompts decodes 24 tokens greedily through the eager
