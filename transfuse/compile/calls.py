@@ -121,9 +121,9 @@ class DecodeCalls:
 
     def _mode(self) -> contextlib.AbstractContextManager:
         """A batch-invariant model's mode, entered around the whole call: the model's own forward
-        enters it too, but inside a compiled call Dynamo traces that ``with`` rather than running
-        it, and the library ops and kernels of the compiled code choose their providers and launches
-        when they run (a captured graph holds the launches made at its capture)."""
+        enters it too, but inside a compiled call Dynamo may trace that ``with`` rather than run
+        it, while the library ops and kernels of the compiled code choose their providers and
+        launches when they run (a captured graph holds the launches made at its capture)."""
         from ..ops import batch_invariant
 
         return batch_invariant_mode() if batch_invariant.is_enabled(self.model) else contextlib.nullcontext()
