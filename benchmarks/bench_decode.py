@@ -81,10 +81,12 @@ SHAPES = {
 }
 
 
-def build(name: str, device: str):
+def build(name: str, device: str, **overrides):
+    """The model of ``SHAPES[name]`` (its configuration's values replaced by ``overrides``), bf16 random weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, shape = SHAPES[name]
+    shape = dict(shape, **overrides)
     config = AutoConfig.for_model(model_type, **shape)
     config.eos_token_id = None
     torch.manual_seed(0)

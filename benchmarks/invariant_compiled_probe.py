@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import transfuse  # noqa: E402
 from bench_batch_invariant import decode_logits, random_prompts  # noqa: E402
-from bench_decode import SHAPES  # noqa: E402
+from bench_decode import build  # noqa: E402
 
 # name -> transfuse.compile's options (batch_invariant=True in every one)
 VARIANTS = {
@@ -43,19 +43,6 @@ VARIANTS = {
     "no Inductor": {"inductor": False},
     "no Inductor, no CUDA graphs": {"inductor": False, "cuda_graphs": False},
 }
-
-
-def build(layers: int, device: str, tiny: bool):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    model_type, shape = SHAPES["tiny" if tiny else "llama"]
-    shape = dict(shape, num_hidden_layers=layers)
-    config = AutoConfig.for_model(model_type, **shape)
-    config.eos_token_id = None
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    return model.eval()
 
 
 def alone_and_batched(model, targets, others, size: int, new: int):
@@ -125,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         _explain()
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    stock = build(args.layers, device, args.tiny)
+    stock = build("tiny" if args.tiny else "llama", device, num_hidden_layers=args.layers)
     vocab = stock.config.vocab_size
     lengths = (3, 9) if args.tiny else (16, 120)
     targets = random_prompts(args.prompts, vocab, lengths, device, seed=1)
