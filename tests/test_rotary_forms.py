@@ -248,31 +248,32 @@ def rope_one_modern(x, cos, sin, position_ids=None, unsqueeze_dim=1):
     return (x * cos) + (rotate_half(x) * sin)
 
 
-class KeywordConstantAttention(OldAttention):
+class TokensFirstAttention(OldAttention):
+    """q and k kept as ``[batch, seq, heads, dim]``; tables read at the positions."""
+
+    def tokens_first(self, hidden_states, position_ids):
+        bsz, q_len, _ = hidden_states.shape
+        shape = (bsz, q_len, self.num_heads, self.head_dim)
+        query = self.q_proj(hidden_states).view(shape)
+        key = self.k_proj(hidden_states).view(shape)
+        value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        cos, sin = self.rotary_emb(value, seq_len=q_len)
+        return query, key, value, cos[position_ids], sin[position_ids]
+
+
+class KeywordConstantAttention(TokensFirstAttention):
     """Heads kept as ``[batch, seq, heads, dim]``, RoPE told so by a constant passed by keyword
     (gemma3n, gemma4, the DeepSeek-V3.2 indexer) → fuses, the function proved with that constant."""
 
     def forward(self, hidden_states, position_ids):
-        bsz, q_len, _ = hidden_states.shape
-        shape = (bsz, q_len, self.num_heads, self.head_dim)
-        query = self.q_proj(hidden_states).view(shape)
-        key = self.k_proj(hidden_states).view(shape)
-        value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
-        cos, sin = self.rotary_emb(value, seq_len=q_len)
-        cos, sin = cos[position_ids], sin[position_ids]
+        query, key, value, cos, sin = self.tokens_first(hidden_states, position_ids)
         query, key = rope_kept_parameter(query, key, cos, sin, unsqueeze_dim=2)
         return self.attend(query.transpose(1, 2), key.transpose(1, 2), value)
 
 
-class KeywordConstantOneTensorAttention(OldAttention):
+class KeywordConstantOneTensorAttention(TokensFirstAttention):
     def forward(self, hidden_states, position_ids):
-        bsz, q_len, _ = hidden_states.shape
-        shape = (bsz, q_len, self.num_heads, self.head_dim)
-        query = self.q_proj(hidden_states).view(shape)
-        key = self.k_proj(hidden_states).view(shape)
-        value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
-        cos, sin = self.rotary_emb(value, seq_len=q_len)
-        cos, sin = cos[position_ids], sin[position_ids]
+        query, key, value, cos, sin = self.tokens_first(hidden_states, position_ids)
         query = rope_one_modern(query, cos, sin, unsqueeze_dim=2)
         key = rope_one_modern(key, cos, sin, unsqueeze_dim=2)
         return self.attend(query.transpose(1, 2), key.transpose(1, 2), value)
@@ -425,6 +426,23 @@ def test_a_constant_passed_by_keyword_is_passed_on_and_proved_with_the_function(
     finally:
         globals()["rope_kept_parameter"] = kept
     assert calls == [] and seen[-1] == 2  # the patched function, called with the call's own keyword
+
+
+@pytest.mark.parametrize("cls", [KeywordConstantAttention, KeywordConstantOneTensorAttention])
+def test_a_keyword_constant_call_compiles_and_trains_like_the_stock_module(cls):
+    """Under ``torch.compile`` the call runs the function (or the library op) with the call's
+    keyword: the stock module's outputs and gradients."""
+    module, stock = _rewritten(cls)
+    x, positions = _inputs()
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=False)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got, want = compiled(x1, positions), stock(x2, positions)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-6, atol=1e-7)
+    for (name, p), q in zip(module.named_parameters(), stock.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_a_function_proved_with_a_keyword_is_a_copy_with_that_default():
