@@ -412,6 +412,24 @@ def test_inductor_compiles_a_modes_pieces_with_eager_rounding_and_unsplit_reduct
 
 
 @pytest.mark.parametrize("inductor", [False, True], ids=["traced", "inductor"])
+def test_compiled_prompts_attend_through_the_modes_attention(inductor):
+    """Counted at the dispatcher: a compiled call's attention runs outside Dynamo (the
+    ``cached_attention`` op), so outside the torch-function mode the forward enters; a prompt's
+    attention there is the mode's ``invariant_attention`` (one per layer), never the library's SDPA,
+    whose kernels choose their key blocks by the sequence's length."""
+    from transfuse.ops import dispatch
+
+    model = tiny_model("llama", num_hidden_layers=2).eval()
+    transfuse.rewrite(model, batch_invariant=True, verify=False)
+    transfuse.compile(model, inductor=inductor, cache_dir=False)
+    prompt = torch.randint(0, 100, (1, 6), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(), dispatch.trace() as log:
+        model(prompt)
+    assert model._transfuse_compiled.calls["compiled"] > 0
+    assert [entry.op for entry in log].count("invariant_attention") == 2
+
+
+@pytest.mark.parametrize("inductor", [False, True], ids=["traced", "inductor"])
 def test_compiled_calls_choose_their_providers_inside_the_mode(monkeypatch, inductor):
     """Counted at each provider choice a compiled call makes when it runs: the mode is on there (a
     library op in compiled code chooses its provider, and a Triton kernel its launch, at run time;

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..ops.decode_attention import decode_attention
+from ..ops.dispatch import batch_invariant_active
 
 __all__ = ["IMPLEMENTATION", "Step", "attention_forward", "cached_attention", "current_step", "current_store", "step"]
 
@@ -196,16 +197,26 @@ def cached_attention(
     else:
         seen = 0
     mask, is_causal = _mask(current, query, key.shape[2], seen, new, sliding_window, causal)
-    if softcap or sinks is not None:
-        output = _attend_softmax(query, key, value, mask, is_causal, scaling, softcap, sinks)
-    elif new == 1 and mask is not None:
+    if new == 1 and mask is not None and not softcap and sinks is None:
         return decode_attention(query, key, value, _bias(current, mask, query.dtype, key.shape[1]), scaling)
-    else:
-        output = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling,
-            enable_gqa=key.shape[1] != query.shape[1],
-        )
+    # This op runs outside Dynamo, so outside the torch-function mode a batch-invariant model's
+    # forward enters: its attention is entered here (SDPA's kernels choose their key blocks by
+    # the sequence's length, so a left-padded prompt would be summed in other blocks than alone).
+    with _invariant_functions() if batch_invariant_active() else contextlib.nullcontext():
+        if softcap or sinks is not None:
+            output = _attend_softmax(query, key, value, mask, is_causal, scaling, softcap, sinks)
+        else:
+            output = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling,
+                enable_gqa=key.shape[1] != query.shape[1],
+            )
     return output.transpose(1, 2).contiguous()
+
+
+def _invariant_functions() -> Any:
+    from ..ops.batch_invariant import InvariantFunctions
+
+    return InvariantFunctions()
 
 
 # The op the graph holds. The backend calls ``cached_attention`` directly in its place: the

@@ -1,0 +1,210 @@
+"""The first operation of a compiled batch-invariant model whose row differs alone and in a batch.
+
+    python benchmarks/invariant_bisect.py --out DIR [--layers 2] [--batch 7]
+    python benchmarks/invariant_bisect.py --tiny --out DIR     # on a CPU, tiny shapes
+
+A model of Llama-3-8B layer shapes (``--layers`` layers, bf16 random weights) is rewritten in
+batch-invariant mode and compiled (``transfuse.compile(..., cuda_graphs=False, replay=False)``,
+so every call runs where it can be watched; ``--inductor off`` leaves the pieces as traced). One
+prompt's prefill runs alone and as row ``at`` of a left-padded batch of ``--batch`` prompts. Every
+call of a dispatched op (at run time, outside Dynamo), of the compile path's attention op and of
+each piece Inductor compiled is recorded with copies of its inputs and outputs; the two runs'
+records are paired by kind, name and occurrence, the prompt's row (the last ``length`` positions
+of row ``at``) is cut from the batch's tensors, and each pair says whether its inputs and its
+outputs are bit-identical. The first pair with equal inputs and different outputs is the
+operation that depends on the batch. Writes DIR/invariant_bisect.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import transfuse  # noqa: E402
+from bench_batch_invariant import left_padded, random_prompts  # noqa: E402
+from bench_decode import build  # noqa: E402
+
+# (kind, name, inputs, outputs[, a piece's code]): pieces are paired by occurrence alone (their
+# code names the shapes it was compiled for).
+RECORDS: list[tuple] = []
+ON = [False]
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    leaves = torch.utils._pytree.tree_leaves(value)
+    return [t for t in leaves if isinstance(t, torch.Tensor)]
+
+
+def _copies(value) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in _tensors(value)]
+
+
+def _watch() -> None:
+    """Record dispatched ops, the attention op and Inductor's pieces while ``ON``."""
+    import torch._inductor.compile_fx as inductor
+
+    import transfuse.compile.attention as attention
+    from transfuse.ops import dispatch
+
+    call = dispatch.Op.__call__
+
+    def op_call(self, *args, **kwargs):
+        if not ON[0] or torch.compiler.is_compiling():
+            return call(self, *args, **kwargs)
+        inputs = _copies((args, kwargs))
+        out = call(self, *args, **kwargs)
+        RECORDS.append(("op", self.name, inputs, _copies(out)))
+        return out
+
+    dispatch.Op.__call__ = op_call
+    attend = attention.cached_attention
+
+    def cached_attention(*args, **kwargs):
+        inputs = _copies((args, kwargs)) if ON[0] else None
+        out = attend(*args, **kwargs)
+        if ON[0]:
+            RECORDS.append(("attention", f"layer {args[4]}", inputs, _copies(out)))
+        return out
+
+    attention.cached_attention = cached_attention
+    compile_fx = inductor.compile_fx
+
+    def watched_compile(piece, inputs, *rest, **kwargs):
+        compiled = compile_fx(piece, inputs, *rest, **kwargs)
+        code = piece.code
+
+        def run(*args):
+            copies = _copies(args) if ON[0] else None
+            out = compiled(*args)
+            if ON[0]:
+                RECORDS.append(("piece", "", copies, _copies(out), code))
+            return out
+
+        return run
+
+    inductor.compile_fx = watched_compile
+
+
+def _row(a: torch.Tensor, b: torch.Tensor, at: int, batch: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``a`` (alone) and the prompt's part of ``b`` (the batch), or None where they cannot be paired."""
+    if a.shape == b.shape:
+        return a, b
+    if a.dim() != b.dim() or a.dim() == 0:
+        return None
+    if a.shape[0] == 1 and b.shape[0] == batch:
+        b = b[at : at + 1]
+    elif b.shape[0] % batch == 0 and b.shape[0] // batch >= a.shape[0]:
+        b = b.reshape(batch, b.shape[0] // batch, *b.shape[1:])[at]
+        b = b.narrow(0, b.shape[0] - a.shape[0], a.shape[0])
+    for d in range(1, a.dim()):
+        if a.shape[d] < b.shape[d]:
+            b = b.narrow(d, b.shape[d] - a.shape[d], a.shape[d])
+    return (a, b) if a.shape == b.shape else None
+
+
+def _same(alone: list[torch.Tensor], batched: list[torch.Tensor], at: int, batch: int) -> tuple[bool | None, float]:
+    """(all pairable tensors bit-identical, or None where none could be paired; largest difference)."""
+    verdict, largest = None, 0.0
+    for a, b in zip(alone, batched):
+        pair = _row(a, b, at, batch)
+        if pair is None:
+            continue
+        x, y = pair
+        equal = torch.equal(x, y)
+        verdict = equal if verdict is None else (verdict and equal)
+        if not equal and x.is_floating_point():
+            largest = max(largest, float((x.float() - y.float()).abs().nan_to_num(posinf=1e30).max()))
+    return verdict, largest
+
+
+def _prefill(model, prompts) -> list:
+    ids, mask = left_padded(prompts)
+    RECORDS.clear()
+    ON[0] = True
+    try:
+        with torch.no_grad():
+            model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))  # as generate gives them
+    finally:
+        ON[0] = False
+    return list(RECORDS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=7)
+    parser.add_argument("--inductor", choices=("on", "off"), default="on")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--show", type=int, default=60, help="pairs listed in the table")
+    args = parser.parse_args(argv)
+    _watch()
+    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    model = build("tiny" if args.tiny else "llama", device, num_hidden_layers=args.layers)
+    vocab = model.config.vocab_size
+    lengths = (3, 9) if args.tiny else (16, 120)
+    target = random_prompts(1, vocab, lengths, device, seed=1)[0]
+    others = random_prompts(args.batch - 1, vocab, (lengths[1], lengths[1] + 8), device, seed=2)
+    at = args.batch // 2
+    batch = others[:at] + [target] + others[at:]
+    transfuse.rewrite(model, batch_invariant=True)
+    transfuse.compile(model, batch_invariant=True, cache_dir=False, cuda_graphs=False, replay=False,
+                      inductor=args.inductor == "on")  # fmt: skip
+    for _ in range(2):  # compiled for both shapes before anything is recorded
+        _prefill(model, [target])
+        _prefill(model, batch)
+    alone, batched = _prefill(model, [target]), _prefill(model, batch)
+
+    seen: dict[tuple[str, str], int] = {}
+    index: dict[tuple[str, str, int], tuple] = {}
+    for kind, name, inputs, outputs, *_ in batched:
+        n = seen.get((kind, name), 0)
+        seen[(kind, name)] = n + 1
+        index[(kind, name, n)] = (inputs, outputs)
+    seen.clear()
+    pairs = []
+    for kind, name, inputs, outputs, *code in alone:
+        n = seen.get((kind, name), 0)
+        seen[(kind, name)] = n + 1
+        other = index.get((kind, name, n))
+        if other is None:
+            pairs.append({"kind": kind, "name": name, "n": n, "paired": False, "code": code[0] if code else None})
+            continue
+        ins, _ = _same(inputs, other[0], at, args.batch)
+        outs, largest = _same(outputs, other[1], at, args.batch)
+        pairs.append({"kind": kind, "name": name, "n": n, "paired": True, "inputs equal": ins,
+                      "outputs equal": outs, "largest": largest, "code": code[0] if code else None})  # fmt: skip
+    culprit = next((p for p in pairs if p.get("inputs equal") is not False and p.get("outputs equal") is False), None)
+    result = {"argv": sys.argv[1:], "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+              "records alone": len(alone), "records batched": len(batched), "first differing": culprit,
+              "logits equal": pairs[-1] if pairs else None, "pairs": pairs}  # fmt: skip
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "invariant_bisect.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    lines = [f"Command: `python benchmarks/invariant_bisect.py {' '.join(sys.argv[1:])}` ({result['device']})", "",
+             f"Records: {len(alone)} alone, {len(batched)} in the batch. First operation with equal inputs and "
+             f"different outputs: {'none' if culprit is None else culprit['kind'] + ' ' + culprit['name'] + ' #' + str(culprit['n'])!r}.", "",
+             "| # | kind | name | inputs equal | outputs equal | largest |", "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for i, p in enumerate(pairs[: args.show]):
+        name = f"#{p['n']}" if p["kind"] == "piece" else p["name"]
+        lines.append(f"| {i} | {p['kind']} | {name} | {p.get('inputs equal')} | {p.get('outputs equal')} | "
+                     f"{p.get('largest', 0):.3g} |")  # fmt: skip
+    if culprit is not None and culprit["kind"] == "piece":
+        lines += ["", "The first differing piece, as compiled for the prompt alone:", "", "```", culprit["code"].strip(), "```"]
+    text = "\n".join(lines)
+    with open(os.path.join(args.out, "invariant_bisect.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
