@@ -404,11 +404,36 @@ def test_inductor_compiles_a_modes_pieces_with_eager_rounding_and_unsplit_reduct
     for invariant in (True, False):
         model = tiny_model("llama", num_hidden_layers=1).eval()
         transfuse.rewrite(model, batch_invariant=invariant, verify=False)
-        transfuse.compile(model, cache_dir=False)
+        transfuse.compile(model, cache_dir=False, inductor=True)  # asked for: not the mode's default
         seen.clear()
         with torch.no_grad():
             model(prompt)
         assert seen and set(seen) == ({(True, False)} if invariant else {(False, True)})
+
+
+def test_in_the_mode_compile_leaves_the_pieces_as_traced_unless_inductor_is_asked_for(monkeypatch):
+    """Counted at Inductor's entry: a batch-invariant model's compiled pieces run as traced by
+    default (code Inductor generated for an elementwise piece gave a row other bits in a batch on
+    a GPU); a model out of the mode goes through Inductor as before."""
+    import torch._inductor.compile_fx as inductor
+
+    compiled = []
+
+    def record(piece, inputs, *args, **kwargs):
+        compiled.append(piece)
+        return piece
+
+    monkeypatch.setattr(inductor, "compile_fx", record)
+    prompt = torch.randint(0, 100, (1, 5), generator=torch.Generator().manual_seed(3))
+    for invariant in (True, False):
+        model = tiny_model("llama", num_hidden_layers=1).eval()
+        transfuse.rewrite(model, batch_invariant=invariant, verify=False)
+        transfuse.compile(model, cache_dir=False)
+        compiled.clear()
+        with torch.no_grad():
+            model(prompt)
+        assert model._transfuse_compiled.calls["compiled"] > 0
+        assert (len(compiled) == 0) == invariant
 
 
 @pytest.mark.parametrize("inductor", [False, True], ids=["traced", "inductor"])

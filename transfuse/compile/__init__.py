@@ -220,7 +220,7 @@ def _forget(code: types.CodeType) -> None:
 def compile(  # noqa: A001 - the name users call, as torch.compile
     model: nn.Module,
     *,
-    inductor: bool = True,
+    inductor: bool | None = None,
     cuda_graphs: bool = True,
     dynamic: bool | None = None,
     deferred_stop: bool = True,
@@ -233,7 +233,8 @@ def compile(  # noqa: A001 - the name users call, as torch.compile
 ) -> nn.Module:
     """Compile ``model`` in place for inference and return it (see the module docstring).
 
-    ``inductor=False`` runs the pieces as traced (for tests of the split alone),
+    ``inductor=False`` runs the pieces as traced (the default for a batch-invariant model, see
+    below; for other models, for tests of the split alone),
     ``cuda_graphs=False`` runs them without CUDA graphs, ``dynamic`` is ``torch.compile``'s,
     ``deferred_stop=False`` keeps ``generate``'s stop check on every token, ``kv_store``
     keeps decode steps' keys and values in buffers with room so a whole step is one CUDA graph
@@ -260,7 +261,10 @@ def compile(  # noqa: A001 - the name users call, as torch.compile
 
     ``batch_invariant``: True puts the model in batch-invariant mode (as ``transfuse.rewrite(model,
     batch_invariant=True)`` does), False takes it out, None keeps the model's own; in the mode the
-    compiled code calls the dispatched ops as library ops (``docs/batch-invariance.md``).
+    compiled code calls the dispatched ops as library ops, and, unless ``inductor=True`` is asked
+    for, the pieces between them run as traced: every reduction is then the mode's, and every
+    elementwise op is the eager kernel, whereas code Inductor generated for an elementwise piece
+    was measured giving a row other bits in a batch (``docs/batch-invariance.md``).
 
     ``cache_dir``: where what Inductor compiles for this model is kept for the next process
     (``transfuse/compile/cache.py``): None for ``TRANSFUSE_CACHE_DIR`` or the user's cache
@@ -271,6 +275,8 @@ def compile(  # noqa: A001 - the name users call, as torch.compile
         invariance.enable(model)
     elif batch_invariant is not None:
         invariance.disable(model)
+    if inductor is None:
+        inductor = not invariance.is_enabled(model)
     growth = latent_cache_growth(model.config)
     if growth is not None:
         warnings.warn(
