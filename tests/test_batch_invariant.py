@@ -366,13 +366,14 @@ def test_a_prompts_logits_are_the_same_bits_alone_and_in_a_left_padded_batch(inv
     assert "batch-invariant mode: on" in report
 
 
-def test_compiled_decode_steps_are_the_same_bits_alone_and_in_a_left_padded_batch():
-    """``transfuse.compile`` in the mode (its pieces as traced), bfloat16: every generated step's
-    logits for a prompt alone (its attention through scaled_dot_product_attention) and inside a
-    left-padded batch (through decode_attention) are equal."""
-    model = tiny_model("llama").to(torch.bfloat16).eval()
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "gemma2"])
+def test_compiled_decode_steps_are_the_same_bits_alone_and_in_a_left_padded_batch(model_type):
+    """``transfuse.compile`` in the mode (its default there: the pieces as traced), bfloat16: every
+    generated step's logits for a prompt alone (its attention through scaled_dot_product_attention)
+    and inside a left-padded batch (through decode_attention) are equal."""
+    model = tiny_model(model_type).to(torch.bfloat16).eval()
     transfuse.rewrite(model, batch_invariant=True, verify=False)
-    transfuse.compile(model, inductor=False, cache_dir=False)
+    transfuse.compile(model, cache_dir=False)
     vocab = model.config.vocab_size
     prompt = torch.randint(0, vocab, (1, 7), generator=torch.Generator().manual_seed(2))
     ids, mask, _ = _left_padded(prompt, vocab)
