@@ -199,9 +199,10 @@ def cached_attention(
     mask, is_causal = _mask(current, query, key.shape[2], seen, new, sliding_window, causal)
     if new == 1 and mask is not None and not softcap and sinks is None:
         return decode_attention(query, key, value, _bias(current, mask, query.dtype, key.shape[1]), scaling)
-    # This op runs outside Dynamo, so outside the torch-function mode a batch-invariant model's
-    # forward enters: its attention is entered here (SDPA's kernels choose their key blocks by
-    # the sequence's length, so a left-padded prompt would be summed in other blocks than alone).
+    # This op runs outside Dynamo, where the torch-function mode a batch-invariant model's forward
+    # enters (which Dynamo traced) need not be active: the mode's attention is entered here (SDPA's
+    # kernels choose their key blocks by the sequence's length, so a left-padded prompt would be
+    # summed in other blocks than alone).
     with _invariant_functions() if batch_invariant_active() else contextlib.nullcontext():
         if softcap or sinks is not None:
             output = _attend_softmax(query, key, value, mask, is_causal, scaling, softcap, sinks)
