@@ -44,11 +44,13 @@ def test_greedy_generation_is_identical_after_rewrite(smollm2_dir):
     assert (logits_after - logits_before).abs().max() <= 1e-5 * logits_before.abs().max()
 
 
-def test_the_gguf_journey_explain_emit_and_load(smollm2_gguf, rewritten_smollm2, tmp_path):
+def test_the_gguf_journey_explain_emit_and_load(smollm2_gguf, rewritten_smollm2, tmp_path, monkeypatch):
     """MODEL may be a GGUF file: explain reads it, emit writes a plain safetensors checkpoint
-    (dequantised) with the rewritten modeling files and the tokenizer, which stock transformers
-    loads and generates from with the runtime rewrite's tokens (of the same file's weights). The
-    commands run in this process (``transfuse.cli.main``, as ``tests/test_cli.py`` runs it)."""
+    (dequantised) with the rewritten modeling files and the tokenizer (the file parsed once for
+    both, counted), which stock transformers loads and generates from with the runtime rewrite's
+    tokens (of the same file's weights). The commands run in this process
+    (``transfuse.cli.main``, as ``tests/test_cli.py`` runs it)."""
+    import gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .test_cli import run_here
@@ -59,8 +61,16 @@ def test_the_gguf_journey_explain_emit_and_load(smollm2_gguf, rewritten_smollm2,
     # (the README's line)
     assert "181 fusions (add_rms_norm 30, gate_up 30, qkv 30, rms_norm 61, rotary 30), 0 refused" in explained.stdout
     out = tmp_path / "smollm2-fused"
+    parsed, reader_class = [], gguf.GGUFReader
+
+    def counting_reader(*args, **kwargs):
+        parsed.append(args[0])
+        return reader_class(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting_reader)
     emitted = run_here("emit", smollm2_gguf, "--out", str(out), "-q")
     assert emitted.returncode == 0, emitted.stderr[-2000:]
+    assert len(parsed) == 1
     assert any(p.suffix == ".safetensors" for p in out.iterdir())
     loaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(out)

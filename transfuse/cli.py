@@ -7,6 +7,7 @@ at once); a command says what it loads before it imports them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import time
@@ -62,7 +63,7 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _emit(args: argparse.Namespace) -> int:
-    from .models import is_gguf, load_gguf_tokenizer, resolve_checkpoint
+    from .models import gguf_parsed_once, is_gguf, load_gguf_tokenizer, resolve_checkpoint
     from .rewriter.emit import emit
     from .rewriter.emit_dir import check_destination
 
@@ -71,10 +72,13 @@ def _emit(args: argparse.Namespace) -> int:
     # Before the load and the rewrite, not after them.
     for note in check_destination(args.out, force=args.force, source=args.model if gguf else checkpoint, force_is="--force"):
         print(f"note: {note}")
-    model = _load_and_rewrite(args)
+    # A GGUF file's tokenizer comes from the file too: read with the weights, from one parse of it.
+    with gguf_parsed_once() if gguf else contextlib.nullcontext():
+        model = _load_and_rewrite(args)
+        gguf_tokenizer = load_gguf_tokenizer(args.model) if gguf else None
 
-    def tokenizer(directory: str) -> list[str]:  # a GGUF file's tokenizer comes from the file too
-        load_gguf_tokenizer(args.model).save_pretrained(directory)
+    def tokenizer(directory: str) -> list[str]:
+        gguf_tokenizer.save_pretrained(directory)
         return ["tokenizer"]
 
     result = emit(model, args.out, checkpoint_dir=checkpoint, force=args.force, link=args.link, also=tokenizer if gguf else None)

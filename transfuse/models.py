@@ -56,7 +56,7 @@ def load_gguf(path: str, *, dtype: torch.dtype = torch.float32, allow_missing_we
         raise ModelError(f"{path}: no such file.")
     directory, name = os.path.split(os.path.abspath(path))
     try:
-        with _load_report_shown(), _gguf_parsed_once():
+        with _load_report_shown(), gguf_parsed_once():
             quantised, info = AutoModelForCausalLM.from_pretrained(
                 directory, gguf_file=name, dtype=dtype, ignore_mismatched_sizes=True, output_loading_info=True
             )
@@ -75,7 +75,7 @@ def load_gguf(path: str, *, dtype: torch.dtype = torch.float32, allow_missing_we
 
 
 @contextlib.contextmanager
-def _gguf_parsed_once() -> Iterator[None]:
+def gguf_parsed_once() -> Iterator[None]:
     """Inside: each GGUF file is parsed once, and gguf's tensor-name map of an architecture built
     once. transformers parses the file's header and metadata (the whole vocabulary included) for the
     configuration, again for the weights and again for the tokenizer, and builds the name map once
