@@ -208,6 +208,46 @@ def test_triton_gemm_and_attention_under_the_interpreter_are_invariant_and_match
             ops.set_priority(None, op=name)
 
 
+class _CountedLaunches:
+    """A Triton kernel whose launches are counted."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+def test_triton_gemm_gives_the_same_bits_in_one_launch_or_split_by_chunks(monkeypatch):
+    """The GEMM sums a long reduction in chunks. Where the tiles are too few to fill the device (few
+    rows) it runs a program per chunk and adds the partials after; otherwise one program takes
+    every chunk. Both give the same bits, so a row's bits do not depend on which ran (interpreted,
+    in float32: the interpreter's bfloat16 products are not usable)."""
+    dtype = torch.float32
+    found = ops.get_op("invariant_linear")
+    if not found.is_supported(found.providers["triton"]):
+        pytest.skip("Triton is not installed")
+    from transfuse.ops.triton import invariant
+
+    split = _CountedLaunches(invariant._partial_kernel)
+    monkeypatch.setattr(invariant, "_partial_kernel", split)
+    torch.manual_seed(0)
+    k = 3 * invariant.gemm_tiles(24, 70).chunk - 26  # three chunks, the last one partial
+    a, b, bias = torch.randn(2, 37, k).to(dtype), torch.randn(2, k, 24).to(dtype), torch.randn(24).to(dtype)
+    one = invariant.bmm(a, b, bias, dtype, split=False)
+    assert split.launches == 0
+    assert torch.equal(invariant.bmm(a, b, bias, dtype, split=True), one)
+    assert split.launches == 1
+    torch.testing.assert_close(one, (a.double() @ b.double() + bias.double()).float())
+    # Chosen by the launch's size: one row splits, many rows do not; the row's bits are the same.
+    few = invariant.bmm(a[:1, 5:6], b[:1], bias, dtype)
+    assert split.launches == 2
+    many = invariant.bmm(a[:1].repeat(1, 4, 1), b[:1], bias, dtype)
+    assert split.launches == 2
+    assert torch.equal(few[0, 0], one[0, 5]) and torch.equal(many[0, 5], one[0, 5])
+
+
 @pytest.mark.parametrize("provider", ["native", "triton"])
 def test_decode_attention_of_a_sequence_ignores_its_padding_and_the_batch(provider):
     """One query a sequence over buffers: a left-padded sequence among others gives what it gives

@@ -1,10 +1,12 @@
 """Triton kernels of batch-invariant mode: a batched GEMM, a grouped GEMM and attention with fixed
 reduction orders.
 
-GEMM: one tile shape (``BLOCK_M x BLOCK_N``), one reduction tile ``BLOCK_K`` and one warp count
-for a given weight shape, whatever the row count: each output element is reduced over the same
-``BLOCK_K`` steps by the same instructions, in every batch and at every place in a tile (no
-split-K, no choice by row count).
+GEMM: one tile shape (``BLOCK_M x BLOCK_N``), one reduction tile ``BLOCK_K``, one warp count and
+one chunk length for a given weight shape, whatever the row count: each output element is the sum,
+from the first chunk to the last, of its chunks' partial sums, each reduced over the same
+``BLOCK_K`` steps by the same instructions, in every batch and at every place in a tile. Whether
+the chunks run in one program or in programs of their own (a split-K launch, where the tiles are
+too few to fill the device) changes where the partials are added, not how.
 
 Attention: one program per query row, its keys walked in blocks of ``BLOCK_N`` from its first
 unmasked key (an online softmax), so a left-padded sequence's keys fall in the same blocks at the
@@ -12,6 +14,9 @@ same places as the sequence alone; blocks past the last unmasked key add exact z
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import torch
 import triton
@@ -23,17 +28,17 @@ from . import device_of, interpreting
 
 @triton.jit
 def _tile(
-    a_base, b_base, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+    a_base, b_base, rm, rn, M, N, k_lo, k_hi, stride_am, stride_ak, stride_bk, stride_bn,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """The float32 products of rows ``rm`` (those below ``M``) of ``a`` with columns ``rn`` of ``b``,
-    summed over ``K`` in steps of ``BLOCK_K``, in order: the one reduction of every GEMM of the mode."""
+    summed over ``k_lo <= k < k_hi`` in steps of ``BLOCK_K``, in order, from zero."""
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + rk
-        a = tl.load(a_base + rm[:, None] * stride_am + ks[None, :] * stride_ak, mask=(rm[:, None] < M) & (ks[None, :] < K), other=0.0)
-        b = tl.load(b_base + ks[:, None] * stride_bk + rn[None, :] * stride_bn, mask=(ks[:, None] < K) & (rn[None, :] < N), other=0.0)
+        a = tl.load(a_base + rm[:, None] * stride_am + ks[None, :] * stride_ak, mask=(rm[:, None] < M) & (ks[None, :] < k_hi), other=0.0)
+        b = tl.load(b_base + ks[:, None] * stride_bk + rn[None, :] * stride_bn, mask=(ks[:, None] < k_hi) & (rn[None, :] < N), other=0.0)
         if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
@@ -42,18 +47,34 @@ def _tile(
 
 
 @triton.jit
+def _chunked_tile(
+    a_base, b_base, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """The one reduction of every GEMM of the mode: ``K`` cut in chunks of ``CHUNK``, each chunk's
+    partial sum taken by ``_tile``, the partials added to zero from the first chunk to the last.
+    ``_partial_kernel`` and ``_sum_partials_kernel`` take the same sum in two launches."""
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_lo in range(0, K, CHUNK):
+        total += _tile(a_base, b_base, rm, rn, M, N, k_lo, tl.minimum(k_lo + CHUNK, K), stride_am, stride_ak,
+                       stride_bk, stride_bn, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+    return total
+
+
+@triton.jit
 def _bmm_kernel(
     a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K,
     stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn, stride_cb, stride_cm, stride_cn,
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     a_base = a_ptr + batch.to(tl.int64) * stride_ab
     b_base = b_ptr + batch.to(tl.int64) * stride_bb
-    acc = _tile(a_base, b_base, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = _chunked_tile(a_base, b_base, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, IEEE,
+                        BLOCK_M, BLOCK_N, BLOCK_K, CHUNK)  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     c = c_ptr + batch.to(tl.int64) * stride_cb + rm[:, None] * stride_cm + rn[None, :] * stride_cn
@@ -61,10 +82,50 @@ def _bmm_kernel(
 
 
 @triton.jit
+def _partial_kernel(
+    a_ptr, b_ptr, part_ptr, M, N, K, CHUNKS,
+    stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    # Program (row tile, column tile, batch x chunk): one chunk's partial sum, as ``_chunked_tile``
+    # takes it, into ``part`` [batch, chunks, M, N] (float32).
+    pid_m, pid_n, pid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    batch, chunk = pid // CHUNKS, pid % CHUNKS
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_lo = chunk * CHUNK
+    acc = _tile(a_ptr + batch.to(tl.int64) * stride_ab, b_ptr + batch.to(tl.int64) * stride_bb, rm, rn, M, N, k_lo,
+                tl.minimum(k_lo + CHUNK, K), stride_am, stride_ak, stride_bk, stride_bn, IEEE, BLOCK_M, BLOCK_N,
+                BLOCK_K)  # fmt: skip
+    part = part_ptr + pid.to(tl.int64) * M * N + rm[:, None] * N + rn[None, :]
+    tl.store(part, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _sum_partials_kernel(
+    part_ptr, bias_ptr, c_ptr, M, N, CHUNKS, stride_cb, stride_cm, stride_cn,
+    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # The partials of ``_partial_kernel`` added to zero from the first chunk to the last, then the
+    # bias: the additions ``_chunked_tile`` makes, in its order.
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    batch = tl.program_id(1).to(tl.int64)
+    inside = idx < M * N
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for chunk in range(0, CHUNKS):
+        total += tl.load(part_ptr + (batch * CHUNKS + chunk) * M * N + idx, mask=inside, other=0.0)
+    rn = idx % N
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + rn, mask=inside, other=0.0).to(tl.float32)
+    c = c_ptr + batch * stride_cb + (idx // N) * stride_cm + rn * stride_cn
+    tl.store(c, total.to(c_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
 def _grouped_kernel(
     a_ptr, b_ptr, ends_ptr, c_ptr, N, K, TILES_M,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     # Program (group e, tile t of its rows): the group's bounds are read here, on the device, so the
     # launch depends on the shapes alone; a tile past the group's rows does nothing.
@@ -75,37 +136,81 @@ def _grouped_kernel(
     rm = start + (pid % TILES_M) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if start + (pid % TILES_M) * BLOCK_M < end:
-        acc = _tile(a_ptr, b_ptr + group.to(tl.int64) * stride_be, rm, rn, end, N, K, stride_am, stride_ak,
-                    stride_bk, stride_bn, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+        acc = _chunked_tile(a_ptr, b_ptr + group.to(tl.int64) * stride_be, rm, rn, end, N, K, stride_am, stride_ak,
+                            stride_bk, stride_bn, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, CHUNK)  # fmt: skip
         c = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < end) & (rn[None, :] < N))
 
 
-def _gemm_tiles(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) from the weight's shape alone."""
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """How the mode's GEMM of one weight shape runs. The sum an output takes depends on ``block_m``,
+    ``block_n``, ``block_k`` and ``warps`` (which tensor-core instructions reduce a ``block_k`` step)
+    and on ``chunk`` (the partial sums added in order); ``stages`` only on how loads are pipelined."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    chunk: int
+
+
+def gemm_tiles(n: int, k: int) -> Tiles:
+    """The tiles of a ``[k, n]`` weight: from its shape alone, never from the row count."""
     if interpreting():
-        return 16, 16, 16, 1
+        return Tiles(16, 16, 16, 1, 1, 32)
     block_n = 128 if n >= 128 else max(16, triton.next_power_of_2(n))
     block_k = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
-    return 64, block_n, block_k, 4
+    return Tiles(64, block_n, block_k, 4, 3, 16 * block_k)
 
 
-def bmm(a: Tensor, b: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
-    """``a @ b (+ bias)`` for ``a [batch, M, K]``, ``b [batch, K, N]`` (any strides)."""
+@functools.cache
+def _processors(device: torch.device) -> int:
+    """Programs one launch should cover for the device to be busy: its multiprocessors."""
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def bmm(a: Tensor, b: Tensor, bias: Tensor | None, out_dtype: torch.dtype, split: bool | None = None) -> Tensor:
+    """``a @ b (+ bias)`` for ``a [batch, M, K]``, ``b [batch, K, N]`` (any strides).
+
+    Two launches give the same bits: one program a tile taking every chunk's partial sum
+    (``_bmm_kernel``), or, where the tiles are too few to fill the device (a few rows, at decode),
+    one program a tile and chunk, the partials added after (``_partial_kernel``,
+    ``_sum_partials_kernel``). ``split`` forces one of them."""
     batch, m, k = a.shape
     n = b.shape[-1]
     out = a.new_empty((batch, m, n), dtype=out_dtype)
     if out.numel() == 0:
         return out
-    block_m, block_n, block_k, warps = _gemm_tiles(n, k)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), batch)
+    t = gemm_tiles(n, k)
+    chunks = triton.cdiv(k, t.chunk)
+    tiles = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n))
+    if split is None:
+        split = chunks > 1 and tiles[0] * tiles[1] * batch < _processors(a.device)
+    ieee = a.dtype == torch.float32
     with device_of(a):
-        _bmm_kernel[grid](
-            a, b, bias if bias is not None else a, out, m, n, k,
-            a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
-            HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        if not split:
+            _bmm_kernel[(*tiles, batch)](
+                a, b, bias if bias is not None else a, out, m, n, k,
+                a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
+                out.stride(0), out.stride(1), out.stride(2),
+                HAS_BIAS=bias is not None, IEEE=ieee, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+                CHUNK=t.chunk, num_warps=t.warps, num_stages=t.stages,
+            )  # fmt: skip
+            return out
+        parts = torch.empty((batch, chunks, m, n), dtype=torch.float32, device=a.device)
+        _partial_kernel[(*tiles, batch * chunks)](
+            a, b, parts, m, n, k, chunks, a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
+            IEEE=ieee, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, CHUNK=t.chunk, num_warps=t.warps,
+            num_stages=t.stages,
+        )  # fmt: skip
+        block = 16 if interpreting() else 1024
+        _sum_partials_kernel[(triton.cdiv(m * n, block), batch)](
+            parts, bias if bias is not None else a, out, m, n, chunks, out.stride(0), out.stride(1), out.stride(2),
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=1 if interpreting() else 4,
         )  # fmt: skip
     return out
 
@@ -124,22 +229,23 @@ def invariant_bmm(a: Tensor, b: Tensor) -> Tensor:
 
 def invariant_grouped_mm(rows: Tensor, matrices: Tensor, ends: Tensor) -> Tensor:
     """The triton provider of ``invariant_grouped_mm``: each group's rows times its matrix with the
-    tiles of ``bmm`` for that matrix shape. Nothing is read on the host (a CUDA graph can hold it):
-    the launch covers every group as if it held all the rows, and each program reads its group's
-    bounds from ``ends``. Rows past the last end are zeros."""
+    tiles and chunks of ``bmm`` for that matrix shape. Nothing is read on the host (a CUDA graph can
+    hold it): the launch covers every group as if it held all the rows, and each program reads its
+    group's bounds from ``ends``. Rows past the last end are zeros."""
     total, k = rows.shape
     groups, _, n = matrices.shape
     out = rows.new_zeros((total, n))
     if total == 0 or n == 0:
         return out
-    block_m, block_n, block_k, warps = _gemm_tiles(n, k)
-    tiles_m = triton.cdiv(total, block_m)
+    t = gemm_tiles(n, k)
+    tiles_m = triton.cdiv(total, t.block_m)
     with device_of(rows):
-        _grouped_kernel[(groups * tiles_m, triton.cdiv(n, block_n))](
+        _grouped_kernel[(groups * tiles_m, triton.cdiv(n, t.block_n))](
             rows, matrices, ends, out, n, k, tiles_m,
             rows.stride(0), rows.stride(1), matrices.stride(0), matrices.stride(1), matrices.stride(2),
             out.stride(0), out.stride(1),
-            IEEE=rows.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+            IEEE=rows.dtype == torch.float32, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+            CHUNK=t.chunk, num_warps=t.warps, num_stages=t.stages,
         )  # fmt: skip
     return out
 
