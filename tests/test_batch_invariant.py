@@ -219,12 +219,11 @@ class _CountedLaunches:
         return self.kernel[grid]
 
 
-def test_triton_gemm_gives_the_same_bits_in_one_launch_or_split_by_chunks(monkeypatch):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_gemm_gives_the_same_bits_in_one_launch_or_split_by_chunks(monkeypatch, dtype):
     """The GEMM sums a long reduction in chunks. Where the tiles are too few to fill the device (few
     rows) it runs a program per chunk and adds the partials after; otherwise one program takes
-    every chunk. Both give the same bits, so a row's bits do not depend on which ran (interpreted,
-    in float32: the interpreter's bfloat16 products are not usable)."""
-    dtype = torch.float32
+    every chunk. Both give the same bits, so a row's bits do not depend on which ran (interpreted)."""
     found = ops.get_op("invariant_linear")
     if not found.is_supported(found.providers["triton"]):
         pytest.skip("Triton is not installed")
@@ -239,13 +238,43 @@ def test_triton_gemm_gives_the_same_bits_in_one_launch_or_split_by_chunks(monkey
     assert split.launches == 0
     assert torch.equal(invariant.bmm(a, b, bias, dtype, split=True), one)
     assert split.launches == 1
-    torch.testing.assert_close(one, (a.double() @ b.double() + bias.double()).float())
+    exact = (a.double() @ b.double() + bias.double()).to(dtype)
+    torch.testing.assert_close(one, exact, **({} if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)))
     # Chosen by the launch's size: one row splits, many rows do not; the row's bits are the same.
     few = invariant.bmm(a[:1, 5:6], b[:1], bias, dtype)
     assert split.launches == 2
     many = invariant.bmm(a[:1].repeat(1, 4, 1), b[:1], bias, dtype)
     assert split.launches == 2
     assert torch.equal(few[0, 0], one[0, 5]) and torch.equal(many[0, 5], one[0, 5])
+
+
+@pytest.mark.parametrize("pad", [5, 21])
+def test_triton_attention_of_a_causal_prompt_is_the_same_bits_behind_left_padding(pad):
+    """A prompt over several blocks of keys, alone (``is_causal``, no mask) and left-padded in a
+    batch (a mask), its query heads sharing key/value heads: the same bits for every real query
+    (the Triton kernel, interpreted; blocks of 16 keys)."""
+    found = ops.get_op("invariant_attention")
+    if not found.is_supported(found.providers["triton"]):
+        pytest.skip("Triton is not installed")
+    torch.manual_seed(0)
+    heads, kv_heads, length, dim = 4, 2, 37, 16
+    q = torch.randn(1, heads, length, dim)
+    k, v = (torch.randn(1, kv_heads, length, dim) for _ in range(2))
+    batch = [torch.randn(2, t.shape[1], length + pad, dim) for t in (q, k, v)]
+    for t, own in zip(batch, (q, k, v)):
+        t[0, :, pad:] = own[0]
+    mask = torch.ones(length + pad, length + pad, dtype=torch.bool).tril().repeat(2, 1, 1, 1)
+    mask[0, :, :, :pad] = False
+    ops.set_priority(["triton"], op="invariant_attention")
+    try:
+        with conformance.assumed(), ops.trace() as log, mode():
+            alone = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            padded = F.scaled_dot_product_attention(*batch, attn_mask=mask, enable_gqa=True)
+        assert {d.provider for d in log} == {"triton"}
+        assert torch.equal(padded[0, :, pad:], alone[0])
+        torch.testing.assert_close(alone, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    finally:
+        ops.set_priority(None, op="invariant_attention")
 
 
 @pytest.mark.parametrize("provider", ["native", "triton"])

@@ -8,9 +8,11 @@ from the first chunk to the last, of its chunks' partial sums, each reduced over
 the chunks run in one program or in programs of their own (a split-K launch, where the tiles are
 too few to fill the device) changes where the partials are added, not how.
 
-Attention: one program per query row, its keys walked in blocks of ``BLOCK_N`` from its first
-unmasked key (an online softmax), so a left-padded sequence's keys fall in the same blocks at the
-same places as the sequence alone; blocks past the last unmasked key add exact zeros.
+Attention: a program takes a block of rows (queries of the heads that share a key/value head) and
+walks their keys with tensor-core products in blocks of ``BLOCK_N`` at fixed offsets from the
+sequence's first unmasked key (an online softmax). A row's products never depend on the other rows
+of its block, and a left-padded sequence's keys fall in the same blocks at the same places as the
+sequence alone; masked keys, and blocks past a row's last key, add exact zeros.
 """
 
 from __future__ import annotations
@@ -27,9 +29,22 @@ from . import device_of, interpreting
 
 
 @triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr, ROWWISE: tl.constexpr):
+    """``acc + a @ b`` in float32. ``ROWWISE`` (interpreted runs): each product formed and summed
+    along ``k`` in order, because the interpreter's ``tl.dot`` is numpy's matmul, whose sums change
+    with a row's place in the block; a GPU's tensor-core products do not."""
+    if ROWWISE:
+        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    elif IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _tile(
     a_base, b_base, rm, rn, M, N, k_lo, k_hi, stride_am, stride_ak, stride_bk, stride_bn,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr, ROWWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """The float32 products of rows ``rm`` (those below ``M``) of ``a`` with columns ``rn`` of ``b``,
     summed over ``k_lo <= k < k_hi`` in steps of ``BLOCK_K``, in order, from zero."""
@@ -39,17 +54,14 @@ def _tile(
         ks = k0 + rk
         a = tl.load(a_base + rm[:, None] * stride_am + ks[None, :] * stride_ak, mask=(rm[:, None] < M) & (ks[None, :] < k_hi), other=0.0)
         b = tl.load(b_base + ks[:, None] * stride_bk + rn[None, :] * stride_bn, mask=(ks[:, None] < k_hi) & (rn[None, :] < N), other=0.0)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+        acc = _dot(a, b, acc, IEEE, ROWWISE)
     return acc
 
 
 @triton.jit
 def _chunked_tile(
     a_base, b_base, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
+    IEEE: tl.constexpr, ROWWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     """The one reduction of every GEMM of the mode: ``K`` cut in chunks of ``CHUNK``, each chunk's
     partial sum taken by ``_tile``, the partials added to zero from the first chunk to the last.
@@ -57,7 +69,7 @@ def _chunked_tile(
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_lo in range(0, K, CHUNK):
         total += _tile(a_base, b_base, rm, rn, M, N, k_lo, tl.minimum(k_lo + CHUNK, K), stride_am, stride_ak,
-                       stride_bk, stride_bn, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+                       stride_bk, stride_bn, IEEE, ROWWISE, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
     return total
 
 
@@ -65,7 +77,7 @@ def _chunked_tile(
 def _bmm_kernel(
     a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K,
     stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn, stride_cb, stride_cm, stride_cn,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, ROWWISE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -73,7 +85,7 @@ def _bmm_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     a_base = a_ptr + batch.to(tl.int64) * stride_ab
     b_base = b_ptr + batch.to(tl.int64) * stride_bb
-    acc = _chunked_tile(a_base, b_base, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, IEEE,
+    acc = _chunked_tile(a_base, b_base, rm, rn, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, IEEE, ROWWISE,
                         BLOCK_M, BLOCK_N, BLOCK_K, CHUNK)  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
@@ -85,7 +97,7 @@ def _bmm_kernel(
 def _partial_kernel(
     a_ptr, b_ptr, part_ptr, M, N, K, CHUNKS,
     stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
+    IEEE: tl.constexpr, ROWWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     # Program (row tile, column tile, batch x chunk): one chunk's partial sum, as ``_chunked_tile``
     # takes it, into ``part`` [batch, chunks, M, N] (float32).
@@ -95,7 +107,7 @@ def _partial_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = chunk * CHUNK
     acc = _tile(a_ptr + batch.to(tl.int64) * stride_ab, b_ptr + batch.to(tl.int64) * stride_bb, rm, rn, M, N, k_lo,
-                tl.minimum(k_lo + CHUNK, K), stride_am, stride_ak, stride_bk, stride_bn, IEEE, BLOCK_M, BLOCK_N,
+                tl.minimum(k_lo + CHUNK, K), stride_am, stride_ak, stride_bk, stride_bn, IEEE, ROWWISE, BLOCK_M, BLOCK_N,
                 BLOCK_K)  # fmt: skip
     part = part_ptr + pid.to(tl.int64) * M * N + rm[:, None] * N + rn[None, :]
     tl.store(part, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
@@ -125,7 +137,7 @@ def _sum_partials_kernel(
 def _grouped_kernel(
     a_ptr, b_ptr, ends_ptr, c_ptr, N, K, TILES_M,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
+    IEEE: tl.constexpr, ROWWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     # Program (group e, tile t of its rows): the group's bounds are read here, on the device, so the
     # launch depends on the shapes alone; a tile past the group's rows does nothing.
@@ -137,7 +149,7 @@ def _grouped_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if start + (pid % TILES_M) * BLOCK_M < end:
         acc = _chunked_tile(a_ptr, b_ptr + group.to(tl.int64) * stride_be, rm, rn, end, N, K, stride_am, stride_ak,
-                            stride_bk, stride_bn, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, CHUNK)  # fmt: skip
+                            stride_bk, stride_bn, IEEE, ROWWISE, BLOCK_M, BLOCK_N, BLOCK_K, CHUNK)  # fmt: skip
         c = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < end) & (rn[None, :] < N))
 
@@ -197,14 +209,14 @@ def bmm(a: Tensor, b: Tensor, bias: Tensor | None, out_dtype: torch.dtype, split
                 a, b, bias if bias is not None else a, out, m, n, k,
                 a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
                 out.stride(0), out.stride(1), out.stride(2),
-                HAS_BIAS=bias is not None, IEEE=ieee, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+                HAS_BIAS=bias is not None, IEEE=ieee, ROWWISE=interpreting(), BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
                 CHUNK=t.chunk, num_warps=t.warps, num_stages=t.stages,
             )  # fmt: skip
             return out
         parts = torch.empty((batch, chunks, m, n), dtype=torch.float32, device=a.device)
         _partial_kernel[(*tiles, batch * chunks)](
             a, b, parts, m, n, k, chunks, a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
-            IEEE=ieee, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, CHUNK=t.chunk, num_warps=t.warps,
+            IEEE=ieee, ROWWISE=interpreting(), BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, CHUNK=t.chunk, num_warps=t.warps,
             num_stages=t.stages,
         )  # fmt: skip
         block = 16 if interpreting() else 1024
@@ -244,7 +256,7 @@ def invariant_grouped_mm(rows: Tensor, matrices: Tensor, ends: Tensor) -> Tensor
             rows, matrices, ends, out, n, k, tiles_m,
             rows.stride(0), rows.stride(1), matrices.stride(0), matrices.stride(1), matrices.stride(2),
             out.stride(0), out.stride(1),
-            IEEE=rows.dtype == torch.float32, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+            IEEE=rows.dtype == torch.float32, ROWWISE=interpreting(), BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
             CHUNK=t.chunk, num_warps=t.warps, num_stages=t.stages,
         )  # fmt: skip
     return out
@@ -252,43 +264,56 @@ def invariant_grouped_mm(rows: Tensor, matrices: Tensor, ends: Tensor) -> Tensor
 
 @triton.jit
 def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, start_ptr, out_ptr, H, Q, L, scale,
+    q_ptr, k_ptr, v_ptr, mask_ptr, start_ptr, out_ptr, H, KVH, Q, L, scale,
     sqb, sqh, sqq, skb, skh, skl, svb, svh, svl, smb, smh, smq, sml, sob, soh, soq,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, ROWWISE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
-    qi = row % Q
-    hq = (row // Q) % H
-    b = row // (Q * H)
-    h = hq // GROUP  # the key/value head (and the mask's head) of query head hq
+    # Program (block of rows, batch x key/value head). Row r is query r // GROUP of query head
+    # r % GROUP of the key/value head's group: the heads that share keys share the program.
+    pid = tl.program_id(1).to(tl.int64)
+    b, kvh = pid // KVH, pid % KVH
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    qi = r // GROUP
+    hq = kvh * GROUP + r % GROUP
+    live = qi < Q
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(q_ptr + b * sqb + hq * sqh + qi * sqq + d, mask=d < D, other=0.0).to(tl.float32)
-    start = tl.load(start_ptr + row)
-    end = L
+    q = tl.load(q_ptr + b * sqb + hq[:, None] * sqh + qi[:, None] * sqq + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)
+    # The sequence's origin: the first unmasked key of its last query. Keys are walked in blocks of
+    # BLOCK_N at fixed offsets from it, back to the earliest first key of the block's rows (earlier
+    # keys are masked for every row), so a key falls at the same place of the same block whatever
+    # padding is before the sequence and whatever rows share the program.
+    origin = tl.load(start_ptr + (b * H + kvh * GROUP) * Q + Q - 1)
+    first = tl.min(tl.where(live, tl.load(start_ptr + (b * H + hq) * Q + qi, mask=live, other=0), origin), axis=0)
+    walk = origin - tl.cdiv(tl.maximum(origin - first, 0), BLOCK_N) * BLOCK_N
+    row_end = tl.where(live, L, 0)
     if CAUSAL:
-        end = tl.minimum(L, qi + 1 + L - Q)
-    m = tl.full((), -1.0e30, tl.float32)
-    total = tl.zeros((), tl.float32)
-    acc = tl.zeros((BLOCK_DV,), tl.float32)
-    for j0 in range(start, end, BLOCK_N):
+        row_end = tl.where(live, tl.minimum(L, qi + 1 + L - Q), 0)
+    end = tl.max(row_end, axis=0)
+    m = tl.full((BLOCK_M,), -1.0e30, tl.float32)
+    total = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    for j0 in range(walk, end, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
-        valid = j < end
-        keys = tl.load(k_ptr + b * skb + h * skh + j[:, None] * skl + d[None, :], mask=valid[:, None] & (d[None, :] < D), other=0.0)
-        scores = tl.sum(keys.to(tl.float32) * q[None, :], axis=1) * scale
+        inside = (j >= 0) & (j < L)
+        keys = tl.load(k_ptr + b * skb + kvh * skh + j[None, :] * skl + d[:, None], mask=inside[None, :] & (d[:, None] < D), other=0.0)
+        scores = _dot(q, keys, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), IEEE, ROWWISE) * scale
         if HAS_MASK:
-            scores += tl.load(mask_ptr + b * smb + h * smh + qi * smq + j * sml, mask=valid, other=0.0)
-        scores = tl.where(valid, scores, float("-inf"))
-        top = tl.maximum(m, tl.max(scores, axis=0))
+            scores += tl.load(mask_ptr + b * smb + kvh * smh + qi[:, None] * smq + j[None, :] * sml,
+                              mask=live[:, None] & inside[None, :], other=0.0)  # fmt: skip
+        scores = tl.where(inside[None, :] & (j[None, :] < row_end[:, None]), scores, float("-inf"))
+        top = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - top)
-        p = tl.exp(scores - top)
-        values = tl.load(v_ptr + b * svb + h * svh + j[:, None] * svl + dv[None, :], mask=valid[:, None] & (dv[None, :] < DV), other=0.0)
-        total = total * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * values.to(tl.float32), axis=0)
+        p = tl.exp(scores - top[:, None])
+        values = tl.load(v_ptr + b * svb + kvh * svh + j[:, None] * svl + dv[None, :], mask=inside[:, None] & (dv[None, :] < DV), other=0.0)
+        total = total * alpha + tl.sum(p, axis=1)
+        acc = _dot(p.to(values.dtype), values, acc * alpha[:, None], IEEE, ROWWISE)
         m = top
-    out = tl.where(total > 0, acc / tl.where(total > 0, total, 1.0), 0.0)
-    tl.store(out_ptr + b * sob + hq * soh + qi * soq + dv, out.to(out_ptr.dtype.element_ty), mask=dv < DV)
+    out = tl.where(total[:, None] > 0, acc / tl.where(total > 0, total, 1.0)[:, None], 0.0)
+    tl.store(out_ptr + b * sob + hq[:, None] * soh + qi[:, None] * soq + dv[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=live[:, None] & (dv[None, :] < DV))  # fmt: skip
 
 
 def invariant_attention(query, key, value, attn_mask=None, is_causal=False, scale=None) -> Tensor:
@@ -326,15 +351,18 @@ def attend(query, key, value, mask, is_causal, scale, out) -> Tensor:
     else:
         start = torch.zeros((batch, heads, q_len), dtype=torch.int32, device=query.device)
     group = heads // kv_heads
-    strides_m = mask.stride() if mask is not None else (0, 0, 0, 0)
+    strides_m = (0, 0, 0, 0) if mask is None else tuple(0 if n == 1 else st for n, st in zip(mask.shape, mask.stride()))
     if mask is not None and mask.shape[1] == heads and group > 1:
         raise ValueError("a mask per query head with grouped key/value heads")
+    block_d, block_dv = max(16, triton.next_power_of_2(dim)), max(16, triton.next_power_of_2(dim_v))
+    # From the head sizes alone: the keys a block holds fix how a row's sums are cut.
+    block_m, block_n = (16, 16) if interpreting() else (64, 64 if max(block_d, block_dv) <= 128 else 32)
     with device_of(query):
-        _attention_kernel[(batch * heads * q_len,)](
-            query, key, value, mask if mask is not None else query, start, out, heads, q_len, length, scale,
+        _attention_kernel[(triton.cdiv(q_len * group, block_m), batch * kv_heads)](
+            query, key, value, mask if mask is not None else query, start, out, heads, kv_heads, q_len, length, scale,
             *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *strides_m, *out.stride()[:3],
-            D=dim, DV=dim_v, BLOCK_D=triton.next_power_of_2(dim), BLOCK_DV=triton.next_power_of_2(dim_v),
-            HAS_MASK=mask is not None, CAUSAL=is_causal, BLOCK_N=16 if interpreting() else 64, GROUP=group,
+            D=dim, DV=dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv, HAS_MASK=mask is not None, CAUSAL=is_causal,
+            IEEE=query.dtype == torch.float32, ROWWISE=interpreting(), BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group,
             num_warps=1 if interpreting() else 4,
         )  # fmt: skip
     return out
