@@ -14,7 +14,7 @@ its forward inside ``dispatch.batch_invariant_mode`` and ``InvariantFunctions``:
   Matmuls and linear layers go through the ``invariant_linear`` / ``invariant_matmul`` ops, whose
   GPU provider is a Triton GEMM with one tile shape and one reduction tile per weight shape
   (``ops/triton/invariant.py``); attention through ``invariant_attention`` (a Triton kernel that
-  walks a query's keys in fixed blocks from its first unmasked key);
+  walks a sequence's keys in fixed blocks from its first unmasked key);
 * other torch functions that reduce along a row (layer and group norms of torch, ``einsum``,
   convolutions, norms, variances, ...) run as they are and are recorded, with the line of code
   that called them, as not invariant (``not_invariant``): the report lists them.

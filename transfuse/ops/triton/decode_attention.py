@@ -180,7 +180,7 @@ def decode_attention(
     position: Tensor | None = None,
 ) -> Tensor:
     """The triton provider of ``decode_attention``: ``[batch, 1, heads, dim]``; in batch-invariant
-    mode, one program a query with no splits (``invariant.decode_attention``)."""
+    mode, the mode's attention with no splits of the keys (``invariant.decode_attention``)."""
     if batch_invariant_active():
         from .invariant import decode_attention as invariant
 

@@ -370,8 +370,8 @@ def attend(query, key, value, mask, is_causal, scale, out) -> Tensor:
 
 def decode_attention(query, keys, values, bias, scaling, key=None, value=None, position=None) -> Tensor:
     """``decode_attention`` in batch-invariant mode (its triton provider calls this there): the
-    token written, then each query walked over its keys from its first unmasked one, whatever the
-    batch and the buffer's length."""
+    token written, then the queries of each key/value head walked over their keys from the first
+    unmasked one (``attend``), whatever the batch and the buffer's length."""
     if key is not None:
         keys.index_copy_(2, position, key.to(keys.dtype))
         values.index_copy_(2, position, value.to(values.dtype))
