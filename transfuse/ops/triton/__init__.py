@@ -284,8 +284,8 @@ _provider(
 )  # fmt: skip
 _provider(ROTARY, "rotary", "rotary", _rotary_args, backward=True, batch_invariant=True)
 _provider(ROTARY_ONE, "rotary", "rotary_one", _rotary_one_args, backward=True, batch_invariant=True)
-# Forward only: under autograd the native definition runs. In batch-invariant mode it runs one
-# program a query, without splits (``invariant.decode_attention``).
+# Forward only: under autograd the native definition runs. In batch-invariant mode it runs the
+# mode's attention, without splits of the keys (``invariant.decode_attention``).
 DECODE_ATTENTION.register(
     Provider(
         "triton", _lazy("decode_attention", "decode_attention"), available, _decode_attention_args,
