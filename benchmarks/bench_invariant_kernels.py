@@ -236,6 +236,8 @@ def markdown(result: dict, args) -> str:
                   "| kernel | calls | device ms |", "| --- | ---: | ---: |"]  # fmt: skip
         for e in found["top"]:
             lines.append(f"| `{e['kernel']}` | {e['calls']} | {e['device_us'] / 1000:.2f} |")
+    for name, error in result["errors"].items():
+        lines += ["", f"{name} failed: `{error[:300]}`"]
     return "\n".join(lines) + "\n"
 
 
@@ -250,10 +252,16 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
     os.makedirs(args.out, exist_ok=True)
-    result = dict(device=torch.cuda.get_device_name(), gemm=gemm(args.tiles, args.rows))
-    result["attention"] = [] if args.skip_attention else attention()
-    if args.profile:
-        result["profile"] = profile()
+    result = dict(device=torch.cuda.get_device_name(), gemm=[], attention=[], errors={})
+    parts = [("gemm", lambda: gemm(args.tiles, args.rows))]
+    parts += [] if args.skip_attention else [("attention", attention)]
+    parts += [("profile", profile)] if args.profile else []
+    for name, part in parts:
+        try:  # a part that fails is reported; the others still run
+            result[name] = part()
+        except Exception as e:  # noqa: BLE001
+            result["errors"][name] = f"{type(e).__name__}: {e}"
+            print(f"{name} failed: {result['errors'][name]}", flush=True)
     with open(os.path.join(args.out, "invariant_kernels.json"), "w") as f:
         json.dump(result, f, indent=1)
     text = markdown(result, args)
