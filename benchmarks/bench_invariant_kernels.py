@@ -227,7 +227,8 @@ def markdown(result: dict, args) -> str:
             picked = [r for r in result["gemm"] if r["tiles"] == text and r["rows"] == m]
             ours = sum(r["auto_us"] * WEIGHTS[r["weight"]][2] for r in picked)
             theirs = sum(r["cublas_us"] * WEIGHTS[r["weight"]][2] for r in picked)
-            lines.append(f"| {text} | {m} | {theirs:.0f} | {ours:.0f} | {ours / theirs:.2f}x |")
+            if picked:
+                lines.append(f"| {text} | {m} | {theirs:.0f} | {ours:.0f} | {ours / theirs:.2f}x |")
     lines += ["", "| attention | invariant | default |", "| --- | ---: | ---: |"]
     for r in result["attention"]:
         lines.append(f"| {r['case']} | {r['invariant_us']:.1f} | {r['default_us']:.1f} |")
