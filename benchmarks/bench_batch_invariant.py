@@ -14,7 +14,9 @@ prompt, the decode steps whose logits are bit-identical in every batch (and the 
 first difference), and compares the paths' logits of the prompts alone (bit-identical steps, the
 largest difference). A training-mode forward (dropout off) gives each sample's loss alone and in
 a batch. Cost: decode time per token at batch 1 and the largest batch (the time of ``--new``
-tokens less the time of one, over ``--new - 1``, median of ``--rounds``), and a forward over
+tokens less the time of one, over ``--new - 1``; and "steady", the time of ``--new`` tokens less
+that of half as many, which leaves out a loop's first steps, run eagerly and captured by the step
+graphs; medians of ``--rounds``), and a forward over
 ``--prefill`` tokens, each mode side by side in the same run. Each model and mode runs in a fresh
 process of its own (``--same-process``: all in this one), so that the graphs and captures one mode
 compiled do not hold the device's memory while the next runs. Writes DIR/batch_invariant.md
@@ -193,7 +195,12 @@ class _nothing:
         return False
 
 
-def per_token(model, prompt: torch.Tensor, batch: int, new: int, rounds: int, device: str) -> float:
+def per_token(model, prompt: torch.Tensor, batch: int, new: int, rounds: int, device: str) -> tuple[float, float]:
+    """Seconds a decode token: (over a whole ``generate``, the time of ``new`` tokens less that of
+    one, over ``new - 1``; between two lengths, the time of ``new`` tokens less that of ``new // 2``,
+    over the difference). The step-graph path runs a loop's first step eagerly and captures the
+    second: the first figure spreads that over the loop's tokens, the second leaves it out (both
+    lengths hold it). Medians of ``rounds``."""
     ids = prompt[None].repeat(batch, 1)
     mask = torch.ones_like(ids)
 
@@ -206,8 +213,13 @@ def per_token(model, prompt: torch.Tensor, batch: int, new: int, rounds: int, de
         return time.perf_counter() - start
 
     run(new)  # warm-up (compilation, captures)
-    times = [(run(new) - run(1)) / (new - 1) for _ in range(rounds)]
-    return statistics.median(times)
+    half = max(2, new // 2)
+    whole, steady = [], []
+    for _ in range(rounds):
+        one, middle, full = run(1), run(half), run(new)
+        whole.append((full - one) / (new - 1))
+        steady.append((full - middle) / max(1, new - half))
+    return statistics.median(whole), statistics.median(steady)
 
 
 def prefill(model, vocab: int, tokens: int, rounds: int, device: str) -> float:
@@ -245,7 +257,9 @@ def run_model(name: str, args, device: str) -> dict:
                 per_mode["report"] = _mode_lines(model) if mode == "invariant" else ""
             cost = {}
             for batch in (1, max(args.batches)):
-                cost[f"decode ms/token, batch {batch}"] = 1e3 * per_token(model, targets[0], batch, args.new, args.rounds, device)
+                whole, steady = per_token(model, targets[0], batch, args.new, args.rounds, device)
+                cost[f"decode ms/token, batch {batch}"] = 1e3 * whole
+                cost[f"steady ms/token, batch {batch}"] = 1e3 * steady
             if path in ("eager", "compiled") and args.prefill:
                 cost[f"prefill {args.prefill} ms"] = 1e3 * prefill(model, vocab, args.prefill, args.rounds, device)
             per_mode["paths"][path] = stats
