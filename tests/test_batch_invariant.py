@@ -208,17 +208,6 @@ def test_triton_gemm_and_attention_under_the_interpreter_are_invariant_and_match
             ops.set_priority(None, op=name)
 
 
-class _CountedLaunches:
-    """A Triton kernel whose launches are counted."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, 0
-
-    def __getitem__(self, grid):
-        self.launches += 1
-        return self.kernel[grid]
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_gemm_gives_the_same_bits_in_one_launch_or_split_by_chunks(monkeypatch, dtype):
     """The GEMM sums a long reduction in chunks. Where the tiles are too few to fill the device (few
@@ -229,22 +218,24 @@ def test_triton_gemm_gives_the_same_bits_in_one_launch_or_split_by_chunks(monkey
         pytest.skip("Triton is not installed")
     from transfuse.ops.triton import invariant
 
-    split = _CountedLaunches(invariant._partial_kernel)
+    from .test_triton_launch import _CountingJIT
+
+    split = _CountingJIT(invariant._partial_kernel)
     monkeypatch.setattr(invariant, "_partial_kernel", split)
     torch.manual_seed(0)
     k = 3 * invariant.gemm_tiles(24, 70).chunk - 26  # three chunks, the last one partial
     a, b, bias = torch.randn(2, 37, k).to(dtype), torch.randn(2, k, 24).to(dtype), torch.randn(24).to(dtype)
     one = invariant.bmm(a, b, bias, dtype, split=False)
-    assert split.launches == 0
+    assert split.calls == 0
     assert torch.equal(invariant.bmm(a, b, bias, dtype, split=True), one)
-    assert split.launches == 1
+    assert split.calls == 1
     exact = (a.double() @ b.double() + bias.double()).to(dtype)
     torch.testing.assert_close(one, exact, **({} if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)))
     # Chosen by the launch's size: one row splits, many rows do not; the row's bits are the same.
     few = invariant.bmm(a[:1, 5:6], b[:1], bias, dtype)
-    assert split.launches == 2
+    assert split.calls == 2
     many = invariant.bmm(a[:1].repeat(1, 4, 1), b[:1], bias, dtype)
-    assert split.launches == 2
+    assert split.calls == 2
     assert torch.equal(few[0, 0], one[0, 5]) and torch.equal(many[0, 5], one[0, 5])
 
 
