@@ -177,6 +177,14 @@ def gemm_tiles(n: int, k: int) -> Tiles:
     return Tiles(64, block_n, block_k, 4, 3, 16 * block_k)
 
 
+def _tile_options(t: Tiles, dtype: torch.dtype) -> dict:
+    """The launch options every GEMM kernel of the mode takes for tiles ``t``."""
+    return dict(
+        IEEE=dtype == torch.float32, ROWWISE=interpreting(), BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        CHUNK=t.chunk, num_warps=t.warps, num_stages=t.stages,
+    )  # fmt: skip
+
+
 @functools.cache
 def _processors(device: torch.device) -> int:
     """Programs one launch should cover for the device to be busy: its multiprocessors."""
@@ -202,22 +210,19 @@ def bmm(a: Tensor, b: Tensor, bias: Tensor | None, out_dtype: torch.dtype, split
     tiles = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n))
     if split is None:
         split = chunks > 1 and tiles[0] * tiles[1] * batch < _processors(a.device)
-    ieee = a.dtype == torch.float32
     with device_of(a):
         if not split:
             _bmm_kernel[(*tiles, batch)](
                 a, b, bias if bias is not None else a, out, m, n, k,
                 a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
                 out.stride(0), out.stride(1), out.stride(2),
-                HAS_BIAS=bias is not None, IEEE=ieee, ROWWISE=interpreting(), BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-                CHUNK=t.chunk, num_warps=t.warps, num_stages=t.stages,
+                HAS_BIAS=bias is not None, **_tile_options(t, a.dtype),
             )  # fmt: skip
             return out
         parts = torch.empty((batch, chunks, m, n), dtype=torch.float32, device=a.device)
         _partial_kernel[(*tiles, batch * chunks)](
             a, b, parts, m, n, k, chunks, a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
-            IEEE=ieee, ROWWISE=interpreting(), BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, CHUNK=t.chunk, num_warps=t.warps,
-            num_stages=t.stages,
+            **_tile_options(t, a.dtype),
         )  # fmt: skip
         block = 16 if interpreting() else 1024
         _sum_partials_kernel[(triton.cdiv(m * n, block), batch)](
@@ -256,8 +261,7 @@ def invariant_grouped_mm(rows: Tensor, matrices: Tensor, ends: Tensor) -> Tensor
             rows, matrices, ends, out, n, k, tiles_m,
             rows.stride(0), rows.stride(1), matrices.stride(0), matrices.stride(1), matrices.stride(2),
             out.stride(0), out.stride(1),
-            IEEE=rows.dtype == torch.float32, ROWWISE=interpreting(), BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-            CHUNK=t.chunk, num_warps=t.warps, num_stages=t.stages,
+            **_tile_options(t, rows.dtype),
         )  # fmt: skip
     return out
 
