@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import shlex
-import statistics
 import sys
 
 import torch
@@ -37,6 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_ops import time_graph  # noqa: E402
 from transfuse.ops.triton import invariant  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, DIM, FFN, VOCAB, LAYERS = 4096, 32, 8, 128, 14336, 128256, 8
@@ -52,26 +52,7 @@ WEIGHTS = {  # name: (out features, in features, times a token)
 
 def timed(fn, reps: int = 20, rounds: int = 5) -> float:
     """Microseconds a call, from a CUDA graph of ``reps`` calls replayed ``rounds`` times (median)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / reps)
-    del graph
-    return statistics.median(times)
+    return time_graph(fn, [()], repeats=rounds, per_graph=reps)
 
 
 def parse_tiles(text: str):

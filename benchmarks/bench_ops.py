@@ -262,9 +262,9 @@ def _input_sets(make_inputs, per_set_bytes: int) -> list[tuple]:
     return [make_inputs() for _ in range(count)]
 
 
-def _capture(fn, input_sets) -> tuple[torch.cuda.CUDAGraph, int]:
-    """A CUDA graph of CALLS_PER_GRAPH-odd calls of ``fn`` over the rotated inputs, and its call count."""
-    calls = len(input_sets) * max(1, round(CALLS_PER_GRAPH / len(input_sets)))
+def _capture(fn, input_sets, per_graph: int = CALLS_PER_GRAPH) -> tuple[torch.cuda.CUDAGraph, int]:
+    """A CUDA graph of ``per_graph``-odd calls of ``fn`` over the rotated inputs, and its call count."""
+    calls = len(input_sets) * max(1, round(per_graph / len(input_sets)))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm up off the default stream, as graph capture requires
@@ -289,9 +289,10 @@ def _replay_us(graph: torch.cuda.CUDAGraph, calls: int) -> float:
     return start.elapsed_time(end) * 1e3 / calls
 
 
-def time_graph(fn, input_sets, repeats: int = 10) -> float:
-    """Microseconds per call, from CUDA-graph replays of CALLS_PER_GRAPH calls over rotated inputs."""
-    graph, calls = _capture(fn, input_sets)
+def time_graph(fn, input_sets, repeats: int = 10, per_graph: int = CALLS_PER_GRAPH) -> float:
+    """Microseconds per call, from CUDA-graph replays of ``per_graph`` calls over rotated inputs (median
+    of ``repeats``)."""
+    graph, calls = _capture(fn, input_sets, per_graph)
     times = [_replay_us(graph, calls) for _ in range(repeats)]
     del graph
     return statistics.median(times)
