@@ -294,6 +294,40 @@ def test_decode_attention_of_a_sequence_ignores_its_padding_and_the_batch(provid
         ops.set_priority(None, op="decode_attention")
 
 
+def test_triton_decode_attention_reads_no_key_outside_the_kept_span():
+    """A buffer longer than its sequence: keys before the first kept one and after the last hold
+    NaN (never written), and so does the slot the step's own key and value go to; the kernel
+    writes them there and each row gives, finite, the bits it gives over its own keys alone. A
+    read of any NaN would make the row NaN (the kernel, interpreted; blocks of 16 keys)."""
+    found = ops.get_op("decode_attention")
+    if not found.is_supported(found.providers["triton"]):
+        pytest.skip("Triton is not installed")
+    torch.manual_seed(0)
+    batch, heads, kv_heads, dim, length, at = 2, 4, 2, 16, 60, 24
+    spans = [(7, 25), (0, 41)]  # kept keys of each sequence: a padded one, and one from the start
+    q = torch.randn(batch, heads, 1, dim)
+    k, v = (torch.full((batch, kv_heads, length, dim), float("nan")) for _ in range(2))
+    bias = torch.full((batch * kv_heads, 1, length), float("-inf"))
+    for i, (lo, hi) in enumerate(spans):
+        k[i, :, lo:hi], v[i, :, lo:hi] = torch.randn(2, kv_heads, hi - lo, dim)
+        bias[i * kv_heads : (i + 1) * kv_heads, :, lo:hi] = 0.0
+    new_k, new_v = torch.randn(2, batch, kv_heads, 1, dim)
+    k[:, :, at], v[:, :, at] = float("nan"), float("nan")
+    position = torch.tensor([at])
+    ops.set_priority(["triton"], op="decode_attention")
+    try:
+        with conformance.assumed(), mode():
+            together = ops.decode_attention(q, k, v, bias, 0.25, new_k, new_v, position)
+            assert torch.equal(k[:, :, at], new_k[:, :, 0]) and torch.equal(v[:, :, at], new_v[:, :, 0])
+            for i, (lo, hi) in enumerate(spans):
+                own = [t[i : i + 1, :, lo:hi].contiguous() for t in (k, v)]
+                alone = ops.decode_attention(q[i : i + 1], *own, torch.zeros(kv_heads, 1, hi - lo), 0.25)
+                assert torch.equal(together[i], alone[0]), f"sequence {i}"
+        assert together.isfinite().all()
+    finally:
+        ops.set_priority(None, op="decode_attention")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("provider", ["native", "triton"])
 def test_decode_attention_of_a_row_is_the_modes_attention_of_that_row(provider, dtype):

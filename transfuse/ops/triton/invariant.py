@@ -267,11 +267,45 @@ def invariant_grouped_mm(rows: Tensor, matrices: Tensor, ends: Tensor) -> Tensor
 
 
 @triton.jit
+def _kept(mask_ptr, rows, live, j, L, sml):
+    # Which keys ``j`` of the mask rows ``rows`` (offsets) are kept for a live row: a mask value
+    # above half float32's lowest (transformers' masks hold the lowest value or -inf).
+    inside = (j >= 0) & (j < L)
+    values = tl.load(mask_ptr + rows[:, None] + j[None, :] * sml, mask=live[:, None] & inside[None, :], other=float("-inf"))
+    return (values.to(tl.float32) > -1.7e38) & live[:, None] & inside[None, :]
+
+
+@triton.jit
+def _first_kept(mask_ptr, rows, live, L, sml, BLOCK_N: tl.constexpr):
+    # The first key kept for any live row (L if none), scanning blocks from the start and stopping
+    # at the first block holding one.
+    found = L
+    j0 = 0
+    while (found == L) & (j0 < L):
+        j = j0 + tl.arange(0, BLOCK_N)
+        found = tl.min(tl.min(tl.where(_kept(mask_ptr, rows, live, j, L, sml), j[None, :], L), axis=1), axis=0)
+        j0 += BLOCK_N
+    return found
+
+
+@triton.jit
+def _last_kept(mask_ptr, rows, live, L, sml, BLOCK_N: tl.constexpr):
+    # The last key kept for any live row (-1 if none), scanning blocks from the end.
+    found = -1
+    j0 = L - BLOCK_N
+    while (found == -1) & (j0 + BLOCK_N > 0):
+        j = j0 + tl.arange(0, BLOCK_N)
+        found = tl.max(tl.max(tl.where(_kept(mask_ptr, rows, live, j, L, sml), j[None, :], -1), axis=1), axis=0)
+        j0 -= BLOCK_N
+    return found
+
+
+@triton.jit
 def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, start_ptr, out_ptr, H, KVH, Q, L, scale,
-    sqb, sqh, sqq, skb, skh, skl, svb, svh, svl, smb, smh, smq, sml, sob, soh, soq,
+    q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, nk_ptr, nv_ptr, pos_ptr, H, KVH, Q, L, scale,
+    sqb, sqh, sqq, skb, skh, skl, svb, svh, svl, smb, smh, smq, sml, sob, soh, soq, snkb, snkh, snvb, snvh,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, ROWWISE: tl.constexpr,
+    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, WRITE: tl.constexpr, IEEE: tl.constexpr, ROWWISE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     # Program (block of rows, batch x key/value head). Row r is query r // GROUP of query head
@@ -285,33 +319,55 @@ def _attention_kernel(
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
     q = tl.load(q_ptr + b * sqb + hq[:, None] * sqh + qi[:, None] * sqq + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)
-    # The sequence's origin: the first unmasked key of its last query. Keys are walked in blocks of
-    # BLOCK_N at fixed offsets from it, back to the earliest first key of the block's rows (earlier
-    # keys are masked for every row), so a key falls at the same place of the same block whatever
-    # padding is before the sequence and whatever rows share the program.
-    origin = tl.load(start_ptr + (b * H + kvh * GROUP) * Q + Q - 1)
-    first = tl.min(tl.where(live, tl.load(start_ptr + (b * H + hq) * Q + qi, mask=live, other=0), origin), axis=0)
-    walk = origin - tl.cdiv(tl.maximum(origin - first, 0), BLOCK_N) * BLOCK_N
+    if WRITE:
+        # A decode step's new key and value: stored at the position, and taken from registers
+        # where the walk reads that position (the same bits a load after the store gives).
+        pos = tl.load(pos_ptr)
+        new_k = tl.load(nk_ptr + b * snkb + kvh * snkh + d, mask=d < D, other=0.0).to(k_ptr.dtype.element_ty)
+        new_v = tl.load(nv_ptr + b * snvb + kvh * snvh + dv, mask=dv < DV, other=0.0).to(v_ptr.dtype.element_ty)
+        if tl.program_id(0) == 0:
+            tl.store(k_ptr + b * skb + kvh * skh + pos * skl + d, new_k, mask=d < D)
+            tl.store(v_ptr + b * svb + kvh * svh + pos * svl + dv, new_v, mask=dv < DV)
     row_end = tl.where(live, L, 0)
     if CAUSAL:
         row_end = tl.where(live, tl.minimum(L, qi + 1 + L - Q), 0)
     end = tl.max(row_end, axis=0)
+    # The sequence's origin: the first unmasked key of its last query. Keys are walked in blocks of
+    # BLOCK_N at fixed offsets from it, from the first key any of the block's rows keeps (earlier
+    # keys are masked for every row) to the last, so a key falls at the same place of the same
+    # block whatever padding is before the sequence and whatever rows share the program. Keys
+    # outside that span are read as zeros: a block masked for every row changes no sum.
+    origin = 0
+    first = 0
+    if HAS_MASK:
+        rows = b * smb + kvh * smh + qi * smq
+        last_query = b * smb + kvh * smh + (Q - 1) * smq + tl.zeros((1,), tl.int64)
+        origin = _first_kept(mask_ptr, last_query, tl.zeros((1,), tl.int32) == 0, L, sml, BLOCK_N) % L
+        first = _first_kept(mask_ptr, rows, live, L, sml, BLOCK_N)
+        end = tl.minimum(end, _last_kept(mask_ptr, rows, live, L, sml, BLOCK_N) + 1)
+        first = tl.where(end > first, first, origin)  # no key kept for any row: nothing to walk
+        end = tl.where(end > first, end, origin)
+    walk = origin - tl.cdiv(tl.maximum(origin - first, 0), BLOCK_N) * BLOCK_N
     m = tl.full((BLOCK_M,), -1.0e30, tl.float32)
     total = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     for j0 in range(walk, end, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
-        inside = (j >= 0) & (j < L)
+        inside = (j >= first) & (j < end)
         keys = tl.load(k_ptr + b * skb + kvh * skh + j[None, :] * skl + d[:, None], mask=inside[None, :] & (d[:, None] < D), other=0.0)
+        if WRITE:
+            keys = tl.where((j == pos)[None, :] & inside[None, :], new_k[:, None], keys)
         scores = _dot(q, keys, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), IEEE, ROWWISE) * scale
         if HAS_MASK:
             scores += tl.load(mask_ptr + b * smb + kvh * smh + qi[:, None] * smq + j[None, :] * sml,
-                              mask=live[:, None] & inside[None, :], other=0.0)  # fmt: skip
+                              mask=live[:, None] & inside[None, :], other=0.0).to(tl.float32)  # fmt: skip
         scores = tl.where(inside[None, :] & (j[None, :] < row_end[:, None]), scores, float("-inf"))
         top = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - top)
         p = tl.exp(scores - top[:, None])
         values = tl.load(v_ptr + b * svb + kvh * svh + j[:, None] * svl + dv[None, :], mask=inside[:, None] & (dv[None, :] < DV), other=0.0)
+        if WRITE:
+            values = tl.where((j == pos)[:, None] & inside[:, None], new_v[None, :], values)
         total = total * alpha + tl.sum(p, axis=1)
         acc = _dot(p.to(values.dtype), values, acc * alpha[:, None], IEEE, ROWWISE)
         m = top
@@ -333,10 +389,12 @@ def invariant_attention(query, key, value, attn_mask=None, is_causal=False, scal
     return attend(query, key, value, mask, bool(is_causal), scale, out)
 
 
-def attend(query, key, value, mask, is_causal, scale, out) -> Tensor:
+def attend(query, key, value, mask, is_causal, scale, out, new=None) -> Tensor:
     """Each query ``[batch, heads, q, dim]`` over its key/value head (``heads // kv_heads`` query
     heads a key/value head) with the additive ``mask`` ``[batch, heads or kv_heads, q, length]``
-    (or None), into ``out`` (``[batch, heads, q, dv]`` by its strides)."""
+    (or None), into ``out`` (``[batch, heads, q, dv]`` by its strides). ``new``: a decode step's
+    key and value ``[batch, kv_heads, 1, dim]`` and their position (one element), written into
+    ``key`` and ``value`` there first."""
     import math
 
     batch, heads, q_len, dim = query.shape
@@ -344,28 +402,22 @@ def attend(query, key, value, mask, is_causal, scale, out) -> Tensor:
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
     if out.numel() == 0:
         return out
-    if mask is not None:
-        # Each query's first key not masked out: where its walk over the keys starts. Found once
-        # where the mask is broadcast (a stride of 0 over heads or queries), then broadcast.
-        base = mask[tuple(slice(0, 1) if mask.stride(i) == 0 else slice(None) for i in range(3))]
-        start = (base > torch.finfo(torch.float32).min / 2).int().argmax(-1).to(torch.int32)
-        if start.shape[1] not in (1, heads):  # a mask per key/value head: the same start for its query heads
-            start = start.repeat_interleave(heads // start.shape[1], 1)
-        start = start.expand(batch, heads, q_len).contiguous()
-    else:
-        start = torch.zeros((batch, heads, q_len), dtype=torch.int32, device=query.device)
     group = heads // kv_heads
     strides_m = (0, 0, 0, 0) if mask is None else tuple(0 if n == 1 else st for n, st in zip(mask.shape, mask.stride()))
     if mask is not None and mask.shape[1] == heads and group > 1:
         raise ValueError("a mask per query head with grouped key/value heads")
+    new_k, new_v, position = new if new is not None else (query, query, query)
     block_d, block_dv = max(16, triton.next_power_of_2(dim)), max(16, triton.next_power_of_2(dim_v))
     # From the head sizes alone: the keys a block holds fix how a row's sums are cut.
     block_m, block_n = (16, 16) if interpreting() else (64, 64 if max(block_d, block_dv) <= 128 else 32)
     with device_of(query):
         _attention_kernel[(triton.cdiv(q_len * group, block_m), batch * kv_heads)](
-            query, key, value, mask if mask is not None else query, start, out, heads, kv_heads, q_len, length, scale,
+            query, key, value, mask if mask is not None else query, out, new_k, new_v, position,
+            heads, kv_heads, q_len, length, scale,
             *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *strides_m, *out.stride()[:3],
+            *new_k.stride()[:2], *new_v.stride()[:2],
             D=dim, DV=dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv, HAS_MASK=mask is not None, CAUSAL=is_causal,
+            WRITE=new is not None,
             IEEE=query.dtype == torch.float32, ROWWISE=interpreting(), BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group,
             num_warps=1 if interpreting() else 4,
         )  # fmt: skip
@@ -374,15 +426,18 @@ def attend(query, key, value, mask, is_causal, scale, out) -> Tensor:
 
 def decode_attention(query, keys, values, bias, scaling, key=None, value=None, position=None) -> Tensor:
     """``decode_attention`` in batch-invariant mode (its triton provider calls this there): the
-    token written, then the queries of each key/value head walked over their keys from the first
-    unmasked one (``attend``), whatever the batch and the buffer's length."""
-    if key is not None:
-        keys.index_copy_(2, position, key.to(keys.dtype))
-        values.index_copy_(2, position, value.to(values.dtype))
+    token written (by the kernel), then the queries of each key/value head walked over their kept
+    keys from the first (``attend``), whatever the batch and the buffer's length."""
     batch, heads = query.shape[:2]
     kv_heads, length = keys.shape[1], keys.shape[2]
     out = query.new_empty((batch, 1, heads, values.shape[-1]))
-    mask = bias.view(batch, kv_heads, 1, length).float()
+    if out.numel() == 0:
+        if key is not None:
+            keys.index_copy_(2, position, key.to(keys.dtype))
+            values.index_copy_(2, position, value.to(values.dtype))
+        return out
+    mask = bias.view(batch, kv_heads, 1, length)
+    new = (key, value, position) if key is not None else None
     # ``out`` [batch, 1, heads, dv] written as [batch, heads, 1, dv] through its strides.
-    attend(query, keys, values, mask, False, scaling, out.transpose(1, 2))
+    attend(query, keys, values, mask, False, scaling, out.transpose(1, 2), new)
     return out
