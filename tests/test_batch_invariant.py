@@ -231,11 +231,13 @@ def test_triton_gemm_gives_the_same_bits_in_one_launch_or_split_by_chunks(monkey
     assert split.calls == 1
     exact = (a.double() @ b.double() + bias.double()).to(dtype)
     torch.testing.assert_close(one, exact, **({} if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)))
-    # Chosen by the launch's size: one row splits, many rows do not; the row's bits are the same.
+    # Chosen by the launch's size: one row splits, many rows do not and take taller tiles; the
+    # row's bits are the same.
     few = invariant.bmm(a[:1, 5:6], b[:1], bias, dtype)
     assert split.calls == 2
     many = invariant.bmm(a[:1].repeat(1, 4, 1), b[:1], bias, dtype)
     assert split.calls == 2
+    assert invariant.gemm_tiles(24, k, 4 * 37).block_m > invariant.gemm_tiles(24, k, 37).block_m
     assert torch.equal(few[0, 0], one[0, 5]) and torch.equal(many[0, 5], one[0, 5])
 
 

@@ -156,9 +156,10 @@ def _grouped_kernel(
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    """How the mode's GEMM of one weight shape runs. The sum an output takes depends on ``block_m``,
-    ``block_n``, ``block_k`` and ``warps`` (which tensor-core instructions reduce a ``block_k`` step)
-    and on ``chunk`` (the partial sums added in order); ``stages`` only on how loads are pipelined."""
+    """How the mode's GEMM of one weight shape runs. The sum an output takes depends on ``block_k``
+    (a tensor-core product's step along the reduction, summed into the output's accumulator in
+    order) and on ``chunk`` (the partial sums added in order); ``block_m``, ``block_n``, ``warps``
+    and ``stages`` say how many outputs a program takes and how it loads them."""
 
     block_m: int
     block_n: int
@@ -168,12 +169,21 @@ class Tiles:
     chunk: int
 
 
-def gemm_tiles(n: int, k: int) -> Tiles:
-    """The tiles of a ``[k, n]`` weight: from its shape alone, never from the row count."""
+# Rows from which a 2-byte GEMM takes tall tiles (128 x 256, 8 warps): a prefill's row counts,
+# where the decode tiles run far below cuBLAS.
+TALL_ROWS = 1024
+
+
+def gemm_tiles(n: int, k: int, rows: int = 1, element_size: int = 2) -> Tiles:
+    """The tiles of a ``[k, n]`` weight for ``rows`` rows of ``element_size`` bytes. ``block_k`` and
+    the chunk, which fix how each output is summed, come from the weight's shape alone; the block
+    of outputs a program takes grows with the row count."""
     if interpreting():
-        return Tiles(16, 16, 16, 1, 1, 32)
-    block_n = 128 if n >= 128 else max(16, triton.next_power_of_2(n))
+        return Tiles(32, 16, 16, 1, 1, 32) if rows >= 64 else Tiles(16, 16, 16, 1, 1, 32)
     block_k = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
+    if rows >= TALL_ROWS and n >= 256 and element_size <= 2:
+        return Tiles(128, 256, block_k, 8, 3, 16 * block_k)
+    block_n = 128 if n >= 128 else max(16, triton.next_power_of_2(n))
     return Tiles(64, block_n, block_k, 4, 3, 16 * block_k)
 
 
@@ -205,7 +215,7 @@ def bmm(a: Tensor, b: Tensor, bias: Tensor | None, out_dtype: torch.dtype, split
     out = a.new_empty((batch, m, n), dtype=out_dtype)
     if out.numel() == 0:
         return out
-    t = gemm_tiles(n, k)
+    t = gemm_tiles(n, k, m, a.element_size())
     chunks = triton.cdiv(k, t.chunk)
     tiles = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n))
     if split is None:
