@@ -127,11 +127,21 @@ def attention() -> list[dict]:
     k, v = (torch.randn(1, KV_HEADS, length, DIM, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
     mask = torch.ones(length, length, dtype=torch.bool, device=DEVICE).tril()[None, None]
     kr, vr = (t.repeat_interleave(HEADS // KV_HEADS, 1) for t in (k, v))
+    chosen = invariant.attention_tiles
+    tiles = chosen(length, DIM)
+    got = invariant.invariant_attention(q, kr, vr, mask)
+    invariant.attention_tiles = lambda *_: (64, tiles[1], 4)  # the decode step's blocks of rows
+    try:
+        small = invariant.invariant_attention(q, kr, vr, mask)
+        small_us = timed(lambda: invariant.invariant_attention(q, kr, vr, mask), reps=3, rounds=3)
+    finally:
+        invariant.attention_tiles = chosen
     out.append(
         dict(
-            case=f"prefill {length}, causal mask",
+            case=f"prefill {length}, causal mask", tiles=list(tiles),
             invariant_us=timed(lambda: invariant.invariant_attention(q, kr, vr, mask), reps=3, rounds=3),
             default_us=timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), reps=3, rounds=3),
+            rows_of_64_us=small_us, same_bits_as_rows_of_64=bool(torch.equal(got, small)),
         )
     )  # fmt: skip
     print(json.dumps(out[-1]), flush=True)
@@ -222,6 +232,8 @@ def markdown(result: dict, args) -> str:
     lines += ["", "| attention | invariant | default |", "| --- | ---: | ---: |"]
     for r in result["attention"]:
         lines.append(f"| {r['case']} | {r['invariant_us']:.1f} | {r['default_us']:.1f} |")
+        if "rows_of_64_us" in r:
+            lines.append(f"| (the same in programs of 64 rows: same bits {r['same_bits_as_rows_of_64']}) | {r['rows_of_64_us']:.1f} | |")
     for mode, found in result.get("profile", {}).items():
         lines += ["", f"Decode profile, {mode} mode: {found['total_device_us'] / 1000:.1f} ms of device time", "",
                   "| kernel | calls | device ms |", "| --- | ---: | ---: |"]  # fmt: skip

@@ -242,10 +242,11 @@ def test_triton_gemm_gives_the_same_bits_in_one_launch_or_split_by_chunks(monkey
 
 
 @pytest.mark.parametrize("pad", [5, 21])
-def test_triton_attention_of_a_causal_prompt_is_the_same_bits_behind_left_padding(pad):
+def test_triton_attention_of_a_causal_prompt_is_the_same_bits_behind_left_padding(pad, monkeypatch):
     """A prompt over several blocks of keys, alone (``is_causal``, no mask) and left-padded in a
-    batch (a mask), its query heads sharing key/value heads: the same bits for every real query
-    (the Triton kernel, interpreted; blocks of 16 keys)."""
+    batch (a mask), its query heads sharing key/value heads: the same bits for every real query,
+    and for the prompt alone in programs of 32 rows as in programs of 16 (the Triton kernel,
+    interpreted; blocks of 16 keys)."""
     found = ops.get_op("invariant_attention")
     if not found.is_supported(found.providers["triton"]):
         pytest.skip("Triton is not installed")
@@ -266,6 +267,12 @@ def test_triton_attention_of_a_causal_prompt_is_the_same_bits_behind_left_paddin
         assert {d.provider for d in log} == {"triton"}
         assert torch.equal(padded[0, :, pad:], alone[0])
         torch.testing.assert_close(alone, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+        from transfuse.ops.triton import invariant
+
+        assert invariant.attention_tiles(length, dim)[0] == 16  # the key/value heads repeated: a row a query
+        monkeypatch.setattr(invariant, "attention_tiles", lambda *_: (32, 16, 1))
+        with conformance.assumed(), mode():
+            assert torch.equal(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), alone)
     finally:
         ops.set_priority(None, op="invariant_attention")
 

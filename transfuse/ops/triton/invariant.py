@@ -386,6 +386,19 @@ def _attention_kernel(
              mask=live[:, None] & (dv[None, :] < DV))  # fmt: skip
 
 
+def attention_tiles(rows: int, block_d: int, element_size: int = 2) -> tuple[int, int, int]:
+    """(rows a program, keys a block, warps) of the mode's attention over ``rows`` query rows of a
+    key/value head. The keys a block holds come from the head size alone: they fix how a row's
+    sums are cut. The rows a program takes grow with the row count (a long prompt's); they do not
+    change a row's sums."""
+    if interpreting():
+        return (32 if rows >= 64 else 16), 16, 1
+    block_n = 64 if block_d <= 128 else 32
+    if rows >= 1024 and block_d <= 128 and element_size <= 2:
+        return 128, block_n, 8
+    return 64, block_n, 4
+
+
 def invariant_attention(query, key, value, attn_mask=None, is_causal=False, scale=None) -> Tensor:
     """The triton provider of ``invariant_attention`` (``[batch, heads, length, dim]``)."""
     batch, heads, q_len, _ = query.shape
@@ -418,8 +431,7 @@ def attend(query, key, value, mask, is_causal, scale, out, new=None) -> Tensor:
         raise ValueError("a mask per query head with grouped key/value heads")
     new_k, new_v, position = new if new is not None else (query, query, query)
     block_d, block_dv = max(16, triton.next_power_of_2(dim)), max(16, triton.next_power_of_2(dim_v))
-    # From the head sizes alone: the keys a block holds fix how a row's sums are cut.
-    block_m, block_n = (16, 16) if interpreting() else (64, 64 if max(block_d, block_dv) <= 128 else 32)
+    block_m, block_n, warps = attention_tiles(q_len * group, max(block_d, block_dv), query.element_size())
     with device_of(query):
         _attention_kernel[(triton.cdiv(q_len * group, block_m), batch * kv_heads)](
             query, key, value, mask if mask is not None else query, out, new_k, new_v, position,
@@ -429,7 +441,7 @@ def attend(query, key, value, mask, is_causal, scale, out, new=None) -> Tensor:
             D=dim, DV=dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv, HAS_MASK=mask is not None, CAUSAL=is_causal,
             WRITE=new is not None,
             IEEE=query.dtype == torch.float32, ROWWISE=interpreting(), BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group,
-            num_warps=1 if interpreting() else 4,
+            num_warps=warps,
         )  # fmt: skip
     return out
 
