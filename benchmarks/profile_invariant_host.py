@@ -3,10 +3,10 @@
     python benchmarks/profile_invariant_host.py --out DIR [--model llama] [--steps 16] [--tiny]
 
 A model of ``bench_decode.SHAPES`` (random bf16 weights), rewritten in each mode; a prompt of 64
-tokens, then ``--steps`` eager decode steps of one token (the model's own forward and cache, no
-step graphs), timed with the device synchronised, then the same steps under cProfile. Writes
-DIR/invariant_host.md: ms a step in each mode, the mode's intercepted torch calls a step, and the
-functions with the most time of their own.
+tokens decoded greedily through ``generate`` (the model's own forward and cache, no step graphs):
+ms a decode step (a ``--steps``-token ``generate`` less a 1-token one, the device synchronised),
+the torch calls the mode intercepts a step, and, under cProfile, the functions with the most time
+of their own over a ``--steps``-token ``generate``. Writes DIR/invariant_host.md.
 """
 
 from __future__ import annotations
@@ -28,17 +28,13 @@ from bench_batch_invariant import build, prepared, sync  # noqa: E402
 from transfuse.ops import batch_invariant as bi  # noqa: E402
 
 
-def steps(model, device: str, count: int):
-    ids = torch.randint(1, model.config.vocab_size, (1, 64), device=device)
+def generate(model, ids: torch.Tensor, tokens: int, device: str) -> float:
+    sync(device)
+    start = time.perf_counter()
     with torch.no_grad():
-        out = model(ids, use_cache=True)
-        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-
-        def step():
-            nonlocal token
-            token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-
-        yield step
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+    sync(device)
+    return time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,33 +51,26 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["`python benchmarks/" + os.path.basename(__file__) + " " + " ".join(sys.argv[1:] if argv is None else argv) + "`", ""]
     for mode in ("default", "invariant"):
         model = prepared(stock, mode, "eager")
-        for step in steps(model, device, args.steps):
-            for _ in range(3):
-                step()
-            sync(device)
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                step()
-            sync(device)
-            per_step = (time.perf_counter() - start) / args.steps * 1e3
-            calls = [0]
-            original = bi.InvariantFunctions.__torch_function__
+        ids = torch.randint(1, model.config.vocab_size, (1, 64), device=device)
+        generate(model, ids, args.steps, device)  # warm-up
+        per_step = (generate(model, ids, args.steps + 1, device) - generate(model, ids, 1, device)) / args.steps * 1e3
+        calls = [0]
+        original = bi.InvariantFunctions.__torch_function__
 
-            def counted(self, *a, **k):
-                calls[0] += 1
-                return original(self, *a, **k)
+        def counted(self, *a, **k):
+            calls[0] += 1
+            return original(self, *a, **k)
 
-            bi.InvariantFunctions.__torch_function__ = counted
-            try:
-                step()
-            finally:
-                bi.InvariantFunctions.__torch_function__ = original
-            profile = cProfile.Profile()
-            profile.enable()
-            for _ in range(args.steps):
-                step()
-            sync(device)
-            profile.disable()
+        bi.InvariantFunctions.__torch_function__ = counted
+        try:
+            generate(model, ids, args.steps + 1, device)
+        finally:
+            bi.InvariantFunctions.__torch_function__ = original
+        calls[0] //= args.steps + 1  # the prompt's forward counted as a step
+        profile = cProfile.Profile()
+        profile.enable()
+        generate(model, ids, args.steps, device)
+        profile.disable()
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(args.top)
         lines += [f"## {mode}: {per_step:.2f} ms a step; {calls[0]} torch calls through the mode a step", ""]
