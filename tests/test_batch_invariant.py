@@ -169,6 +169,36 @@ def test_triton_providers_under_the_interpreter_give_each_row_the_same_bits(op):
             ops.set_priority(None, op=name)
 
 
+def test_a_triton_provider_runs_its_host_code_outside_the_modes_handlers(monkeypatch):
+    """A provider declared batch-invariant computes in its kernels: in the mode, none of the torch
+    calls its host code makes goes through the mode's handlers; the native definition's do (they
+    are what makes it invariant)."""
+    found = ops.get_op("rms_norm")
+    if not found.is_supported(found.providers["triton"]):
+        pytest.skip("Triton is not installed")
+    seen: list = []
+    original = bi.InvariantFunctions.__torch_function__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        seen.append(func)
+        return original(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(bi.InvariantFunctions, "__torch_function__", counting)
+    x, w = torch.randn(3, 48), torch.randn(48)
+    calls = {}
+    try:
+        for provider in ("triton", "native"):
+            ops.set_priority([provider], op="rms_norm")
+            with conformance.assumed(), ops.trace() as log, mode():
+                seen.clear()
+                ops.rms_norm(x, w, 1e-6)
+                calls[provider] = len(seen)
+            assert {d.provider for d in log} == {provider}
+    finally:
+        ops.set_priority(None, op="rms_norm")
+    assert calls["triton"] == 0 and calls["native"] > 0, calls
+
+
 def test_triton_gemm_and_attention_under_the_interpreter_are_invariant_and_match_native():
     """The GPU kernels of the mode, interpreted: rows alone equal rows in a batch; a query alone
     equals the query behind left padding; each close to the native ordered form."""

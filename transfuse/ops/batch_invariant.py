@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from . import dispatch
 from .conformance import Sampler, ShapeClass, _like_call, _replace
 from .dispatch import Op, batch_invariant_active, batch_invariant_mode
 
@@ -583,6 +584,9 @@ class InvariantFunctions(TorchFunctionMode):
             if name not in self.found:
                 self.found[name] = _caller()
         return func(*args, **kwargs)
+
+
+dispatch._INVARIANT_MODES = (InvariantFunctions,)
 
 
 def _floating(args: tuple) -> bool:

@@ -307,14 +307,32 @@ class Op:
                 # (batch-invariant: the dispatched op as one node, so Inductor does not reorder its sums)
                 return self.library(*args, **kwargs)
             return self.native.impl(*args, **kwargs)  # plain torch ops: Inductor fuses them with their neighbours
+        if _BATCH_INVARIANT.get() and isinstance(torch.overrides._get_current_function_mode(), _INVARIANT_MODES):
+            # The choice and a provider declared ``batch_invariant``, which computes in its own
+            # kernels, run without the mode's handlers (shapes, strides, allocations, launches);
+            # the native definition runs with them, which make its torch calls invariant.
+            with torch.overrides._pop_mode_temporarily():
+                grad, provider = self._chosen(args, kwargs)
+                if provider is not self.native:
+                    return provider.implementation(grad)(*args, **kwargs)
+            return provider.implementation(grad)(*args, **kwargs)
+        grad, provider = self._chosen(args, kwargs)
+        return provider.implementation(grad)(*args, **kwargs)
+
+    def _chosen(self, args: tuple, kwargs: dict) -> tuple[bool, Provider]:
         grad = _needs_grad(args, kwargs)
         provider = self._select(grad, args, kwargs)
         if _TRACES:
             _record(self.name, provider.name, args, kwargs, grad)
-        return provider.implementation(grad)(*args, **kwargs)
+        return grad, provider
 
     def __repr__(self) -> str:
         return f"Op({self.name!r}, providers={list(self.providers)})"
+
+
+# The torch-function modes of a batch-invariant forward (``batch_invariant.InvariantFunctions``,
+# which registers itself here): only the native definitions run their torch calls through them.
+_INVARIANT_MODES: tuple[type, ...] = ()
 
 
 # Whether the code running now is inside a batch-invariant model's forward (``batch_invariant_mode``).
