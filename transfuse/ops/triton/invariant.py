@@ -26,6 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import device_of, interpreting
+from .launch import Kernel
 
 
 @triton.jit
@@ -73,6 +74,7 @@ def _chunked_tile(
     return total
 
 
+@Kernel
 @triton.jit
 def _bmm_kernel(
     a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K,
@@ -93,6 +95,7 @@ def _bmm_kernel(
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+@Kernel
 @triton.jit
 def _partial_kernel(
     a_ptr, b_ptr, part_ptr, M, N, K, CHUNKS,
@@ -113,6 +116,7 @@ def _partial_kernel(
     tl.store(part, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+@Kernel
 @triton.jit
 def _sum_partials_kernel(
     part_ptr, bias_ptr, c_ptr, M, N, CHUNKS, stride_cb, stride_cm, stride_cn,
@@ -133,6 +137,7 @@ def _sum_partials_kernel(
     tl.store(c, total.to(c_ptr.dtype.element_ty), mask=inside)
 
 
+@Kernel
 @triton.jit
 def _grouped_kernel(
     a_ptr, b_ptr, ends_ptr, c_ptr, N, K, TILES_M,
@@ -310,6 +315,7 @@ def _last_kept(mask_ptr, rows, live, L, sml, BLOCK_N: tl.constexpr):
     return found
 
 
+@Kernel
 @triton.jit
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, nk_ptr, nv_ptr, pos_ptr, H, KVH, Q, L, scale,
