@@ -341,7 +341,7 @@ def _attention_kernel(
         pos = tl.load(pos_ptr)
         new_k = tl.load(nk_ptr + b * snkb + kvh * snkh + d, mask=d < D, other=0.0).to(k_ptr.dtype.element_ty)
         new_v = tl.load(nv_ptr + b * snvb + kvh * snvh + dv, mask=dv < DV, other=0.0).to(v_ptr.dtype.element_ty)
-        if tl.program_id(0) == 0:
+        if (tl.program_id(0) == 0) & (pos >= 0) & (pos < L):
             tl.store(k_ptr + b * skb + kvh * skh + pos * skl + d, new_k, mask=d < D)
             tl.store(v_ptr + b * svb + kvh * svh + pos * svl + dv, new_v, mask=dv < DV)
     row_end = tl.where(live, L, 0)
