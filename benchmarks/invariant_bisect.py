@@ -13,11 +13,17 @@ records are paired by kind, name and occurrence, the prompt's row (the last ``le
 of row ``at``) is cut from the batch's tensors, and each pair says whether its inputs and its
 outputs are bit-identical. The first pair with equal inputs and different outputs is the
 operation that depends on the batch. Writes DIR/invariant_bisect.md and .json.
+
+``--across``: instead, the prompt alone through the eager model and through the compiled one (both
+in the mode), the dispatched ops of the two paired by name and occurrence: the first op whose
+inputs are the same bits and whose outputs are not, or the first whose inputs already differ (the
+difference arose in the model's own code before it).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -144,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inductor", choices=("on", "off"), default="on")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--show", type=int, default=60, help="pairs listed in the table")
+    parser.add_argument("--across", action="store_true", help="eager against compiled, the prompt alone")
     args = parser.parse_args(argv)
     _watch()
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
@@ -156,8 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     at = args.batch // 2
     batch = others[:at] + [target] + others[at:]
     transfuse.rewrite(model, batch_invariant=True)
+    eager = copy.deepcopy(model) if args.across else None
     transfuse.compile(model, batch_invariant=True, cache_dir=False, cuda_graphs=False, replay=False,
                       inductor=args.inductor == "on")  # fmt: skip
+    if args.across:
+        return _across(eager, model, target, args, device)
     for _ in range(2):  # compiled for both shapes before anything is recorded
         _prefill(model, [target])
         _prefill(model, batch)
@@ -201,6 +211,57 @@ def main(argv: list[str] | None = None) -> int:
         lines += ["", "The first differing piece, as compiled for the prompt alone:", "", "```", culprit["code"].strip(), "```"]
     text = "\n".join(lines)
     with open(os.path.join(args.out, "invariant_bisect.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+    return 0
+
+
+def _across(eager, compiled, target, args, device: str) -> int:
+    """The prompt alone through both paths; their dispatched ops paired by name and occurrence."""
+    for _ in range(2):
+        _prefill(compiled, [target])
+    records = {}
+    for path, model in (("eager", eager), ("compiled", compiled)):
+        records[path] = [r for r in _prefill(model, [target]) if r[0] == "op"]
+    seen: dict[str, int] = {}
+    index = {}
+    for _, name, inputs, outputs, *_ in records["compiled"]:
+        n = seen.get(name, 0)
+        seen[name] = n + 1
+        index[(name, n)] = (inputs, outputs)
+    seen.clear()
+    pairs = []
+    for _, name, inputs, outputs, *_ in records["eager"]:
+        n = seen.get(name, 0)
+        seen[name] = n + 1
+        other = index.get((name, n))
+        if other is None:
+            pairs.append({"name": name, "n": n, "paired": False})
+            continue
+        ins, _ = _same(inputs, other[0], 0, 1)
+        outs, largest = _same(outputs, other[1], 0, 1)
+        pairs.append({"name": name, "n": n, "paired": True, "inputs equal": ins, "outputs equal": outs, "largest": largest})
+    culprit = next((p for p in pairs if p.get("inputs equal") is False or p.get("outputs equal") is False), None)
+    result = {"argv": sys.argv[1:], "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+              "ops eager": len(records["eager"]), "ops compiled": len(records["compiled"]),
+              "first differing": culprit, "pairs": pairs}  # fmt: skip
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "invariant_bisect_across.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    if culprit is None:
+        verdict = "none: every paired op had the same inputs and outputs"
+    elif culprit.get("inputs equal") is False:
+        verdict = f"{culprit['name']} #{culprit['n']} received other inputs (the model's own code before it differs)"
+    else:
+        verdict = f"{culprit['name']} #{culprit['n']} gave other outputs from the same inputs"
+    lines = [f"Command: `python benchmarks/invariant_bisect.py {' '.join(sys.argv[1:])}` ({result['device']})", "",
+             f"Dispatched ops: {len(records['eager'])} eager, {len(records['compiled'])} compiled. First difference: {verdict}.",
+             "", "| # | op | paired | inputs equal | outputs equal | largest |", "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for i, p in enumerate(pairs[: args.show]):
+        lines.append(f"| {i} | {p['name']} #{p['n']} | {p['paired']} | {p.get('inputs equal')} | "
+                     f"{p.get('outputs equal')} | {p.get('largest', 0):.3g} |")  # fmt: skip
+    text = "\n".join(lines)
+    with open(os.path.join(args.out, "invariant_bisect_across.md"), "w") as f:
         f.write(text + "\n")
     print(text)
     return 0
