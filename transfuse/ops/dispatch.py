@@ -26,7 +26,9 @@ the providers' declared ``thresholds`` tell apart; a provider that fails is pass
 Inside ``batch_invariant_mode()`` (entered by a model that ``transfuse.rewrite(...,
 batch_invariant=True)`` made batch-invariant, for the length of its forward) only providers that
 declare ``batch_invariant`` run, and none defers: the provider an op gets never depends on the
-row count, and each of those computes a row the same way whatever else is in the batch.
+row count, and each of those computes a row the same way whatever else is in the batch. The choice
+and those providers run without the mode's torch-function handlers; a native definition runs with
+them, which make its torch calls invariant.
 """
 
 from __future__ import annotations
