@@ -317,8 +317,8 @@ class Op:
                 grad, provider = self._chosen(args, kwargs)
                 if provider is not self.native:
                     return provider.implementation(grad)(*args, **kwargs)
-            return provider.implementation(grad)(*args, **kwargs)
-        grad, provider = self._chosen(args, kwargs)
+        else:
+            grad, provider = self._chosen(args, kwargs)
         return provider.implementation(grad)(*args, **kwargs)
 
     def _chosen(self, args: tuple, kwargs: dict) -> tuple[bool, Provider]:

@@ -174,8 +174,8 @@ class Tiles:
     chunk: int
 
 
-# Rows from which a 2-byte GEMM takes tall tiles (128 x 256, 8 warps): a prefill's row counts,
-# where the decode tiles run far below cuBLAS.
+# Rows from which a 2-byte GEMM takes tall tiles (128 x 256, 8 warps) and the attention programs of
+# 128 rows: a prefill's row counts, where the decode tiles run far below cuBLAS and FlashAttention.
 TALL_ROWS = 1024
 
 
@@ -400,7 +400,7 @@ def attention_tiles(rows: int, block_d: int, element_size: int = 2) -> tuple[int
     if interpreting():
         return (32 if rows >= 64 else 16), 16, 1
     block_n = 64 if block_d <= 128 else 32
-    if rows >= 1024 and block_d <= 128 and element_size <= 2:
+    if rows >= TALL_ROWS and block_d <= 128 and element_size <= 2:
         return 128, block_n, 8
     return 64, block_n, 4
 
