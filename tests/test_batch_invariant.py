@@ -416,6 +416,51 @@ def test_moe_experts_give_each_token_the_same_bits_whatever_the_token_count():
     _rows_agree(fn, lambda n: torch.randn(n, hidden), sizes=(1, 3, 40))
 
 
+def test_triton_moe_routes_and_runs_every_token_count_one_way_in_the_mode(monkeypatch):
+    """The Triton routing and experts (interpreted) in the mode: a token's weights, ids and output
+    are the same bits alone and among 2 or 39 other tokens. Counted at the kernels' host code: every
+    call takes the grouped path with ``INVARIANT_CONFIG``'s reduction block, where out of the mode
+    one token takes the decode path and 40 tokens other tiles."""
+    from transfuse.ops.triton import moe as triton_moe
+    from transfuse.ops.triton.moe_configs import INVARIANT_CONFIG
+
+    for name in ("moe_route", "moe_experts"):
+        found = ops.get_op(name)
+        if not found.is_supported(found.providers["triton"]):
+            pytest.skip("Triton is not installed")
+    paths = []
+    for path in ("_decode", "_grouped"):
+        run = getattr(triton_moe, path)
+        monkeypatch.setattr(
+            triton_moe, path, lambda *a, _run=run, _path=path: paths.append((_path, a[-1], a[0].shape[0])) or _run(*a)
+        )
+    torch.manual_seed(0)
+    experts, hidden, inner, top_k = 4, 16, 8, 2
+    w13, w2 = torch.randn(experts, 2 * inner, hidden) / 4, torch.randn(experts, hidden, inner) / 4
+    router = torch.randn(experts, hidden)
+
+    def fn(x):
+        weights, ids = ops.moe_route(F.linear(x, router), top_k)
+        return torch.cat([ops.moe_experts(x, weights, ids, w13, w2), weights, ids.to(x.dtype)], -1)
+
+    for name in ("moe_route", "moe_experts"):
+        ops.set_priority(["triton"], op=name)
+    try:
+        with conformance.assumed(), ops.trace() as log:
+            _rows_agree(fn, lambda n: torch.randn(n, hidden), rows=2, sizes=(1, 3, 40))
+            in_mode = list(paths)
+            paths.clear()
+            fn(torch.randn(1, hidden)), fn(torch.randn(40, hidden))
+        assert {(d.op, d.provider) for d in log if d.op.startswith("moe")} == {("moe_route", "triton"), ("moe_experts", "triton")}
+        assert {path for path, _, _ in in_mode} == {"_grouped"}
+        assert {config.block_k for _, config, _ in in_mode} == {INVARIANT_CONFIG.block_k}
+        assert {tokens for _, _, tokens in in_mode} >= {1, 40}
+        assert paths[0][0] == "_decode" and paths[1][1] != in_mode[0][1]
+    finally:
+        for name in ("moe_route", "moe_experts"):
+            ops.set_priority(None, op=name)
+
+
 @pytest.mark.parametrize("provider", ["native", "triton"])
 def test_grouped_matmul_gives_each_row_the_same_bits_in_any_group_layout(provider):
     """The MoE layer's grouped matmul in the mode: a row's product with its group's matrix is the
@@ -586,6 +631,29 @@ def test_compiled_prompts_attend_through_the_modes_attention(inductor):
         model(prompt)
     assert model._transfuse_compiled.calls["compiled"] > 0
     assert [entry.op for entry in log].count("invariant_attention") == 2
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_compiled_and_eager_paths_dispatch_the_same_ops_in_the_mode(model_type):
+    """Counted at the dispatcher, one prompt through the eager model and through the compiled one:
+    the same ops in the same order, so a row meets the same providers' arithmetic on both paths.
+    Out of the mode, compiled code traces the model's own rotary function instead of the rotary op
+    (Inductor fuses it); in the mode that function's bf16 steps would round where a GPU rotary
+    kernel does not."""
+    from transfuse.ops import dispatch
+
+    model = tiny_model(model_type, num_hidden_layers=2).eval()
+    transfuse.rewrite(model, batch_invariant=True, verify=False)
+    prompt = torch.randint(0, 100, (1, 6), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad(), dispatch.trace() as eager:
+        expected = model(prompt).logits
+    transfuse.compile(model, cache_dir=False)
+    with torch.no_grad(), dispatch.trace() as compiled:
+        got = model(prompt).logits
+    assert model._transfuse_compiled.calls["compiled"] > 0
+    assert [entry.op for entry in eager].count("rotary") == 2
+    assert [entry.op for entry in compiled] == [entry.op for entry in eager]
+    assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("inductor", [False, True], ids=["traced", "inductor"])

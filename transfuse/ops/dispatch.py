@@ -303,22 +303,28 @@ class Op:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
-            if self.library is not None and (_INVARIANT_CALLS or under_compile_use_library_op(
+            if self.library is not None and under_compile_use_library_op(
                 self.name, args, self.compile_default, backward=self.library_backward
-            )):
-                # (batch-invariant: the dispatched op as one node, so Inductor does not reorder its sums)
+            ):
                 return self.library(*args, **kwargs)
             return self.native.impl(*args, **kwargs)  # plain torch ops: Inductor fuses them with their neighbours
-        if _BATCH_INVARIANT.get() and isinstance(torch.overrides._get_current_function_mode(), _INVARIANT_MODES):
+        if _BATCH_INVARIANT.get():
             # The choice and a provider declared ``batch_invariant``, which computes in its own
             # kernels, run without the mode's handlers (shapes, strides, allocations, launches);
-            # the native definition runs with them, which make its torch calls invariant.
-            with torch.overrides._pop_mode_temporarily():
-                grad, provider = self._chosen(args, kwargs)
-                if provider is not self.native:
-                    return provider.implementation(grad)(*args, **kwargs)
-        else:
+            # the native definition runs with them, which make its torch calls invariant. A library
+            # op called from compiled code runs without them on the stack: it enters them itself.
+            if isinstance(torch.overrides._get_current_function_mode(), _INVARIANT_MODES):
+                with torch.overrides._pop_mode_temporarily():
+                    grad, provider = self._chosen(args, kwargs)
+                    if provider is not self.native:
+                        return provider.implementation(grad)(*args, **kwargs)
+                return provider.implementation(grad)(*args, **kwargs)
             grad, provider = self._chosen(args, kwargs)
+            if provider is self.native and _INVARIANT_MODES:
+                with _INVARIANT_MODES[0]():
+                    return provider.implementation(grad)(*args, **kwargs)
+            return provider.implementation(grad)(*args, **kwargs)
+        grad, provider = self._chosen(args, kwargs)
         return provider.implementation(grad)(*args, **kwargs)
 
     def _chosen(self, args: tuple, kwargs: dict) -> tuple[bool, Provider]:
@@ -577,7 +583,14 @@ def under_compile_use_library_op(op: str, args: tuple, default: str = "native", 
     wherever a provider with backward kernels runs on the arguments' device: Inductor's code for
     the gradient of a merged projection's split (one kernel that also concatenates the parts)
     measured several times slower on the GPU than those kernels
-    (``benchmarks/results/h200_profile_train_llama_compiled*_2026-12-02.txt``)."""
+    (``benchmarks/results/h200_profile_train_llama_compiled*_2026-12-02.txt``).
+
+    While a batch-invariant forward runs: always. The op is then one node that computes what the
+    eager path's call computes (its chosen provider's kernels), neither reordered by Inductor nor
+    replaced by the native definition's arithmetic (a GPU provider rounds once where the native
+    code rounds after each step)."""
+    if _INVARIANT_CALLS:
+        return True
     chosen = _COMPILE_MODE.get(op) or _COMPILE_MODE.get("*") or settings.value("TRANSFUSE_COMPILE_MODE")
     mode = chosen or default
     if mode not in _COMPILE_MODES:

@@ -297,11 +297,16 @@ CROSS_ENTROPY_GRAD.register(
 )
 SCALE_.register(Provider("triton", _lazy("cross_entropy", "scale_"), available, _scale_args, tolerance=_tolerance))
 # Forward only, for inference on a GPU; the grouped path's tiles and the decode path by token count.
-MOE_ROUTE.register(Provider("triton", _lazy("moe", "moe_route"), available, _triton_routes, tolerance=_tolerance))
+# batch_invariant: the routing kernel's programs take a number of tokens fixed by the expert count,
+# each token's scores reduced alike; the experts take one path and one set of tiles in that mode
+# (``moe_configs.INVARIANT_CONFIG``).
+MOE_ROUTE.register(
+    Provider("triton", _lazy("moe", "moe_route"), available, _triton_routes, tolerance=_tolerance, batch_invariant=True)
+)
 MOE_EXPERTS.register(
     Provider(
         "triton", _lazy("moe", "moe_experts"), available, _triton_runs_experts, thresholds=_experts_thresholds,
-        tolerance=_tolerance,
+        tolerance=_tolerance, batch_invariant=True,
     )
 )  # fmt: skip
 MOE_EXPERTS_FP8.register(

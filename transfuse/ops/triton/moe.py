@@ -41,9 +41,11 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from ..dispatch import batch_invariant_active
 from . import device_of, interpreting
 from .launch import Kernel
 from .moe_configs import (
+    INVARIANT_CONFIG,
     DecodeConfig,
     MoEConfig,
     config_for,
@@ -633,10 +635,12 @@ def moe_experts(
     alpha, limit,
 ):  # fmt: skip
     """Triton provider of ``transfuse.ops.moe.moe_experts_native``: the decode path or the grouped
-    path, as ``config_for`` says, with tiles fitted to the device's shared memory. Should Triton
-    still find them too large, a smaller configuration is tried (and remembered) instead."""
+    path, as ``config_for`` says (in batch-invariant mode, ``INVARIANT_CONFIG`` for every token
+    count), with tiles fitted to the device's shared memory. Should Triton still find them too
+    large, a smaller configuration is tried (and remembered) instead."""
     tokens, top_k = ids.shape
-    chosen = fit(config_for(tokens, top_k, w13.shape[0]), x.element_size(), top_k, _shared_memory(x))
+    wanted = INVARIANT_CONFIG if batch_invariant_active() else config_for(tokens, top_k, w13.shape[0])
+    chosen = fit(wanted, x.element_size(), top_k, _shared_memory(x))
     key = (chosen, x.dtype, x.device, top_k)
     config = _SHRUNK.get(key, chosen)
     # The kernels step through the input feature with stride 1, and through ids and weights as [T·k].

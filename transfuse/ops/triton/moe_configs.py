@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 __all__ = [
-    "CONFIGS", "DECODE_MAX_PAIRS", "TUNING_CANDIDATES", "DecodeConfig", "MoEConfig", "config_for", "fit",
+    "CONFIGS", "DECODE_MAX_PAIRS", "INVARIANT_CONFIG", "TUNING_CANDIDATES", "DecodeConfig", "MoEConfig", "config_for", "fit",
     "k_pad", "regime", "shared_memory_limit", "token_thresholds", "using_config",
 ]  # fmt: skip
 
@@ -166,6 +166,14 @@ TUNING_CANDIDATES: dict[str, tuple[Config, ...]] = {
         MoEConfig(64, 128, 64, 8, 3),
     ),
 }
+
+# Batch-invariant mode (``dispatch.batch_invariant_mode``): the grouped path with these tiles for
+# every token count. A pair's products are summed along the hidden (and intermediate) size in
+# steps of ``block_k`` into one float32 accumulator, whatever block of rows the pair sits in and
+# whatever else is in it; the slots of a token are added in slot order. So a token's output does
+# not depend on the batch. The decode path sums each row another way (elementwise products, then a
+# reduction across the K block) and is not used there.
+INVARIANT_CONFIG = MoEConfig(64, 128, 64, 4, 3)
 
 _FORCED: list[Config] = []
 
