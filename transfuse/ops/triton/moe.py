@@ -45,11 +45,11 @@ from ..dispatch import batch_invariant_active
 from . import device_of, interpreting
 from .launch import Kernel
 from .moe_configs import (
-    INVARIANT_CONFIG,
     DecodeConfig,
     MoEConfig,
     config_for,
     fit,
+    invariant_config,
     k_pad,
     shared_memory_limit,
 )
@@ -639,7 +639,7 @@ def moe_experts(
     count), with tiles fitted to the device's shared memory. Should Triton still find them too
     large, a smaller configuration is tried (and remembered) instead."""
     tokens, top_k = ids.shape
-    wanted = INVARIANT_CONFIG if batch_invariant_active() else config_for(tokens, top_k, w13.shape[0])
+    wanted = invariant_config() if batch_invariant_active() else config_for(tokens, top_k, w13.shape[0])
     chosen = fit(wanted, x.element_size(), top_k, _shared_memory(x))
     key = (chosen, x.dtype, x.device, top_k)
     config = _SHRUNK.get(key, chosen)

@@ -30,8 +30,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 __all__ = [
-    "CONFIGS", "DECODE_MAX_PAIRS", "INVARIANT_CONFIG", "TUNING_CANDIDATES", "DecodeConfig", "MoEConfig", "config_for", "fit",
-    "k_pad", "regime", "shared_memory_limit", "token_thresholds", "using_config",
+    "CONFIGS", "DECODE_MAX_PAIRS", "INVARIANT_CONFIG", "TUNING_CANDIDATES", "DecodeConfig", "MoEConfig", "config_for",
+    "fit", "invariant_config", "k_pad", "regime", "shared_memory_limit", "token_thresholds", "using_config",
 ]  # fmt: skip
 
 
@@ -201,6 +201,12 @@ def regime(tokens: int, top_k: int, experts: int) -> str:
 def config_for(tokens: int, top_k: int, experts: int) -> Config:
     """The path and tiles for this batch: the innermost ``using_config``, else ``CONFIGS`` by regime."""
     return _FORCED[-1] if _FORCED else CONFIGS[regime(tokens, top_k, experts)]
+
+
+def invariant_config() -> Config:
+    """The path and tiles of every batch in batch-invariant mode: the innermost ``using_config``
+    (for tuning), else ``INVARIANT_CONFIG``."""
+    return _FORCED[-1] if _FORCED else INVARIANT_CONFIG
 
 
 @contextlib.contextmanager
