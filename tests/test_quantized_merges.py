@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 import transfuse
 from transfuse.ops.quantized import QuantizedProjection
+from transfuse.ops.quantized.base import cpu_int4_rows_concatenate
 from transfuse.rewriter.weights import MergeError, merge_linears, unmerge_linears
 from transfuse.tiny import tiny_model
 
@@ -75,6 +76,28 @@ def checkpoint(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def mha_checkpoint(tmp_path_factory):
+    """q, k and v of 64 rows each: whole blocks of the CPU int4 packing on every CPU."""
+    path = tmp_path_factory.mktemp("tiny-llama-mha")
+    tiny_model("llama", num_key_value_heads=4).save_pretrained(path)
+    return path
+
+
+def _blocked_int4_packing(monkeypatch):
+    """A CPU int4 packing that interleaves blocks of 64 output rows (as AVX-512's does), a part's last
+    partial block otherwise than a whole one, seen by ``cpu_int4_rows_concatenate`` only."""
+    real = torch._convert_weight_to_int4pack_for_cpu
+
+    def blocked(codes, inner_k_tiles):
+        n = codes.shape[0]
+        order = [i for start in range(0, n, 64) for i in reversed(range(start, min(start + 64, n)))]
+        return real(codes[order], inner_k_tiles)
+
+    monkeypatch.setattr(torch, "_convert_weight_to_int4pack_for_cpu", blocked)
+    cpu_int4_rows_concatenate.cache_clear()
+
+
 def _load(path, scheme, config=None):
     package, make = SCHEMES[scheme]
     if importlib.util.find_spec(package.partition(".")[0]) is None:
@@ -113,7 +136,9 @@ def _inside(piece: torch.Tensor, whole: list[torch.Tensor]) -> bool:
 
 @pytest.mark.parametrize("ran_first", [False, True], ids=["unrun", "ran"])
 @pytest.mark.parametrize("scheme", list(SCHEMES))
-def test_a_quantized_merge_computes_its_parts_bit_for_bit_in_their_storage(checkpoint, scheme, ran_first):
+def test_a_quantized_merge_computes_its_parts_bit_for_bit_in_their_storage(request, scheme, ran_first):
+    # int4 packed for the CPU kernel merges where each part but the last is whole blocks of its packing
+    checkpoint = request.getfixturevalue("mha_checkpoint" if scheme == "torchao-int4" else "checkpoint")
     model, stock = _load(checkpoint, scheme), _load(checkpoint, scheme)
     x = torch.randn(3, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     names = ["q_proj", "k_proj", "v_proj"]
@@ -225,13 +250,47 @@ def test_quanto_int4_is_refused_naming_its_packing():
         merge_linears(module, "ab", ["a", "b"])
 
 
+@pytest.fixture
+def fresh_int4_probe():
+    cpu_int4_rows_concatenate.cache_clear()
+    yield
+    cpu_int4_rows_concatenate.cache_clear()
+
+
+def test_cpu_int4_merges_are_refused_where_the_packing_blocks_rows_across_parts(checkpoint, monkeypatch, fresh_int4_probe):
+    """Counted at the probe: under a packing that interleaves blocks of 64 rows, parts of 64, 32 and
+    32 rows (q, k, v of the tiny llama) are refused with the reason, whole blocks are not."""
+    model = _load(checkpoint, "torchao-int4")
+    _blocked_int4_packing(monkeypatch)
+    assert cpu_int4_rows_concatenate((64, 64, 128))
+    attention = model.model.layers[0].self_attn
+    with pytest.raises(MergeError, match=r"packed for this CPU's int4 kernel.*parts of 64, 32, 32 rows"):
+        merge_linears(attention, "qkv_proj", ["q_proj", "k_proj", "v_proj"])
+    assert cpu_int4_rows_concatenate.cache_info().misses == 2
+
+
+def test_quanto_int4_for_tinygemm_is_refused_where_the_packing_blocks_rows_across_parts(monkeypatch, fresh_int4_probe):
+    if importlib.util.find_spec("optimum") is None or importlib.util.find_spec("optimum.quanto") is None:
+        pytest.skip("optimum-quanto is not installed")
+    from optimum.quanto import freeze, qint4, quantize
+
+    module = torch.nn.Module()
+    for name, width in (("a", 64), ("b", 32), ("c", 32)):
+        setattr(module, name, torch.nn.Linear(256, width, bias=False, dtype=torch.bfloat16))
+    quantize(module, weights=qint4)
+    freeze(module)
+    _blocked_int4_packing(monkeypatch)
+    with pytest.raises(MergeError, match=r"packed for this CPU's int4 kernel.*parts of 64, 32, 32 rows"):
+        merge_linears(module, "abc", ["a", "b", "c"])
+
+
 def test_quanto_int4_for_tinygemm_merges_its_code_rows_bit_for_bit():
     if importlib.util.find_spec("optimum") is None or importlib.util.find_spec("optimum.quanto") is None:
         pytest.skip("optimum-quanto is not installed")
     from optimum.quanto import freeze, qint4, quantize
 
     module = torch.nn.Module()  # bfloat16, groups of 128, on a CPU: quanto packs int4 for tinygemm
-    for name, width in (("a", 64), ("b", 32), ("c", 32)):
+    for name, width in (("a", 128), ("b", 64), ("c", 64)):  # whole blocks of the CPU int4 packing
         setattr(module, name, torch.nn.Linear(256, width, bias=False, dtype=torch.bfloat16))
     quantize(module, weights=qint4)
     freeze(module)

@@ -13,12 +13,13 @@ dequantises and requantises.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["Scheme", "SchemeError", "alone", "storage_bytes"]
+__all__ = ["Scheme", "SchemeError", "alone", "check_cpu_int4_rows", "storage_bytes"]
 
 
 class SchemeError(ValueError):
@@ -98,3 +99,26 @@ def point_bias(bias: torch.Tensor | None, modules: Sequence[nn.Module], sizes: S
         return
     for module, (start, end) in zip(modules, split_points(sizes)):
         module.bias.data = alone(bias[start:end])
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_int4_rows_concatenate(sizes: tuple[int, ...]) -> bool:
+    """Whether ``torch._convert_weight_to_int4pack_for_cpu`` packs parts of ``sizes`` output rows,
+    each packed alone and laid end to end, as it packs them together. Its layout is the CPU's: with
+    AVX-512 it interleaves the codes of blocks of 64 rows, so a part whose rows end inside a block is
+    packed otherwise alone than within the merged tensor. Probed on random codes (the layout does
+    not depend on the input width)."""
+    pack = torch._convert_weight_to_int4pack_for_cpu
+    generator = torch.Generator().manual_seed(0)
+    codes = [torch.randint(0, 16, (n, 64), dtype=torch.int32, generator=generator) for n in sizes]
+    return torch.equal(torch.cat([pack(c, 1) for c in codes]), pack(torch.cat(codes), 1))
+
+
+def check_cpu_int4_rows(names: Sequence[str], sizes: Sequence[int], what: str) -> None:
+    """Raise ``SchemeError`` where parts of ``sizes`` rows, whose codes ``what`` are packed for
+    ``_weight_int4pack_mm_for_cpu``, do not concatenate into the merged tensor's packing on this CPU."""
+    if not cpu_int4_rows_concatenate(tuple(sizes)):
+        raise SchemeError(
+            f"{', '.join(names)} are {what} packed for this CPU's int4 kernel, which lays out blocks of output rows "
+            f"together: parts of {', '.join(map(str, sizes))} rows packed one by one are not the merged layer's packing."
+        )

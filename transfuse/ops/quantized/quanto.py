@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Scheme, SchemeError, alone, merged_bias, point_bias, split_points
+from .base import Scheme, SchemeError, alone, check_cpu_int4_rows, merged_bias, point_bias, split_points
 
 __all__ = ["Quanto"]
 
@@ -53,6 +53,13 @@ class Quanto(Scheme):
         return f"optimum-quanto {getattr(qtype, 'name', qtype)} {type(module.weight).__name__}"
 
     def check(self, names: Sequence[str], modules: Sequence[nn.Module]) -> None:
+        first = modules[0]
+        self._check_parts(names, modules)
+        if _tinygemm(first.weight) and first.weight._data._data.device.type == "cpu":
+            sizes = [m.weight.shape[0] for m in modules]
+            check_cpu_int4_rows(names, sizes, f"{self.describe(first)} weights")
+
+    def _check_parts(self, names: Sequence[str], modules: Sequence[nn.Module]) -> None:
         first = modules[0]
         for name, module in zip(names, modules):
             weight = module.weight

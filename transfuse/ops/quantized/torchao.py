@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Scheme, SchemeError, alone, merged_bias, point_bias, split_points
+from .base import Scheme, SchemeError, alone, check_cpu_int4_rows, merged_bias, point_bias, split_points
 
 __all__ = ["TorchAO"]
 
@@ -40,6 +40,9 @@ def _is_torchao(tensor) -> bool:
 _OUTPUT_AXES = {("Int4OpaqueTensor", "scale_and_zero"): 1, ("Int4TilePackedTo4dTensor", "scale_and_zero"): 1}
 # (subclass name, inner tensor name) -> outputs per entry of the output axis, where more than one.
 _TILES = {("Int4TilePackedTo4dTensor", "qdata"): 8}
+# (subclass name, inner tensor name) of codes packed by ``_convert_weight_to_int4pack_for_cpu``,
+# whose layout groups blocks of output rows on some CPUs (``base.cpu_int4_rows_concatenate``).
+_CPU_INT4_PACKED = {("Int4OpaqueTensor", "qdata")}
 
 
 def _axis(weight, key: str) -> int:
@@ -111,6 +114,10 @@ class TorchAO(Scheme):
                 others = lambda t: t.shape[:axis] + t.shape[axis + 1 :]  # noqa: E731
                 if tensor is not None and others(tensor) != others(inner0[key]):
                     raise SchemeError(f"{name}.weight's {key} is {tuple(tensor.shape)}, {names[0]}'s {tuple(inner0[key].shape)}.")
+
+        for key, tensor in inner0.items():
+            if (type(first).__name__, key) in _CPU_INT4_PACKED and tensor is not None and tensor.device.type == "cpu":
+                check_cpu_int4_rows(names, [m.weight.shape[0] for m in modules], f"{self.describe(modules[0])}s")
 
     def merge(self, modules: Sequence[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
         weights = [m.weight for m in modules]
