@@ -6,7 +6,10 @@ The int8 rows and their scales concatenate exactly along the output dimension.
 int4 with bfloat16 scales, groups of 128, on a CPU: quanto holds it for tinygemm
 (``TinyGemmWeightQBitsTensor``: codes ``[out, in / 2]`` as ``_convert_weight_to_int4pack_for_cpu``
 packs them, one row per output, and ``_scale_shift [in / group, out, 2]``), run by
-``_weight_int4pack_mm_for_cpu``. The code rows concatenate exactly; the scales concatenate along
+``_weight_int4pack_mm_for_cpu``. The code rows concatenate exactly where this CPU's packing of each
+part alone is its packing within the merged tensor (``base.cpu_int4_rows_concatenate``: with
+AVX-512 it interleaves blocks of 64 rows, so a part but the last must be whole blocks), and are
+refused otherwise; the scales concatenate along
 their output axis, which is not their first, so a part's slice is not contiguous and the kernel
 reads it as if it were: the merged layer holds the scales concatenated once more (not the codes),
 and the parts keep their own.

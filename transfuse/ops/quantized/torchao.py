@@ -10,7 +10,10 @@ Most inner tensors have the outputs as their first dimension; those that do not 
 the CPU int4 ``Int4OpaqueTensor``'s ``scale_and_zero``, ``[in / group, out, 2]`` for
 ``_weight_int4pack_mm_for_cpu``) concatenate along their output axis too, but a part's slice of
 that axis is not contiguous and the kernel reads it as if it were: the merged layer holds such a
-tensor concatenated once more (the scales, not the codes), and the parts keep their own.
+tensor concatenated once more (the scales, not the codes), and the parts keep their own. Its codes
+(``qdata``, packed by ``_convert_weight_to_int4pack_for_cpu``) concatenate exactly only where this
+CPU packs each part alone as within the merged tensor (``base.cpu_int4_rows_concatenate``); the
+merge is refused otherwise.
 
 Some inner tensors hold a tile of several outputs per entry of their output axis (``_TILES``: the
 CUDA int4 ``Int4TilePackedTo4dTensor``'s ``qdata``, ``[out / 8, in / 128, 32, 4]`` for tinygemm's
