@@ -639,7 +639,8 @@ def test_compiled_and_eager_paths_dispatch_the_same_ops_in_the_mode(model_type):
     the same ops in the same order, so a row meets the same providers' arithmetic on both paths.
     Out of the mode, compiled code traces the model's own rotary function instead of the rotary op
     (Inductor fuses it); in the mode that function's bf16 steps would round where a GPU rotary
-    kernel does not."""
+    kernel does not. Likewise the transcendental functions of the model's own code (the rotary
+    embedding's cos and sin), which Inductor would generate its own code for."""
     from transfuse.ops import dispatch
 
     model = tiny_model(model_type, num_hidden_layers=2).eval()
@@ -652,6 +653,8 @@ def test_compiled_and_eager_paths_dispatch_the_same_ops_in_the_mode(model_type):
         got = model(prompt).logits
     assert model._transfuse_compiled.calls["compiled"] > 0
     assert [entry.op for entry in eager].count("rotary") == 2
+    # The rotary embedding's cos and sin: torch's kernels on both paths, not Inductor's own code.
+    assert [entry.op for entry in eager].count("invariant_elementwise") >= 2
     assert [entry.op for entry in compiled] == [entry.op for entry in eager]
     assert torch.equal(got, expected)
 

@@ -172,8 +172,11 @@ TUNING_CANDIDATES: dict[str, tuple[Config, ...]] = {
 # steps of ``block_k`` into one float32 accumulator, whatever block of rows the pair sits in and
 # whatever else is in it; the slots of a token are added in slot order. So a token's output does
 # not depend on the batch. The decode path sums each row another way (elementwise products, then a
-# reduction across the K block) and is not used there.
-INVARIANT_CONFIG = MoEConfig(64, 128, 64, 4, 3)
+# reduction across the K block) and is not used there. Of the tile sets measured with block_k 64
+# (every one gave a token the same bits alone and among 8 to 2048 others), this one was fastest or
+# near it at most token counts on an H100 with Qwen3-MoE expert shapes
+# (``benchmarks/results/h100_invariant_moe_218feb1_2026-12-07.md``).
+INVARIANT_CONFIG = MoEConfig(64, 64, 64, 4, 3)
 
 _FORCED: list[Config] = []
 
