@@ -66,7 +66,10 @@ def _watch() -> None:
             return call(self, *args, **kwargs)
         inputs = _copies((args, kwargs))
         out = call(self, *args, **kwargs)
-        RECORDS.append(("op", self.name, inputs, _copies(out)))
+        # An op that names its function (``invariant_elementwise``) pairs by that name too: compiled
+        # code may run ``cos`` and ``sin`` of the same angles in the other order.
+        name = f"{self.name}({args[0]})" if args and isinstance(args[0], str) else self.name
+        RECORDS.append(("op", name, inputs, _copies(out)))
         return out
 
     dispatch.Op.__call__ = op_call
@@ -238,9 +241,16 @@ def _across(eager, compiled, target, args, device: str) -> int:
         if other is None:
             pairs.append({"name": name, "n": n, "paired": False})
             continue
+        if len(inputs) != len(other[0]):
+            pairs.append({"name": name, "n": n, "paired": False, "inputs": (len(inputs), len(other[0]))})
+            continue
         ins, _ = _same(inputs, other[0], 0, 1)
         outs, largest = _same(outputs, other[1], 0, 1)
-        pairs.append({"name": name, "n": n, "paired": True, "inputs equal": ins, "outputs equal": outs, "largest": largest})
+        each = [  # every input tensor: (shape, dtype, stride eager, stride compiled, equal, largest difference)
+            (list(a.shape), str(a.dtype), a.stride(), b.stride(), *_same([a], [b], 0, 1)) for a, b in zip(inputs, other[0])
+        ]
+        pairs.append({"name": name, "n": n, "paired": True, "inputs equal": ins, "outputs equal": outs,
+                      "largest": largest, "each input": each})  # fmt: skip
     culprit = next((p for p in pairs if p.get("inputs equal") is False or p.get("outputs equal") is False), None)
     result = {"argv": sys.argv[1:], "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
               "ops eager": len(records["eager"]), "ops compiled": len(records["compiled"]),
@@ -248,6 +258,10 @@ def _across(eager, compiled, target, args, device: str) -> int:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "invariant_bisect_across.json"), "w") as f:
         json.dump(result, f, indent=1)
+    if culprit is not None and culprit.get("inputs equal") is False:
+        print("inputs of the first differing op (shape, dtype, strides eager / compiled, equal, largest):")
+        for entry in culprit["each input"]:
+            print("   ", entry)
     if culprit is None:
         verdict = "none: every paired op had the same inputs and outputs"
     elif culprit.get("inputs equal") is False:

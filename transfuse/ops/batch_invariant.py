@@ -28,7 +28,6 @@ a GPU runs the Triton providers.
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import sys
@@ -173,7 +172,10 @@ def invariant_matmul(a: Tensor, b: Tensor) -> Tensor:
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     a, b = a.expand(*batch, *a.shape[-2:]), b.expand(*batch, *b.shape[-2:])
     m, n = a.shape[-2], b.shape[-1]
-    dtype = torch.result_type(a, b)
+    # Both have dimensions, so their dtypes decide alone. (torch 2.11's Dynamo breaks the graph at
+    # ``torch.result_type``; a graph break inside a torch-function handler makes Dynamo resume the
+    # wrong handler's code, see ``InvariantFunctions``.)
+    dtype = torch.promote_types(a.dtype, b.dtype)
     flat = _with_reference_backward(
         INVARIANT_BMM, torch.bmm, a.reshape(-1, m, a.shape[-1]).to(dtype), b.reshape(-1, *b.shape[-2:]).to(dtype)
     )
@@ -421,69 +423,9 @@ def _elementwise(func: Callable) -> Callable:
     def compute(input, *args, **kwargs):
         if kwargs.get("out") is not None or kwargs.get("inplace") or (args and args[0] is True and func in _INPLACE_ARG):
             return NotImplemented
-        arguments = _elementwise_arguments(func, input, args, kwargs)
-        if arguments is not None:
-            return INVARIANT_ELEMENTWISE(_ELEMENTWISE_NAME[func], input, *arguments)
         return _lanewise(func, input, *args, **kwargs)
 
     return compute
-
-
-# Under torch.compile, Inductor generates its own code for a transcendental function (on a GPU a
-# Triton ``cos`` or ``exp`` whose last bit can differ from torch's kernel), so compiled code and
-# the eager path would give a row other bits. In the mode both paths call them through
-# ``invariant_elementwise``: in compiled code one opaque node, which runs torch's kernel as the
-# eager path does.
-
-
-def _elementwise_arguments(func: Callable, input: Tensor, args: tuple, kwargs: dict) -> tuple[list[float], str] | None:
-    """``func``'s arguments after the tensor as (numbers, text) for ``invariant_elementwise``, or None
-    where the call has others (a tensor exponent, a builtin's numeric keyword): it then runs as
-    written, and compiled code traces it."""
-    try:
-        bound = inspect.signature(func).bind(input, *args, **kwargs)
-        rest = list(bound.arguments.items())[1:]
-    except (TypeError, ValueError):  # a builtin: positional numbers (``pow``'s exponent), ``approximate``
-        if set(kwargs) - {"approximate"}:
-            return None
-        rest = [(str(i), value) for i, value in enumerate(args)] + list(kwargs.items())
-    numbers: list[float] = []
-    text = ""
-    for name, value in rest:
-        if name == "inplace" and value is False:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            return None
-        if isinstance(value, str):
-            if text or name != "approximate":
-                return None
-            text = value
-        else:
-            numbers.append(float(value))
-    return numbers, text
-
-
-def invariant_elementwise_native(name: str, x: Tensor, numbers: list[float], text: str) -> Tensor:
-    """The transcendental function called ``name`` at ``x`` (``numbers``: its numeric arguments in
-    order; ``text``: gelu's ``approximate``), by torch's kernel."""
-    func = _ELEMENTWISE_BY_NAME[name]
-    keywords = {"approximate": text} if text else {}
-    if isinstance(torch.overrides._get_current_function_mode(), InvariantFunctions):
-        with torch.overrides._pop_mode_temporarily():  # the mode would send ``func`` back here
-            out = _lanewise(func, x, *numbers, **keywords)
-    else:
-        out = _lanewise(func, x, *numbers, **keywords)
-    like = torch.empty_like(x)  # the layout the fake promises (``_lanewise`` returns a slice on a CPU)
-    return out if out.stride() == like.stride() else like.copy_(out)
-
-
-def _elementwise_fake(name: str, x: Tensor, numbers: list[float], text: str) -> Tensor:
-    return torch.empty_like(x)
-
-
-INVARIANT_ELEMENTWISE = Op(
-    "invariant_elementwise", invariant_elementwise_native, library=True, fake=_elementwise_fake
-)
 
 
 def _handlers() -> dict[Callable, Callable]:
@@ -527,8 +469,6 @@ _TRANSCENDENTAL = (
     torch.Tensor.sqrt, torch.pow, torch.Tensor.pow, torch.reciprocal, torch.Tensor.reciprocal,
 )  # fmt: skip
 _INPLACE_ARG = (F.silu, F.elu, F.selu, F.mish)
-_ELEMENTWISE_NAME = {func: f"{getattr(func, '__module__', None) or 'torch'}.{func.__qualname__}" for func in _TRANSCENDENTAL}
-_ELEMENTWISE_BY_NAME = {name: func for func, name in _ELEMENTWISE_NAME.items()}
 
 
 def _grouped_mm(input, mat2, offs=None, bias=None, out_dtype=None):
@@ -626,7 +566,13 @@ def _caller() -> str:
 
 class InvariantFunctions(TorchFunctionMode):
     """Computes the torch functions of the table above in their ordered forms; records the
-    row-reducing functions it does not replace in ``found`` (name -> where called)."""
+    row-reducing functions it does not replace in ``found`` (name -> where called).
+
+    Compiled code traces this mode and its handlers. A handler must trace without a graph break:
+    Dynamo resumes a handler broken in the middle with another handler's code (the same torch
+    function's result for every call after the break), a silent wrong answer.
+    ``test_compiled_code_in_the_mode_computes_what_each_handler_computes_eagerly`` compiles every
+    handler with ``fullgraph=True``."""
 
     def __init__(self, found: dict[str, str] | None = None):
         super().__init__()
