@@ -66,10 +66,7 @@ def _watch() -> None:
             return call(self, *args, **kwargs)
         inputs = _copies((args, kwargs))
         out = call(self, *args, **kwargs)
-        # An op whose first argument is a string (the name of what it computes) pairs by it too:
-        # compiled code may run two such calls on the same inputs in the other order.
-        name = f"{self.name}({args[0]})" if args and isinstance(args[0], str) else self.name
-        RECORDS.append(("op", name, inputs, _copies(out)))
+        RECORDS.append(("op", self.name, inputs, _copies(out)))
         return out
 
     dispatch.Op.__call__ = op_call
