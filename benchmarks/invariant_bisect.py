@@ -18,6 +18,11 @@ operation that depends on the batch. Writes DIR/invariant_bisect.md and .json.
 in the mode), the dispatched ops of the two paired by name and occurrence: the first op whose
 inputs are the same bits and whose outputs are not, or the first whose inputs already differ (the
 difference arose in the model's own code before it).
+
+``--across --steps N``: the prompt alone decoded ``N`` greedy tokens eagerly and through the decode
+steps (``transfuse.decode_steps``), whose steps go through a key/value store; the steps are run
+without CUDA graphs so that their ops can be recorded and paired as above, and once more with
+graphs, whose logits are compared with the other two runs' step by step.
 """
 
 from __future__ import annotations
@@ -49,7 +54,9 @@ def _tensors(value) -> list[torch.Tensor]:
 
 
 def _copies(value) -> list[torch.Tensor]:
-    return [t.detach().clone() for t in _tensors(value)]
+    # Weights are kept by reference (they do not change): copies of every weight a step reads
+    # would fill the GPU.
+    return [t if isinstance(t, torch.nn.Parameter) else t.detach().clone() for t in _tensors(value)]
 
 
 def _watch() -> None:
@@ -151,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--show", type=int, default=60, help="pairs listed in the table")
     parser.add_argument("--across", action="store_true", help="eager against compiled, the prompt alone")
+    parser.add_argument("--steps", type=int, default=0, help="with --across: eager against the decode steps, N tokens")
     args = parser.parse_args(argv)
     _watch()
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
@@ -164,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     batch = others[:at] + [target] + others[at:]
     transfuse.rewrite(model, batch_invariant=True)
     eager = copy.deepcopy(model) if args.across else None
+    if args.across and args.steps:
+        return _across(eager, _with_steps(model), target, args, device)
     transfuse.compile(model, batch_invariant=True, cache_dir=False, cuda_graphs=False, replay=False,
                       inductor=args.inductor == "on")  # fmt: skip
     if args.across:
@@ -216,13 +226,83 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _with_steps(model):
+    """``model`` given decode steps, whose steps go through the store without CUDA graphs while
+    ``UNCAPTURED[0]`` (so that every op they dispatch runs where it can be recorded)."""
+    from transfuse.compile import eager_steps, replay
+
+    transfuse.decode_steps(model)
+    init, replayed = eager_steps.EagerSteps.__init__, replay.CallGraphs.__call__
+
+    def with_store(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.options["kv_store"] = True
+
+    def uncaptured(self, run, store, kwargs, *rest):
+        return run(kwargs) if UNCAPTURED[0] else replayed(self, run, store, kwargs, *rest)
+
+    eager_steps.EagerSteps.__init__ = with_store
+    replay.CallGraphs.__call__ = uncaptured
+    if next(model.parameters()).device.type != "cuda":  # a dry run on a CPU: the store without graphs there
+        admission = eager_steps._admission
+
+        def on_cpu(each):
+            why, configs = admission(each)
+            if why == "the model's weights are not all on one CUDA device":
+                return None, eager_steps.check(each)
+            return why, configs
+
+        eager_steps._admission = on_cpu
+    return model
+
+
+UNCAPTURED = [True]
+
+
+def _decode(model, target, new: int) -> tuple[list, torch.Tensor]:
+    """The ops recorded while ``model`` decodes ``target`` alone ``new`` greedy tokens, and the logits of each step."""
+    RECORDS.clear()
+    ON[0] = True
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                target[None], attention_mask=torch.ones_like(target[None]), max_new_tokens=new, min_new_tokens=new,
+                do_sample=False, return_dict_in_generate=True, output_logits=True,
+            )  # fmt: skip
+    finally:
+        ON[0] = False
+    return list(RECORDS), torch.stack(out.logits, dim=1)[0]
+
+
 def _across(eager, compiled, target, args, device: str) -> int:
     """The prompt alone through both paths; their dispatched ops paired by name and occurrence."""
-    for _ in range(2):
-        _prefill(compiled, [target])
     records = {}
-    for path, model in (("eager", eager), ("compiled", compiled)):
-        records[path] = [r for r in _prefill(model, [target]) if r[0] == "op"]
+    logits = {}
+    if args.steps:
+        for path, label, model in (("eager", "eager", eager), ("compiled", "steps", compiled)):
+            found, logits[label] = _decode(model, target, args.steps)
+            records[path] = [r for r in found if r[0] == "op"]
+        from transfuse.compile import eager_steps
+
+        UNCAPTURED[0] = False
+        _, logits["steps captured"] = _decode(compiled, target, args.steps)
+        logits_report = {
+            f"{a} / {b}": {
+                "identical per step": (logits[a] == logits[b]).all(-1).tolist(),
+                "largest per step": (logits[a].float() - logits[b].float()).abs().amax(-1).tolist(),
+            }
+            for a, b in (("eager", "steps"), ("eager", "steps captured"), ("steps", "steps captured"))
+        }
+        logits_report["steps path"] = eager_steps.stats(compiled)
+        for name, entry in logits_report.items():
+            print(name, entry if name == "steps path" else
+                  f"identical at steps {[i for i, same in enumerate(entry['identical per step']) if same]} of {args.steps}, "
+                  f"largest difference {max(entry['largest per step']):.3g}")  # fmt: skip
+    else:
+        for _ in range(2):
+            _prefill(compiled, [target])
+        for path, model in (("eager", eager), ("compiled", compiled)):
+            records[path] = [r for r in _prefill(model, [target]) if r[0] == "op"]
     seen: dict[str, int] = {}
     index = {}
     for _, name, inputs, outputs, *_ in records["compiled"]:
@@ -252,6 +332,8 @@ def _across(eager, compiled, target, args, device: str) -> int:
     result = {"argv": sys.argv[1:], "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
               "ops eager": len(records["eager"]), "ops compiled": len(records["compiled"]),
               "first differing": culprit, "pairs": pairs}  # fmt: skip
+    if args.steps:
+        result["logits"] = logits_report
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "invariant_bisect_across.json"), "w") as f:
         json.dump(result, f, indent=1)
@@ -266,7 +348,8 @@ def _across(eager, compiled, target, args, device: str) -> int:
     else:
         verdict = f"{culprit['name']} #{culprit['n']} gave other outputs from the same inputs"
     lines = [f"Command: `python benchmarks/invariant_bisect.py {' '.join(sys.argv[1:])}` ({result['device']})", "",
-             f"Dispatched ops: {len(records['eager'])} eager, {len(records['compiled'])} compiled. First difference: {verdict}.",
+             f"Dispatched ops: {len(records['eager'])} eager, {len(records['compiled'])} {'decode steps' if args.steps else 'compiled'}. "
+             f"First difference: {verdict}.",
              "", "| # | op | paired | inputs equal | outputs equal | largest |", "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for i, p in enumerate(pairs[: args.show]):
         lines.append(f"| {i} | {p['name']} #{p['n']} | {p['paired']} | {p.get('inputs equal')} | "
