@@ -46,6 +46,12 @@ from bench_decode import build  # noqa: E402
 # code names the shapes it was compiled for).
 RECORDS: list[tuple] = []
 ON = [False]
+# (op, provider chosen, whether a CUDA graph was being captured) of each dispatched call while ``ON``.
+CHOICES: list[tuple[str, str, bool]] = []
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -66,17 +72,24 @@ def _watch() -> None:
     import transfuse.compile.attention as attention
     from transfuse.ops import dispatch
 
-    call = dispatch.Op.__call__
+    call, chosen = dispatch.Op.__call__, dispatch.Op._chosen
 
     def op_call(self, *args, **kwargs):
-        if not ON[0] or torch.compiler.is_compiling():
+        if not ON[0] or torch.compiler.is_compiling() or _capturing():
             return call(self, *args, **kwargs)
         inputs = _copies((args, kwargs))
         out = call(self, *args, **kwargs)
         RECORDS.append(("op", self.name, inputs, _copies(out)))
         return out
 
+    def watched_choice(self, args, kwargs):
+        grad, provider = chosen(self, args, kwargs)
+        if ON[0]:
+            CHOICES.append((self.name, provider.name, _capturing()))
+        return grad, provider
+
     dispatch.Op.__call__ = op_call
+    dispatch.Op._chosen = watched_choice
     attend = attention.cached_attention
 
     def cached_attention(*args, **kwargs):
@@ -262,6 +275,7 @@ UNCAPTURED = [True]
 def _decode(model, target, new: int) -> tuple[list, torch.Tensor]:
     """The ops recorded while ``model`` decodes ``target`` alone ``new`` greedy tokens, and the logits of each step."""
     RECORDS.clear()
+    CHOICES.clear()
     ON[0] = True
     try:
         with torch.no_grad():
@@ -279,13 +293,18 @@ def _across(eager, compiled, target, args, device: str) -> int:
     records = {}
     logits = {}
     if args.steps:
+        choices = {}
         for path, label, model in (("eager", "eager", eager), ("compiled", "steps", compiled)):
             found, logits[label] = _decode(model, target, args.steps)
             records[path] = [r for r in found if r[0] == "op"]
+            choices[label] = sorted({(op, provider) for op, provider, _ in CHOICES})
         from transfuse.compile import eager_steps
 
         UNCAPTURED[0] = False
         _, logits["steps captured"] = _decode(compiled, target, args.steps)
+        choices["steps captured, under capture"] = sorted({(op, p) for op, p, capturing in CHOICES if capturing})
+        for label, found in choices.items():
+            print(f"providers, {label}:", ", ".join(f"{op} {provider}" for op, provider in found))
         logits_report = {
             f"{a} / {b}": {
                 "identical per step": (logits[a] == logits[b]).all(-1).tolist(),
@@ -294,7 +313,10 @@ def _across(eager, compiled, target, args, device: str) -> int:
             for a, b in (("eager", "steps"), ("eager", "steps captured"), ("steps", "steps captured"))
         }
         logits_report["steps path"] = eager_steps.stats(compiled)
+        logits_report["providers"] = choices
         for name, entry in logits_report.items():
+            if name == "providers":
+                continue
             print(name, entry if name == "steps path" else
                   f"identical at steps {[i for i, same in enumerate(entry['identical per step']) if same]} of {args.steps}, "
                   f"largest difference {max(entry['largest per step']):.3g}")  # fmt: skip
