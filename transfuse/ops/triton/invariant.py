@@ -384,8 +384,16 @@ def _attention_kernel(
         values = tl.load(v_ptr + b * svb + kvh * svh + j[:, None] * svl + dv[None, :], mask=inside[:, None] & (dv[None, :] < DV), other=0.0)
         if WRITE:
             values = tl.where((j == pos)[:, None] & inside[:, None], new_v[None, :], values)
-        total = total * alpha + tl.sum(p, axis=1)
-        acc = _dot(p.to(values.dtype), values, acc * alpha[:, None], IEEE, ROWWISE)
+        weights = p.to(values.dtype)
+        # The row's total as a product too: ``tl.sum`` would add a row's weights in an order set by
+        # the layout the compiler gives ``p``, which differs between this kernel's variants (with
+        # or without a mask, a write, a group), so a decode step through a store and the same row
+        # through ``scaled_dot_product_attention`` would differ in the last bit now and then.
+        # Every column of ``weights @ ones`` is the row's sum in the tensor cores' order, and the
+        # largest of equal values is that value. It sums the weights the values are weighted with.
+        sums = _dot(weights, tl.full((BLOCK_N, 16), 1.0, values.dtype), tl.zeros((BLOCK_M, 16), tl.float32), IEEE, ROWWISE)
+        total = total * alpha + tl.max(sums, axis=1)
+        acc = _dot(weights, values, acc * alpha[:, None], IEEE, ROWWISE)
         m = top
     out = tl.where(total[:, None] > 0, acc / tl.where(total > 0, total, 1.0)[:, None], 0.0)
     tl.store(out_ptr + b * sob + hq[:, None] * soh + qi[:, None] * soq + dv[None, :], out.to(out_ptr.dtype.element_ty),
