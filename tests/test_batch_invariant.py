@@ -145,6 +145,15 @@ def test_dispatched_ops_native_give_each_row_the_same_bits(op):
 
 # Where Triton kernels run: the GPU if there is one, else the CPU under the interpreter.
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+def _no_cpu_triton(found: Op) -> str | None:
+    """Why ``found``'s Triton provider does not run here on CPU tensors (None: it does, interpreted)."""
+    from transfuse.ops.triton import interpreting
+
+    if not found.is_supported(found.providers["triton"]):
+        return "Triton is not installed"
+    if not interpreting():
+        return "the test's tensors are on the CPU, where Triton runs only under its interpreter (on where there is no GPU)"
+    return None
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "gated_rms_norm", "act_and_mul"])
@@ -188,7 +197,7 @@ def test_a_triton_provider_runs_its_host_code_outside_the_modes_handlers(monkeyp
         return original(self, func, types, args, kwargs)
 
     monkeypatch.setattr(bi.InvariantFunctions, "__torch_function__", counting)
-    x, w = torch.randn(3, 48), torch.randn(48)
+    x, w = torch.randn(3, 48, device=TRITON_DEVICE), torch.randn(48, device=TRITON_DEVICE)
     calls = {}
     try:
         for provider in ("triton", "native"):
@@ -208,8 +217,8 @@ def test_triton_gemm_and_attention_under_the_interpreter_are_invariant_and_match
     equals the query behind left padding; each close to the native ordered form."""
     names = ("invariant_linear", "invariant_bmm", "invariant_attention")
     found = ops.get_op("invariant_linear")
-    if not found.is_supported(found.providers["triton"]):
-        pytest.skip("Triton is not installed")
+    if why := _no_cpu_triton(found):
+        pytest.skip(why)
     for name in names:
         ops.set_priority(["triton"], op=name)
     try:
@@ -248,8 +257,8 @@ def test_triton_gemm_gives_the_same_bits_in_one_launch_or_split_by_chunks(monkey
     rows) it runs a program per chunk and adds the partials after; otherwise one program takes
     every chunk. Both give the same bits, so a row's bits do not depend on which ran (interpreted)."""
     found = ops.get_op("invariant_linear")
-    if not found.is_supported(found.providers["triton"]):
-        pytest.skip("Triton is not installed")
+    if why := _no_cpu_triton(found):
+        pytest.skip(why)
     from transfuse.ops.triton import invariant
 
     from .test_triton_launch import _CountingJIT
@@ -282,8 +291,8 @@ def test_triton_attention_of_a_causal_prompt_is_the_same_bits_behind_left_paddin
     and for the prompt alone in programs of 32 rows as in programs of 16 (the Triton kernel,
     interpreted; blocks of 16 keys)."""
     found = ops.get_op("invariant_attention")
-    if not found.is_supported(found.providers["triton"]):
-        pytest.skip("Triton is not installed")
+    if why := _no_cpu_triton(found):
+        pytest.skip(why)
     torch.manual_seed(0)
     heads, kv_heads, length, dim = 4, 2, 37, 16
     q = torch.randn(1, heads, length, dim)
@@ -316,8 +325,8 @@ def test_decode_attention_of_a_sequence_ignores_its_padding_and_the_batch(provid
     """One query a sequence over buffers: a left-padded sequence among others gives what it gives
     alone over its own keys (Triton: the mode's walk from the first key, interpreted)."""
     found = ops.get_op("decode_attention")
-    if provider == "triton" and not found.is_supported(found.providers["triton"]):
-        pytest.skip("Triton is not installed")
+    if provider == "triton" and (why := _no_cpu_triton(found)):
+        pytest.skip(why)
     torch.manual_seed(0)
     batch, heads, kv_heads, dim, length, pad = 3, 4, 2, 16, 20, 7
     q, k, v = torch.randn(batch, heads, 1, dim), torch.randn(batch, kv_heads, length, dim), torch.randn(batch, kv_heads, length, dim)
@@ -343,8 +352,8 @@ def test_triton_decode_attention_reads_no_key_outside_the_kept_span():
     writes them there and each row gives, finite, the bits it gives over its own keys alone. A
     read of any NaN would make the row NaN (the kernel, interpreted; blocks of 16 keys)."""
     found = ops.get_op("decode_attention")
-    if not found.is_supported(found.providers["triton"]):
-        pytest.skip("Triton is not installed")
+    if why := _no_cpu_triton(found):
+        pytest.skip(why)
     torch.manual_seed(0)
     batch, heads, kv_heads, dim, length, at = 2, 4, 2, 16, 60, 24
     spans = [(7, 25), (0, 41)]  # kept keys of each sequence: a padded one, and one from the start
@@ -377,8 +386,8 @@ def test_decode_attention_of_a_row_is_the_modes_attention_of_that_row(provider, 
     """A decode step attends through ``decode_attention`` over fixed buffers or a padded batch, and
     through ``scaled_dot_product_attention`` alone: in the mode both give a row the same bits."""
     found = ops.get_op("decode_attention")
-    if provider == "triton" and not found.is_supported(found.providers["triton"]):
-        pytest.skip("Triton is not installed")
+    if provider == "triton" and (why := _no_cpu_triton(found)):
+        pytest.skip(why)
     torch.manual_seed(0)
     batch, heads, kv_heads, dim, length = 2, 4, 2, 16, 20
     q = torch.randn(batch, heads, 1, dim).to(dtype)
@@ -467,8 +476,8 @@ def test_triton_moe_routes_and_runs_every_token_count_one_way_in_the_mode(monkey
 
     for name in ("moe_route", "moe_experts"):
         found = ops.get_op(name)
-        if not found.is_supported(found.providers["triton"]):
-            pytest.skip("Triton is not installed")
+        if why := _no_cpu_triton(found):
+            pytest.skip(why)
     paths = []
     for path in ("_decode", "_grouped"):
         run = getattr(triton_moe, path)
@@ -509,8 +518,8 @@ def test_grouped_matmul_gives_each_row_the_same_bits_in_any_group_layout(provide
     and rows past the last group are zeros. The Triton kernel (interpreted) reads the groups on the
     device; both are close to the float64 product."""
     found = ops.get_op("invariant_grouped_mm")
-    if provider == "triton" and not found.is_supported(found.providers["triton"]):
-        pytest.skip("Triton is not installed")
+    if provider == "triton" and (why := _no_cpu_triton(found)):
+        pytest.skip(why)
     torch.manual_seed(0)
     groups, k, n = 3, 40, 24
     mats = torch.randn(groups, k, n)
