@@ -341,6 +341,58 @@ class InputClampingRouterMoE(BlockBiasScaledMoE):
         self.gate = InputClampingRouter(32, 8, 2)
 
 
+def _grouped_gemm(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows sorted by expert times each expert's [in, out] matrix, ``counts`` rows each."""
+    out, start = [], 0
+    for expert, n in enumerate(counts.tolist()):
+        out.append(rows[start : start + n] @ weight[expert])
+        start += n
+    return torch.cat(out)
+
+
+class GroupedGemm(nn.Module):
+    def __init__(self, experts: int, a: int, b: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(experts, a, b) * 0.1)
+
+    def forward(self, rows, counts):
+        return _grouped_gemm(rows, self.weight, counts)
+
+
+class SortedRowsExperts(nn.Module):
+    """aria's experts as older transformers wrote them: the routing inside, the chosen rows sorted
+    by expert, counted (``histc``) and sent through two grouped GEMMs, put back with ``index_copy_``."""
+
+    def __init__(self, experts: int = 8, k: int = 2, hidden: int = 32, inner: int = 16):
+        super().__init__()
+        self.experts, self.k = experts, k
+        self.fc1 = GroupedGemm(experts, hidden, 2 * inner)
+        self.fc2 = GroupedGemm(experts, inner, hidden)
+
+    def forward(self, hidden_states, router_logits):
+        weights, ids = torch.topk(router_logits.softmax(-1), self.k, dim=-1)
+        counts = torch.histc(ids.flatten().float(), bins=self.experts, min=0, max=self.experts - 1).long()
+        order = torch.argsort(ids.flatten())
+        rows = hidden_states.index_select(0, order // self.k)
+        projection, gate = self.fc1(rows, counts).chunk(2, dim=-1)
+        out = self.fc2(F.silu(projection) * gate, counts)
+        placed = torch.zeros(ids.numel(), out.shape[-1], dtype=out.dtype)
+        placed.index_copy_(0, order, out)
+        return (placed.view(-1, self.k, out.shape[-1]) * weights.unsqueeze(-1)).sum(dim=1)
+
+
+class SortedRowsGroupedGemmMoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(32, 8, bias=False)
+        self.experts = SortedRowsExperts()
+
+    def forward(self, hidden_states):
+        shape = hidden_states.shape
+        flat = hidden_states.view(-1, shape[-1])
+        return self.experts(flat, self.router(flat)).view(shape)
+
+
 def _rewrite_toy(block: nn.Module, seed: int = 0):
     torch.manual_seed(seed)
     model = toys.TinyMoEModel(block)
@@ -453,6 +505,7 @@ REFUSED = [
     (SharedReadsRecognisedRouterMoE, "moe.shared"),
     (Float32SumUnprovedWeightsMoE, "moe.combine"),
     (InputClampingRouterMoE, "moe.in-place"),
+    (SortedRowsGroupedGemmMoE, "moe.unfollowed"),  # (never passed over in silence)
 ]
 
 

@@ -27,8 +27,8 @@ forward source (``ast``, once per class; no forward pass, no trace):
 Modules whose class's forward already calls transfuse (a rewritten instance, a class of an emitted
 modeling file), and what they hold, are left out: transfuse's own work. After a rewrite, ``account`` gives each counted structure that no fusion covers and no refusal names
 (of its kind, at its module or for its class; a projection counts with either projection kind, and
-inside the experts of a fused mixture, which computes it; a mixture with its module's parent or
-children) a refusal tagged ``<kind>.unrecognised-form``, so the
+inside the experts of a fused mixture, which computes it; a mixture with its module's parent,
+grandparent or children) a refusal tagged ``<kind>.unrecognised-form``, so the
 report shows it.
 """
 
@@ -66,6 +66,7 @@ class Opportunity:
     cls: str
     detail: str = ""
     parent_cls: str = ""  # the class of the module holding it (a mixture's block holds its experts)
+    grandparent_cls: str = ""  # and of the module holding that (a block whose experts child holds grouped GEMMs)
 
     def describe(self) -> str:
         return f"{self.kind}:{self.path or '<model>'}{':' + self.detail if self.detail else ''}"
@@ -82,7 +83,9 @@ def count(model: nn.Module) -> list[Opportunity]:
         if is_fused(module) or _calls_transfuse(type(module)):
             skip.append(path)  # transfuse's own work (a rewritten or emitted class), and what it holds
             continue
-        found += _of_module(path, module, modules.get(path.rpartition(".")[0]) if path else None)
+        parent = path.rpartition(".")[0] if path else None
+        grandparent = parent.rpartition(".")[0] if parent else None
+        found += _of_module(path, module, modules.get(parent), modules.get(grandparent))
     return found
 
 
@@ -101,13 +104,16 @@ def _calls_transfuse(cls: type) -> bool:
     return False
 
 
-def _of_module(path: str, module: nn.Module, parent: nn.Module | None) -> list[Opportunity]:
+def _of_module(path: str, module: nn.Module, parent: nn.Module | None, grandparent: nn.Module | None = None) -> list[Opportunity]:
     cls = type(module).__name__
     found = []
     if _norm_like(module):
         found.append(Opportunity("rms_norm", path, cls))
     if _holds_experts(module, parent):
-        found.append(Opportunity("moe", path, cls, parent_cls=type(parent).__name__ if parent is not None else ""))
+        found.append(Opportunity(
+            "moe", path, cls, parent_cls=type(parent).__name__ if parent is not None else "",
+            grandparent_cls=type(grandparent).__name__ if grandparent is not None else "",
+        ))  # fmt: skip
     linears = {name for name, child in module.named_children() if isinstance(child, nn.Linear)}
     if len(linears) >= 2:
         for kind, names in _shared_inputs(type(module), frozenset(linears)):
@@ -411,6 +417,8 @@ def _places(o: Opportunity) -> set[str]:
     places = {o.path}
     if o.kind in ("moe", "rms_norm"):
         places.add(o.path.rpartition(".")[0])  # a mixture's block; a norm fused with the add before it
+    if o.kind == "moe" and "." in o.path:
+        places.add(o.path.rpartition(".")[0].rpartition(".")[0])  # the block of an experts child's grouped GEMMs
     return places
 
 
@@ -456,8 +464,8 @@ def _refused(o: Opportunity, report: RewriteReport) -> bool:
             continue
         if s.path is not None and (s.path in places or (o.kind == "moe" and s.path.startswith(o.path + "."))):
             return True
-        if s.path is None and (s.cls == o.cls or (o.kind == "moe" and o.parent_cls and s.cls == o.parent_cls)):
-            return True  # a refusal of the class (a mixture's: of the block holding the experts)
+        if s.path is None and (s.cls == o.cls or (o.kind == "moe" and s.cls in {o.parent_cls, o.grandparent_cls} - {""})):
+            return True  # a refusal of the class (a mixture's: of the block holding the experts, or their holder)
     return False
 
 

@@ -82,11 +82,13 @@ class MoEFuser(Fuser[MoEMatch]):
         adding = [c for c in module.children() if _calls(type(c), "index_add_", "index_add")]
         if adding and any(_calls(type(c), "topk") for c in (module, *module.children()) if c not in adding):
             return True
+        routers = {c.out_features for c in module.children() if isinstance(c, nn.Linear)}
         for child in module.children():
             # Packed experts are [E, in, out]; a convolution's weight has 3 or more dimensions too.
-            if not isinstance(child, nn.modules.conv._ConvNd) and any(
-                p.dim() == 3 for p in child.parameters(recurse=False)
-            ):
+            if _packed(child):
+                return True
+            # Or held by the child's children (aria's grouped GEMMs) beside a router of as many outputs.
+            if any(_packed(c) & routers for c in child.children()):
                 return True
             if isinstance(child, nn.ModuleList) and len(child) >= 2 and _small_members(child):
                 return True
@@ -108,7 +110,7 @@ class MoEFuser(Fuser[MoEMatch]):
             loop, call = _find_experts(analysis)
             return _match_block(analysis, loop, call)
         except _NotMoE:
-            return _dense_experts(analysis) or _members_without_loop(analysis)
+            return _dense_experts(analysis) or _members_without_loop(analysis) or _packed_experts_unfollowed(analysis)
         except NoMatch as refusal:
             if refusal.tag == "moe.sorted-rows":
                 try:
@@ -241,6 +243,13 @@ def _forward_only_raises(analysis: ClassAnalysis) -> Refusal | None:
     )
 
 
+def _packed(module: nn.Module) -> set[int]:
+    """The leading sizes of the 3-D parameters ``module`` holds itself (none for a convolution)."""
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return set()
+    return {p.shape[0] for p in module.parameters(recurse=False) if p.dim() == 3}
+
+
 class _NotMoE(Exception):
     """The module has no experts loop: not a mixture of experts, unless a child holding packed
     per-expert tensors computes them on every token (``_dense_experts``)."""
@@ -353,13 +362,64 @@ def _match_sorted_block(analysis: ClassAnalysis) -> MoEMatch:
     )  # fmt: skip
 
 
-def _packed_holder(analysis: ClassAnalysis) -> tuple[str, str] | None:
-    """(name, shapes) of the child holding packed per-expert tensors that a router's width counts."""
-    routers = set()  # the output widths of linear children (a router may return a tuple: llama4's)
+def _router_widths(analysis: ClassAnalysis) -> set[int]:
+    """The output widths of the block's linear children (a router may return a tuple: llama4's)."""
+    routers = set()
     for n in analysis.trace.graph.nodes:
         if n.op == "call_module" and issubclass(analysis.children.get(n.target, object), nn.Linear):
             out = value(n)
             routers |= {t.shape[-1] for t in (out if isinstance(out, tuple) else (out,)) if isinstance(t, torch.Tensor)}
+    return routers
+
+
+_CHOOSING = ("topk", "argmax", "sort", "argsort")
+
+
+def _packed_experts_unfollowed(analysis: ClassAnalysis) -> Refusal | None:
+    """A block that chooses among experts (a top-k, an arg-max or a sort, in its forward or under
+    the child) whose per-expert tensors, two or more 3-D tensors as many as a router's width, a
+    child holds at any depth, in a form neither the experts loop nor the dense form explains
+    (aria's experts in older transformers: tokens sorted by expert, a grouped GEMM over the
+    per-expert counts): refused with what it holds, never passed over."""
+    if calls_fused_op(analysis.trace.graph):
+        return None
+    routers = _router_widths(analysis)
+    if not routers:
+        return None
+    for name in analysis.children:
+        graphs, tensors = [analysis.trace.graph], []
+        pending = [name]
+        while pending:  # the child and what it calls, a few levels down
+            path = pending.pop()
+            child = analysis.child(path)
+            if child is None or path.count(".") > 3:
+                continue
+            graphs.append(child.trace.graph)
+            for n in child.trace.graph.nodes:
+                if n.op == "get_attr" and "." not in n.target and isinstance(value(n), torch.Tensor) and value(n).dim() == 3:
+                    tensors.append(value(n))
+                elif n.op == "call_module":
+                    pending.append(f"{path}.{n.target}")
+        experts = {t.shape[0] for t in tensors}
+        if len(tensors) < 2 or len(experts) != 1 or not experts <= routers or min(experts) < 2:
+            continue
+        if not any(is_op(n, *_CHOOSING) for graph in graphs for n in graph.nodes):
+            continue
+        shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
+        calls = [n for n in analysis.trace.graph.nodes if n.op == "call_module" and n.target == name]
+        return Refusal(
+            "moe.unfollowed",
+            f"{name} holds per-expert tensors ({shapes}) of as many experts as the router's width and the block "
+            "chooses among them, in a form the experts matcher does not follow: no loop adds weight · expert(rows) "
+            "into zeros with index_add, and the experts do not run on every token.",
+            analysis.where(calls[0] if calls else None),
+        )
+    return None
+
+
+def _packed_holder(analysis: ClassAnalysis) -> tuple[str, str] | None:
+    """(name, shapes) of the child holding packed per-expert tensors that a router's width counts."""
+    routers = _router_widths(analysis)
     for name in analysis.children:
         child = analysis.child(name)
         if child is None:
