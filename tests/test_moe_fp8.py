@@ -22,8 +22,18 @@ from transfuse.tiny import tiny_model
 fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
 
 
-def _dequantised_linear(input, weight, weight_scale_inv, block_size=None, bias=None, activation_scale=None, *args):
-    out = F.linear(input, fp8._dequantize_fp8_weight(weight.clone(), weight_scale_inv, block_size, input.dtype))
+def dequantised(weight, weight_scale_inv, block_size, dtype) -> torch.Tensor:
+    """FP8 weights as transformers dequantises them: each weight times its block's scale, in ``dtype``."""
+    weight, scale = weight.to(dtype), weight_scale_inv.to(dtype)
+    if block_size is not None:
+        rows, cols = weight.shape[-2:]
+        scale = scale.repeat_interleave(block_size[0], -2)[..., :rows, :].repeat_interleave(block_size[1], -1)[..., :cols]
+    return weight * scale
+
+
+def _dequantised_linear(input, weight, weight_scale_inv, block_size=None, bias=None, activation_scale=None, *args, **kwargs):
+    """``fp8_linear`` on dequantised weights (the options of its kernels, ``allow_deepgemm``, aside)."""
+    out = F.linear(input, dequantised(weight, weight_scale_inv, block_size, input.dtype))
     return out + bias if bias is not None else out
 
 

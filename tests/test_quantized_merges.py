@@ -383,14 +383,14 @@ def _fp8_attention(widths, block=(32, 32), in_features=64):
 
 
 def test_block_fp8_parts_merge_and_compute_as_transformers_dequantises_them():
-    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+    from tests.test_moe_fp8 import dequantised
 
     module = _fp8_attention((64, 32, 32))
     names = ["q_proj", "k_proj", "v_proj"]
     parts = [getattr(module, n) for n in names]
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(4), dtype=torch.bfloat16)
     want = [
-        torch.nn.functional.linear(x, _dequantize_fp8_weight(p.weight.clone(), p.weight_scale_inv, p.block_size, x.dtype))
+        torch.nn.functional.linear(x, dequantised(p.weight, p.weight_scale_inv, p.block_size, x.dtype))
         for p in parts
     ]
     before = {k: v.clone() for k, v in module.state_dict().items()}
