@@ -15,7 +15,7 @@ either order (distribute then rewrite, rewrite then distribute) gives every rank
 The parts' own entries stay (they name ``LinearPart`` views, which hold no parameter), and so do
 the row-parallel entries. The style is registered with transformers when a rewritten model has a
 plan (transformers' own registry of styles); it needs transformers' DTensor plan styles
-(``transformers.distributed``, 5.20 and later): with older versions the plan is left as it was.
+(``transformers.distributed.tensor_parallel``, 5.17 has them): without them the plan is left as it was.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def plan_merged_projections(model: nn.Module) -> None:
     plan = model.__dict__.get("_tp_plan")
     if not plan or not _register():
         return
-    from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard as generic
+    from transformers.distributed.tensor_parallel import replace_layer_number_by_wildcard as generic
 
     added = {}
     for name, module in model.named_modules():
@@ -53,8 +53,7 @@ def _register() -> bool:
     """Register ``MERGED_COLWISE`` with transformers' parallel styles; False where this transformers
     has no DTensor plan styles to extend."""
     try:
-        from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
-        from transformers.distributed.tensor_parallel import TensorParallelLayer
+        from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, TensorParallelLayer
     except ImportError:
         return False
     if MERGED_COLWISE not in ALL_PARALLEL_STYLES:
