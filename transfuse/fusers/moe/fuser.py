@@ -378,7 +378,8 @@ _CHOOSING = ("topk", "argmax", "sort", "argsort")
 def _packed_experts_unfollowed(analysis: ClassAnalysis) -> Refusal | None:
     """A block that chooses among experts (a top-k, an arg-max or a sort, in its forward or under
     the child) whose per-expert tensors, two or more 3-D tensors as many as a router's width, a
-    child holds at any depth, in a form neither the experts loop nor the dense form explains
+    child holds or the modules it calls hold (a few levels down), in a form neither the experts
+    loop nor the dense form explains
     (aria's experts in older transformers: tokens sorted by expert, a grouped GEMM over the
     per-expert counts): refused with what it holds, never passed over."""
     if calls_fused_op(analysis.trace.graph):
