@@ -59,8 +59,19 @@ __all__ = ["Precompiled", "SplitGraph", "supported"]
 _MAGIC = b"transfuse-precompiled 1\n"
 
 
+# The first torch whose kept functions of a model's call were seen to round-trip here. torch 2.11
+# has every piece by name but keeps nothing: the function it builds refuses the builtin ``type``
+# that Dynamo's code reads ("Missing required external references"), after the call was traced
+# for it (traced again for ``torch.compile``'s own entry), and with that worked around a second
+# process failed unpickling a guard (``DefaultsSource``). 2.12 was not tried.
+_FIRST_KEEPING_TORCH = (2, 13)
+
+
 def _torch_parts() -> dict[str, Any] | None:
-    """torch's precompile pieces this module uses, or None where this torch lacks one."""
+    """torch's precompile pieces this module uses, or None where this torch lacks one or is older
+    than ``_FIRST_KEEPING_TORCH``."""
+    if tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < _FIRST_KEEPING_TORCH:
+        return None
     try:
         from torch._dynamo import aot_compile
         from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable, SerializableCallable
@@ -100,7 +111,7 @@ def _parts() -> dict[str, Any] | None:
 
 
 def supported() -> bool:
-    """Whether this torch keeps Dynamo's output of a call across processes (2.13 has it)."""
+    """Whether this torch keeps Dynamo's output of a call across processes (2.13 and later)."""
     return _parts() is not None
 
 
