@@ -375,38 +375,44 @@ def _router_widths(analysis: ClassAnalysis) -> set[int]:
 _CHOOSING = ("topk", "argmax", "sort", "argsort")
 
 
+def _per_expert_tensors(analysis: ClassAnalysis, name: str, routers: set[int], deep: bool) -> tuple[str, list] | None:
+    """(shapes, graphs read) where child ``name`` holds two or more 3-D tensors whose one leading size
+    (two or more) a router's width counts: packed per-expert tensors. With ``deep``, those the
+    modules it calls hold count too, a few levels down. None where it holds none."""
+    graphs, tensors, pending = [], [], [name]
+    while pending:
+        path = pending.pop()
+        child = analysis.child(path)
+        if child is None or path.count(".") > 3:
+            continue
+        graphs.append(child.trace.graph)
+        for n in child.trace.graph.nodes:
+            if n.op == "get_attr" and "." not in n.target and isinstance(value(n), torch.Tensor) and value(n).dim() == 3:
+                tensors.append(value(n))
+            elif deep and n.op == "call_module":
+                pending.append(f"{path}.{n.target}")
+    experts = {t.shape[0] for t in tensors}
+    if len(tensors) < 2 or len(experts) != 1 or not experts <= routers or min(experts) < 2:
+        return None
+    return ", ".join(str(tuple(t.shape)) for t in tensors), graphs
+
+
 def _packed_experts_unfollowed(analysis: ClassAnalysis) -> Refusal | None:
     """A block that chooses among experts (a top-k, an arg-max or a sort, in its forward or under
-    the child) whose per-expert tensors, two or more 3-D tensors as many as a router's width, a
-    child holds or the modules it calls hold (a few levels down), in a form neither the experts
-    loop nor the dense form explains
-    (aria's experts in older transformers: tokens sorted by expert, a grouped GEMM over the
-    per-expert counts): refused with what it holds, never passed over."""
+    the child) whose per-expert tensors a child holds or the modules it calls hold (a few levels
+    down), in a form neither the experts loop nor the dense form explains (aria's experts in older
+    transformers: tokens sorted by expert, a grouped GEMM over the per-expert counts): refused with
+    what it holds, never passed over."""
     if calls_fused_op(analysis.trace.graph):
         return None
     routers = _router_widths(analysis)
-    if not routers:
-        return None
     for name in analysis.children:
-        graphs, tensors = [analysis.trace.graph], []
-        pending = [name]
-        while pending:  # the child and what it calls, a few levels down
-            path = pending.pop()
-            child = analysis.child(path)
-            if child is None or path.count(".") > 3:
-                continue
-            graphs.append(child.trace.graph)
-            for n in child.trace.graph.nodes:
-                if n.op == "get_attr" and "." not in n.target and isinstance(value(n), torch.Tensor) and value(n).dim() == 3:
-                    tensors.append(value(n))
-                elif n.op == "call_module":
-                    pending.append(f"{path}.{n.target}")
-        experts = {t.shape[0] for t in tensors}
-        if len(tensors) < 2 or len(experts) != 1 or not experts <= routers or min(experts) < 2:
+        found = _per_expert_tensors(analysis, name, routers, deep=True)
+        if found is None:
             continue
-        if not any(is_op(n, *_CHOOSING) for graph in graphs for n in graph.nodes):
+        shapes, graphs = found
+        if not any(is_op(n, *_CHOOSING) for graph in (analysis.trace.graph, *graphs) for n in graph.nodes):
             continue
-        shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
         calls = [n for n in analysis.trace.graph.nodes if n.op == "call_module" and n.target == name]
         return Refusal(
             "moe.unfollowed",
@@ -422,14 +428,9 @@ def _packed_holder(analysis: ClassAnalysis) -> tuple[str, str] | None:
     """(name, shapes) of the child holding packed per-expert tensors that a router's width counts."""
     routers = _router_widths(analysis)
     for name in analysis.children:
-        child = analysis.child(name)
-        if child is None:
-            continue
-        read = (value(n) for n in child.trace.graph.nodes if n.op == "get_attr" and "." not in n.target)
-        tensors = [t for t in read if isinstance(t, torch.Tensor) and t.dim() == 3]
-        experts = {t.shape[0] for t in tensors}
-        if len(tensors) >= 2 and len(experts) == 1 and experts <= routers and min(experts) >= 2:
-            return name, ", ".join(str(tuple(t.shape)) for t in tensors)
+        found = _per_expert_tensors(analysis, name, routers, deep=False)
+        if found is not None:
+            return name, found[0]
     return None
 
 
