@@ -834,6 +834,31 @@ def test_under_autograd_the_forward_runs_the_kernels_and_the_backward_is_the_ref
             torch.testing.assert_close(g, e)
 
 
+def test_triton_attention_trains_with_sdpa_s_values_and_gradients():
+    """The mode's Triton attention (interpreted) in a forward that needs a backward: SDPA's values to
+    float32 rounding, from the kernel (its row totals a product), and SDPA's gradients at the same
+    inputs, exactly (the reference backward)."""
+    found = ops.get_op("invariant_attention")
+    if why := _no_cpu_triton(found):
+        pytest.skip(why)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 6, 8, requires_grad=True) for _ in range(3))
+    ops.set_priority(["triton"], op="invariant_attention")
+    try:
+        with conformance.assumed(), ops.trace() as log, mode():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    finally:
+        ops.set_priority(None, op="invariant_attention")
+    assert {d.provider for d in log} == {"triton"}
+    reference = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+    upstream = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), upstream)
+    expected = torch.autograd.grad(reference, (q, k, v), upstream)
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)
+
+
 def test_the_mode_off_leaves_the_model_and_dispatch_as_they_were(monkeypatch):
     model = tiny_model("llama").eval()
     transfuse.rewrite(model, verify=False)

@@ -266,6 +266,19 @@ def test_without_torch_precompile_the_compiled_model_keeps_torch_compile_and_the
     assert model._transfuse_compiled.precompiled is None and model._transfuse_compiled.cache_entry is not None
 
 
+def test_a_torch_older_than_2_13_is_not_asked_to_keep_calls(tmp_path, monkeypatch):
+    """torch 2.11 refused every kept function after tracing the call for it: such a torch is not
+    asked, and the compiled model has no kept calls (its artifacts are still kept)."""
+    import transfuse
+    from transfuse.tiny import tiny_model
+
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    assert precompiled._torch_parts() is None
+    monkeypatch.setattr(precompiled, "_parts", precompiled._torch_parts)
+    model = transfuse.compile(tiny_model("llama"), cache_dir=tmp_path)
+    assert model._transfuse_compiled.precompiled is None and model._transfuse_compiled.cache_entry is not None
+
+
 def test_the_kept_calls_are_named_by_the_key(tmp_path):
     entry = cache.CompileCache(tmp_path, "3" * 64)
     assert entry.precompiled_path == tmp_path / f"{'3' * 64}.dynamo" and entry.path == tmp_path / f"{'3' * 64}.bin"
