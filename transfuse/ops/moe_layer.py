@@ -190,8 +190,8 @@ class MoEPlan:
         return "; ".join(parts)
 
 
-@functools.cache
 def _split(path: str) -> tuple[str, ...]:
+    # Not memoised: compiled code traces this, and Dynamo warns of every cache wrapper it meets.
     return tuple(path.split("."))
 
 
