@@ -145,15 +145,36 @@ def test_dispatched_ops_native_give_each_row_the_same_bits(op):
 
 # Where Triton kernels run: the GPU if there is one, else the CPU under the interpreter.
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-def _no_cpu_triton(found: Op) -> str | None:
-    """Why ``found``'s Triton provider does not run here on CPU tensors (None: it does, interpreted)."""
+
+
+def _no_triton(found: Op) -> str | None:
+    """Why ``found``'s Triton provider does not run here (None: it does, on ``TRITON_DEVICE``)."""
     from transfuse.ops.triton import interpreting
 
     if not found.is_supported(found.providers["triton"]):
         return "Triton is not installed"
-    if not interpreting():
-        return "the test's tensors are on the CPU, where Triton runs only under its interpreter (on where there is no GPU)"
+    if TRITON_DEVICE == "cpu" and not interpreting():
+        return "no GPU, and Triton's interpreter is off (TRITON_INTERPRET=1 runs the kernels on the CPU)"
     return None
+
+
+def _interpreted_only() -> str | None:
+    """Why a test of the interpreter's launch choices does not run here (None: it does)."""
+    from transfuse.ops.triton import interpreting
+
+    if TRITON_DEVICE != "cpu":
+        return ("it counts launches and tiles chosen for the interpreter (8 programs fill its device, tiles of 16); "
+                "on a GPU benchmarks/bench_invariant_kernels.py and bench_invariant_moe.py check the same bits at real shapes")
+    if not interpreting():
+        return "Triton's interpreter is off (TRITON_INTERPRET=1 runs the kernels on the CPU)"
+    return None
+
+
+@pytest.fixture
+def on_triton_device():
+    """Tensors the test makes are on ``TRITON_DEVICE`` (the CPU's default is left alone)."""
+    with torch.device(TRITON_DEVICE) if TRITON_DEVICE != "cpu" else contextlib.nullcontext():
+        yield
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "gated_rms_norm", "act_and_mul"])
@@ -212,12 +233,12 @@ def test_a_triton_provider_runs_its_host_code_outside_the_modes_handlers(monkeyp
     assert calls["triton"] == 0 and calls["native"] > 0, calls
 
 
-def test_triton_gemm_and_attention_under_the_interpreter_are_invariant_and_match_native():
-    """The GPU kernels of the mode, interpreted: rows alone equal rows in a batch; a query alone
-    equals the query behind left padding; each close to the native ordered form."""
+def test_triton_gemm_and_attention_are_invariant_and_match_native(on_triton_device):
+    """The GPU kernels of the mode (on a GPU, or interpreted): rows alone equal rows in a batch; a
+    query alone equals the query behind left padding; each close to the native ordered form."""
     names = ("invariant_linear", "invariant_bmm", "invariant_attention")
     found = ops.get_op("invariant_linear")
-    if why := _no_cpu_triton(found):
+    if why := _no_triton(found):
         pytest.skip(why)
     for name in names:
         ops.set_priority(["triton"], op=name)
@@ -256,8 +277,7 @@ def test_triton_gemm_gives_the_same_bits_in_one_launch_or_split_by_chunks(monkey
     """The GEMM sums a long reduction in chunks. Where the tiles are too few to fill the device (few
     rows) it runs a program per chunk and adds the partials after; otherwise one program takes
     every chunk. Both give the same bits, so a row's bits do not depend on which ran (interpreted)."""
-    found = ops.get_op("invariant_linear")
-    if why := _no_cpu_triton(found):
+    if why := _interpreted_only():
         pytest.skip(why)
     from transfuse.ops.triton import invariant
 
@@ -285,16 +305,20 @@ def test_triton_gemm_gives_the_same_bits_in_one_launch_or_split_by_chunks(monkey
 
 
 @pytest.mark.parametrize("pad", [5, 21])
-def test_triton_attention_of_a_causal_prompt_is_the_same_bits_behind_left_padding(pad, monkeypatch):
+def test_triton_attention_of_a_causal_prompt_is_the_same_bits_behind_left_padding(pad, monkeypatch, on_triton_device):
     """A prompt over several blocks of keys, alone (``is_causal``, no mask) and left-padded in a
     batch (a mask), its query heads sharing key/value heads: the same bits for every real query,
-    and for the prompt alone in programs of 32 rows as in programs of 16 (the Triton kernel,
-    interpreted; blocks of 16 keys)."""
+    and for the prompt alone in programs of another number of rows (the Triton kernel, on a GPU or
+    interpreted)."""
     found = ops.get_op("invariant_attention")
-    if why := _no_cpu_triton(found):
+    if why := _no_triton(found):
         pytest.skip(why)
+    from transfuse.ops.triton import invariant
+
     torch.manual_seed(0)
-    heads, kv_heads, length, dim = 4, 2, 37, 16
+    heads, kv_heads, dim = 4, 2, 16
+    _, keys, warps = invariant.attention_tiles(64, dim)  # (the key/value heads repeated: a row a query)
+    length = 2 * keys + 5  # over three blocks of keys
     q = torch.randn(1, heads, length, dim)
     k, v = (torch.randn(1, kv_heads, length, dim) for _ in range(2))
     batch = [torch.randn(2, t.shape[1], length + pad, dim) for t in (q, k, v)]
@@ -310,10 +334,8 @@ def test_triton_attention_of_a_causal_prompt_is_the_same_bits_behind_left_paddin
         assert {d.provider for d in log} == {"triton"}
         assert torch.equal(padded[0, :, pad:], alone[0])
         torch.testing.assert_close(alone, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
-        from transfuse.ops.triton import invariant
-
-        assert invariant.attention_tiles(length, dim)[0] == 16  # the key/value heads repeated: a row a query
-        monkeypatch.setattr(invariant, "attention_tiles", lambda *_: (32, 16, 1))
+        other = 16 if invariant.attention_tiles(length, dim)[0] != 16 else 32
+        monkeypatch.setattr(invariant, "attention_tiles", lambda *_: (other, keys, warps))
         with conformance.assumed(), mode():
             assert torch.equal(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), alone)
     finally:
@@ -321,12 +343,14 @@ def test_triton_attention_of_a_causal_prompt_is_the_same_bits_behind_left_paddin
 
 
 @pytest.mark.parametrize("provider", ["native", "triton"])
-def test_decode_attention_of_a_sequence_ignores_its_padding_and_the_batch(provider):
+def test_decode_attention_of_a_sequence_ignores_its_padding_and_the_batch(provider, request):
     """One query a sequence over buffers: a left-padded sequence among others gives what it gives
-    alone over its own keys (Triton: the mode's walk from the first key, interpreted)."""
+    alone over its own keys (Triton: the mode's walk from the first key, on a GPU or interpreted)."""
     found = ops.get_op("decode_attention")
-    if provider == "triton" and (why := _no_cpu_triton(found)):
+    if provider == "triton" and (why := _no_triton(found)):
         pytest.skip(why)
+    if provider == "triton":
+        request.getfixturevalue("on_triton_device")
     torch.manual_seed(0)
     batch, heads, kv_heads, dim, length, pad = 3, 4, 2, 16, 20, 7
     q, k, v = torch.randn(batch, heads, 1, dim), torch.randn(batch, kv_heads, length, dim), torch.randn(batch, kv_heads, length, dim)
@@ -346,13 +370,13 @@ def test_decode_attention_of_a_sequence_ignores_its_padding_and_the_batch(provid
         ops.set_priority(None, op="decode_attention")
 
 
-def test_triton_decode_attention_reads_no_key_outside_the_kept_span():
+def test_triton_decode_attention_reads_no_key_outside_the_kept_span(on_triton_device):
     """A buffer longer than its sequence: keys before the first kept one and after the last hold
     NaN (never written), and so does the slot the step's own key and value go to; the kernel
     writes them there and each row gives, finite, the bits it gives over its own keys alone. A
-    read of any NaN would make the row NaN (the kernel, interpreted; blocks of 16 keys)."""
+    read of any NaN would make the row NaN (the kernel, on a GPU or interpreted)."""
     found = ops.get_op("decode_attention")
-    if why := _no_cpu_triton(found):
+    if why := _no_triton(found):
         pytest.skip(why)
     torch.manual_seed(0)
     batch, heads, kv_heads, dim, length, at = 2, 4, 2, 16, 60, 24
@@ -382,12 +406,14 @@ def test_triton_decode_attention_reads_no_key_outside_the_kept_span():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("provider", ["native", "triton"])
-def test_decode_attention_of_a_row_is_the_modes_attention_of_that_row(provider, dtype):
+def test_decode_attention_of_a_row_is_the_modes_attention_of_that_row(provider, dtype, request):
     """A decode step attends through ``decode_attention`` over fixed buffers or a padded batch, and
     through ``scaled_dot_product_attention`` alone: in the mode both give a row the same bits."""
     found = ops.get_op("decode_attention")
-    if provider == "triton" and (why := _no_cpu_triton(found)):
+    if provider == "triton" and (why := _no_triton(found)):
         pytest.skip(why)
+    if provider == "triton":
+        request.getfixturevalue("on_triton_device")
     torch.manual_seed(0)
     batch, heads, kv_heads, dim, length = 2, 4, 2, 16, 20
     q = torch.randn(batch, heads, 1, dim).to(dtype)
@@ -474,10 +500,8 @@ def test_triton_moe_routes_and_runs_every_token_count_one_way_in_the_mode(monkey
     from transfuse.ops.triton import moe as triton_moe
     from transfuse.ops.triton.moe_configs import INVARIANT_CONFIG
 
-    for name in ("moe_route", "moe_experts"):
-        found = ops.get_op(name)
-        if why := _no_cpu_triton(found):
-            pytest.skip(why)
+    if why := _interpreted_only():
+        pytest.skip(why)
     paths = []
     for path in ("_decode", "_grouped"):
         run = getattr(triton_moe, path)
@@ -512,14 +536,16 @@ def test_triton_moe_routes_and_runs_every_token_count_one_way_in_the_mode(monkey
 
 
 @pytest.mark.parametrize("provider", ["native", "triton"])
-def test_grouped_matmul_gives_each_row_the_same_bits_in_any_group_layout(provider):
+def test_grouped_matmul_gives_each_row_the_same_bits_in_any_group_layout(provider, request):
     """The MoE layer's grouped matmul in the mode: a row's product with its group's matrix is the
     same bits alone and among other rows of its group and of other groups (empty groups included),
     and rows past the last group are zeros. The Triton kernel (interpreted) reads the groups on the
     device; both are close to the float64 product."""
     found = ops.get_op("invariant_grouped_mm")
-    if provider == "triton" and (why := _no_cpu_triton(found)):
+    if provider == "triton" and (why := _no_triton(found)):
         pytest.skip(why)
+    if provider == "triton":
+        request.getfixturevalue("on_triton_device")
     torch.manual_seed(0)
     groups, k, n = 3, 40, 24
     mats = torch.randn(groups, k, n)
@@ -834,12 +860,12 @@ def test_under_autograd_the_forward_runs_the_kernels_and_the_backward_is_the_ref
             torch.testing.assert_close(g, e)
 
 
-def test_triton_attention_trains_with_sdpa_s_values_and_gradients():
-    """The mode's Triton attention (interpreted) in a forward that needs a backward: SDPA's values to
+def test_triton_attention_trains_with_sdpa_s_values_and_gradients(on_triton_device):
+    """The mode's Triton attention (on a GPU or interpreted) in a forward that needs a backward: SDPA's values to
     float32 rounding, from the kernel (its row totals a product), and SDPA's gradients at the same
     inputs, exactly (the reference backward)."""
     found = ops.get_op("invariant_attention")
-    if why := _no_cpu_triton(found):
+    if why := _no_triton(found):
         pytest.skip(why)
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, 6, 8, requires_grad=True) for _ in range(3))
