@@ -624,10 +624,15 @@ def test_a_prompts_logits_are_the_same_bits_alone_and_in_a_left_padded_batch(inv
 def test_compiled_decode_steps_are_the_same_bits_alone_and_in_a_left_padded_batch(model_type):
     """``transfuse.compile`` in the mode (its default there: the pieces as traced), bfloat16: every
     generated step's logits for a prompt alone (its attention through scaled_dot_product_attention)
-    and inside a left-padded batch (through decode_attention) are equal."""
+    and inside a left-padded batch (through decode_attention) are equal. Each call is one graph:
+    the mode is entered around the compiled call, not traced (Dynamo breaks the graph at its
+    context variable and compiles the model's forward as a frame every transformers model shares)."""
+    from torch._dynamo.utils import counters
+
     model = tiny_model(model_type).to(torch.bfloat16).eval()
     transfuse.rewrite(model, batch_invariant=True, verify=False)
     transfuse.compile(model, cache_dir=False)
+    counters["graph_break"].clear()
     vocab = model.config.vocab_size
     prompt = torch.randint(0, vocab, (1, 7), generator=torch.Generator().manual_seed(2))
     ids, mask, _ = _left_padded(prompt, vocab)
@@ -636,6 +641,7 @@ def test_compiled_decode_steps_are_the_same_bits_alone_and_in_a_left_padded_batc
         alone = model.generate(prompt, attention_mask=torch.ones_like(prompt), **options).logits
         batch = model.generate(ids, attention_mask=mask, **options).logits
     assert model._transfuse_compiled.calls["compiled"] > 0
+    assert not counters["graph_break"], dict(counters["graph_break"])
     assert len(alone) == len(batch) == 3
     for step_alone, step_batch in zip(alone, batch):
         assert torch.equal(step_alone[0], step_batch[2])

@@ -184,15 +184,21 @@ def _entry() -> Any:
     ``model.forward``. Dynamo keeps compiled graphs (and counts them against its recompile limit,
     8) per code object; every transformers model's forward goes through the same few wrapper
     functions, so without this every compiled model in a process would share one budget, and the
-    ninth graph of any of them would run uncompiled.
+    ninth graph of any of them would run uncompiled. A batch-invariant model's class forward is
+    called directly (``batch_invariant.CLASS_FORWARD_IN_THE_MODE``): the call enters the mode around
+    it (``calls.py``), where Dynamo does not trace it.
 
     The model is the function's argument, not a global or a closure's: Dynamo keeps its compiled
     entries on the function's code, and with them their guards and the globals those read, which a
     garbage collection does not see into; a model reached from there would never be freed."""
     import linecache
 
-    namespace: dict[str, Any] = {}
-    source = "def transfuse_compiled_call(model, /, *args, **kwargs):\n    return model.forward(*args, **kwargs)\n"
+    namespace: dict[str, Any] = {"InvariantForward": invariance.InvariantForward}
+    source = (
+        "def transfuse_compiled_call(model, /, *args, **kwargs):\n"
+        + invariance.CLASS_FORWARD_IN_THE_MODE
+        + "    return model.forward(*args, **kwargs)\n"
+    )
     filename = f"<transfuse.compile {next(_ENTRIES)}>"
     # With its source known, Dynamo traces the function itself; a function whose source file it
     # cannot find, some torch versions (2.11) wrap in a shared helper, whose budget is shared again.

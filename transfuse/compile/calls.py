@@ -20,7 +20,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..ops.dispatch import batch_invariant_mode
 from . import attention, generate, kv_store, replay
 from .admission import cache_layer_types, dynamic_cache, forward_parameters
 from .attention import IMPLEMENTATION
@@ -120,13 +119,16 @@ class DecodeCalls:
             return self._call(args, kwargs)
 
     def _mode(self) -> contextlib.AbstractContextManager:
-        """A batch-invariant model's mode, entered around the whole call: the model's own forward
-        enters it too, but inside a compiled call Dynamo may trace that ``with`` rather than run
-        it, while the library ops and kernels of the compiled code choose their providers and
-        launches when they run (a captured graph holds the launches made at its capture)."""
+        """A batch-invariant model's mode, entered around the whole call (``batch_invariant.entered``):
+        the library ops and kernels of the compiled code choose their providers and launches when
+        they run (a captured graph holds the launches made at its capture), and Dynamo traces the
+        model's class forward with the mode's torch functions already in place. Entered inside the
+        compiled call, as the model's own forward enters it, the mode's context variable would
+        break the graph there (Dynamo cannot trace it), and the model's forward would be compiled
+        as a frame of its own: one that every transformers model shares, with its recompile limit."""
         from ..ops import batch_invariant
 
-        return batch_invariant_mode() if batch_invariant.is_enabled(self.model) else contextlib.nullcontext()
+        return batch_invariant.entered(self.model) if batch_invariant.is_enabled(self.model) else contextlib.nullcontext()
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         model = self.model

@@ -440,9 +440,15 @@ _FUNCTIONS = itertools.count()
 def _forward_function() -> Callable[..., Any]:
     """``forward(model, **kwargs)``: the model's forward called by name, as a function with a code
     object of its own (and its source known to ``linecache``, as Dynamo wants)."""
-    source = "def transfuse_precompiled_call(model, /, **kwargs):\n    return model.forward(**kwargs)\n"
+    from ..ops import batch_invariant
+
+    source = (
+        "def transfuse_precompiled_call(model, /, **kwargs):\n"
+        + batch_invariant.CLASS_FORWARD_IN_THE_MODE.replace("*args, **kwargs", "**kwargs")
+        + "    return model.forward(**kwargs)\n"
+    )
     filename = f"<transfuse.compile precompiled {next(_FUNCTIONS)}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    namespace: dict[str, Any] = {"__name__": __name__}
+    namespace: dict[str, Any] = {"__name__": __name__, "InvariantForward": batch_invariant.InvariantForward}
     exec(builtins.compile(source, filename, "exec"), namespace)  # noqa: S102
     return namespace["transfuse_precompiled_call"]

@@ -28,6 +28,7 @@ a GPU runs the Triton providers.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -636,8 +637,9 @@ class InvariantForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model = self._model()
-        state = model.__dict__[_STATE_ATTR]
-        with batch_invariant_mode(), InvariantFunctions(state.found):
+        if not torch.compiler.is_compiling() and _inside_the_mode():
+            return type(model).forward(model, *args, **kwargs)  # (entered around the call: ``entered``)
+        with entered(model):
             return type(model).forward(model, *args, **kwargs)
 
     def __reduce__(self):
@@ -646,6 +648,28 @@ class InvariantForward:
 
 def _forward_of(model: nn.Module) -> InvariantForward:
     return InvariantForward(model)
+
+
+def entered(model: nn.Module) -> contextlib.AbstractContextManager:
+    """A batch-invariant model's mode (dispatch's and the torch functions'), entered for a call of it."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(batch_invariant_mode())
+    stack.enter_context(InvariantFunctions(model.__dict__[_STATE_ATTR].found))
+    return stack
+
+
+def _inside_the_mode() -> bool:
+    return batch_invariant_active() and isinstance(torch.overrides._get_current_function_mode(), InvariantFunctions)
+
+
+# The lines with which a compiled call's entry function (``transfuse.compile``'s, with ``model``
+# and the call's arguments) calls a batch-invariant model's class forward: its caller entered the
+# mode around the call (``entered``), which the model's own forward would enter inside the traced
+# code, where Dynamo cannot trace the mode's context variable. Its namespace holds InvariantForward.
+CLASS_FORWARD_IN_THE_MODE = (
+    "    if isinstance(model.forward, InvariantForward):\n"
+    "        return type(model).forward(model, *args, **kwargs)\n"
+)
 
 
 def enable(model: nn.Module) -> _State:
