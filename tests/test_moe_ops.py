@@ -217,6 +217,68 @@ def test_routing_refuses_a_bias_the_spec_does_not_have():
         moe_route(torch.randn(2, 8), 2, RoutingSpec("softmax"), correction_bias=torch.zeros(8))
 
 
+def _tie_order_reversed(logits, *rest):
+    """Native's routing with the slots of each token's equal-logit experts in the other order."""
+    weights, ids = moe_route_native(logits, *rest)
+    by_id, first = ids.sort(dim=-1, descending=True, stable=True)
+    second = logits.gather(-1, by_id).argsort(dim=-1, descending=True, stable=True)
+    order = first.gather(-1, second)
+    return weights.gather(-1, order), ids.gather(-1, order)
+
+
+def _first_two_ids_swapped(logits, *rest):
+    """Native's routing with each token's first two experts' ids exchanged (their weights kept)."""
+    weights, ids = moe_route_native(logits, *rest)
+    return weights, ids[:, [1, 0, *range(2, ids.shape[1])]]
+
+
+@pytest.mark.parametrize("provider, conformant", [(_tie_order_reversed, True), (_first_two_ids_swapped, False)])
+def test_routing_conformance_compares_tied_experts_in_one_order(provider, conformant):
+    """bfloat16 router logits tie often, and top-k leaves the order of equal values open (torch's
+    CUDA top-k sorts its picks with an unstable sort): a provider that orders a token's tied experts
+    otherwise is conformant; one that gives a weight to another expert is not."""
+    from transfuse import ops
+    from transfuse.ops import get_op
+
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randint(-3, 4, (64, 16), generator=g).float() / 2).to(torch.bfloat16)  # ties in most rows
+    weights, ids = moe_route_native(logits, None, 4, "softmax", True, False, 1, 1, True, None, None, None, None)
+    reordered = _tie_order_reversed(logits, None, 4, "softmax", True, False, 1, 1, True, None, None, None, None)
+    assert not torch.equal(reordered[1], ids) and torch.equal(reordered[0], weights)  # the case is a real one
+    ops.register_provider("moe_route", "reordered", provider, supports_args=lambda *a, **k: True)
+    ops.set_priority(["reordered"], op="moe_route")
+    try:
+        with ops.trace() as calls:
+            moe_route(logits, 4, RoutingSpec("softmax"))
+        found = get_op("moe_route")._verdicts.values()
+        verdict = next(v for verdicts in found for v in verdicts.values() if v.provider == "reordered")
+    finally:
+        ops.set_priority(None, op="moe_route")
+        ops.unregister_provider("moe_route", "reordered")
+    assert verdict.passed is conformant, verdict
+    assert [c.provider for c in calls] == (["reordered"] if conformant else ["native"])
+
+
+def test_routing_results_compare_pairs_in_one_order_among_equal_logits():
+    """What conformance compares (the op's sampler): each token's (weight, id) pairs sorted by logit,
+    then id. Tied experts in either order compare equal; a weight moved to another expert, or
+    another expert chosen among those tied at the k-th place, does not."""
+    from transfuse.ops import get_op
+
+    sampler = get_op("moe_route").sampler
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0]])
+    args = (logits, None, 2, "topk_softmax", True, False, 1, 1, False, None, None, None, None)
+
+    def compared(weights, ids):
+        return sampler.comparable([torch.tensor([weights]), torch.tensor([ids])], args, {})
+
+    want = compared([0.5, 0.5], [1, 2])
+    for got in (compared([0.5, 0.5], [2, 1]), compared([0.5, 0.5], [1, 2])):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not torch.equal(compared([0.5, 0.5], [1, 4])[1], want[1])  # another expert of the tie
+    assert not torch.equal(compared([0.7, 0.3], [2, 0])[0], compared([0.7, 0.3], [0, 2])[0])  # weights follow ids
+
+
 def test_experts_op_compiles_without_graph_breaks():
     spec = ExpertsSpec("silu")
     x, weights, ids, w13, w2, _, _ = _experts_case(spec)

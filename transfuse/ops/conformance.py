@@ -135,6 +135,11 @@ class Sampler:
     def position(self, name: str) -> int:
         return self.names.index(name)
 
+    def argument(self, name: str, args: tuple, kwargs: dict) -> Any:
+        """The argument of a call bound to the native definition's parameter ``name``."""
+        at = self.position(name)
+        return args[at] if at < len(args) else kwargs[name]
+
     def key(self, args: tuple, kwargs: dict) -> Hashable:
         raise NotImplementedError
 
@@ -154,6 +159,11 @@ class Sampler:
     def mutated(self, args: tuple, kwargs: dict) -> tuple[int, ...]:
         """Positions of the arguments the op writes in place (compared like outputs)."""
         return ()
+
+    def comparable(self, outputs: list[torch.Tensor], args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """The op's results on these arguments as they are compared with the original's: as they
+        are, unless the op's definition leaves something to the implementation (an order)."""
+        return outputs
 
     def backward_forms(self, provider: Provider) -> list[tuple[str, Callable]]:
         """The provider's own backward entry points, each as ``(name, run)`` with ``run(grads,
@@ -544,7 +554,7 @@ def _run(op: Op, fn: Callable, grad: bool, sample: tuple[tuple, dict], grad_outp
         run = _with_grads(op, run)
     with torch.enable_grad() if grad else contextlib.nullcontext():
         outputs = _outputs(op, run, fn(*run[0], **run[1]))
-    groups = {"output": [t.detach() for t in outputs]}
+    groups = {"output": [t.detach() for t in op.sampler.comparable(outputs, *run)]}
     if not grad:
         return groups, []
     differentiable = [t for t in outputs if t.requires_grad]

@@ -568,9 +568,32 @@ def _experts_fake(x, weights, ids, w13, w2, b13, b2, *flags):
     return x.new_empty(x.shape)
 
 
+class _RoutesSampler(Rows):
+    """A token's chosen experts, compared in one order among experts of equal logits.
+
+    Top-k leaves the order of equal values to the implementation (torch's CUDA ``topk`` sorts its
+    picks with an unstable sort), and bfloat16 router logits tie often. Tied experts have equal
+    weights, so the layer's result does not depend on their order. Each token's (weight, id) pairs
+    are compared sorted by logit, then id; pairs stay pairs, so a weight given to the wrong expert
+    still differs, and so does a different choice among experts tied at the k-th place. With a
+    correction bias or group limits the choice is not the logits' order, and the results are
+    compared as they are."""
+
+    def comparable(self, outputs: list[Tensor], args: tuple, kwargs: dict) -> list[Tensor]:
+        if self.argument("correction_bias", args, kwargs) is not None or self.argument("grouped", args, kwargs):
+            return outputs
+        weights, ids, *rest = outputs
+        logits = self.argument("logits", args, kwargs).detach()
+        by_id, first = ids.sort(dim=-1, stable=True)
+        second = logits.gather(-1, by_id).argsort(dim=-1, descending=True, stable=True)
+        order = first.gather(-1, second)
+        return [weights.gather(-1, order), ids.gather(-1, order), *rest]
+
+
 MOE_ROUTE = Op(
-    "moe_route", moe_route_native, sampler=Rows("logits", grads=("logits",), scale=2.0), library=True, fake=_route_fake
-)
+    "moe_route", moe_route_native, sampler=_RoutesSampler("logits", grads=("logits",), scale=2.0), library=True,
+    fake=_route_fake,
+)  # fmt: skip
 # The native definition groups tokens with data-dependent sizes: compiled, it would break the graph.
 MOE_EXPERTS = Op(
     "moe_experts", moe_experts_native, sampler=_ExpertsSampler(), library=True, fake=_experts_fake,
