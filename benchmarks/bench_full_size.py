@@ -32,8 +32,9 @@ run: every weight but the input embedding table (of routed experts, the ones the
 are sent to: for a batch of B tokens each choosing k of E experts, E * (1 - (1 - k/E)^B) distinct
 experts per layer, the expectation under uniform routing), plus the keys and values attended,
 averaged over the decoded positions. With --profile N, N decode tokens of each variant at the
-first batch size run under the profiler, and the device time is split into matrix products
-(GEMM/GEMV), attention, other kernels and the host's gaps (wall time with no kernel running).
+first batch size run under the profiler (less a profiled generate of one token: the prompt's
+forward), and the device time of a decode step is split into matrix products (GEMM/GEMV),
+attention, other kernels and the host's gaps (wall time with no kernel running).
 
 Writes DIR/full_size_<model>.md and .json, rows as they complete (a run cut short keeps them).
 """
@@ -114,8 +115,8 @@ KINDS = (("GEMM/GEMV", re.compile(r"gemm|gemv|cutlass|xmma|nvjet|matmul|_mm_|sm9
                                    re.I)))
 
 
-def profile_split(fn, tokens: int) -> dict:
-    """Device time per token by kind of kernel, and the host's gaps (wall time with no kernel running)."""
+def _profiled(fn) -> dict:
+    """One profiled call of ``fn``: kernel ms by kind and by name, the union of kernel time, wall ms."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -144,12 +145,29 @@ def profile_split(fn, tokens: int) -> dict:
         elif e > end:
             busy += e - end
             end = e
-    busy_ms = busy / 1e3
-    out = {k: v / tokens for k, v in split.items()}
-    out["busy"] = busy_ms / tokens
-    out["wall under the profiler"] = wall_ms / tokens
-    top = sorted(by_name.items(), key=lambda item: -item[1])[:20]
-    out["kernels"] = {name[:120]: ms / tokens for name, ms in top}  # ms per token, the largest first
+    return {"split": split, "by_name": by_name, "busy": busy / 1e3, "wall": wall_ms}
+
+
+def profile_split(fn, tokens: int, prompt_only=None) -> dict:
+    """Device time per decode token by kind of kernel, the largest kernels, and the wall time under
+    the profiler. ``fn`` generates ``tokens`` tokens; ``prompt_only`` (generating one) is profiled
+    too and taken away, so that the prompt's forward is not spread over the decode tokens."""
+    whole = _profiled(fn)
+    base = _profiled(prompt_only) if prompt_only is not None else None
+    steps = tokens - 1 if base is not None else tokens
+
+    def less(key: str, name: str | None = None) -> float:
+        if name is None:
+            return whole[key] - (base[key] if base else 0.0)
+        return whole[key].get(name, 0.0) - (base[key].get(name, 0.0) if base else 0.0)
+
+    out = {k: less("split", k) / steps for k in whole["split"]}
+    out["busy"] = less("busy") / steps
+    out["wall under the profiler"] = less("wall") / steps
+    names = {name: less("by_name", name) / steps for name in whole["by_name"]}
+    top = sorted(names.items(), key=lambda item: -item[1])[:20]
+    out["kernels"] = {name[:120]: ms for name, ms in top}  # ms per decode token, the largest first
+    out["decode steps only"] = base is not None
     return out
 
 
@@ -192,8 +210,9 @@ class Run:
             kinds = ["GEMM/GEMV", "attention", "other kernels"]
             batch = str(self.args.batch[0])
             lines += ["", f"Profile of {self.args.profile} decode tokens at batch {batch}, ms per token: kernel time "
-                      "by kind (under the profiler), and the host's gaps: the measured time per token (above, not "
-                      "profiled) less the time some kernel ran.", "",
+                      "by kind (under the profiler; a generate of one token, the prompt's forward, profiled too and "
+                      "taken away), and the host's gaps: the measured time per token (above, not profiled) less the "
+                      "time some kernel ran.", "",
                       "| variant | " + " | ".join(kinds) + " | host gaps | wall under the profiler |",
                       "|---|" + "---|" * (len(kinds) + 2)]
             for variant, split in r["profile"].items():
@@ -232,7 +251,7 @@ class Run:
             ids = self.ids[args.batch[0]]
             generate(model, ids, args.profile, **extra)
             self.result["profile"][variant] = profile_split(lambda: generate(model, ids, args.profile, **extra),
-                                                            args.profile)
+                                                            args.profile, lambda: generate(model, ids, 1, **extra))
             self.save()
 
     def prefill(self, variant: str, fn, vocab: int) -> None:
