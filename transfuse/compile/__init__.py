@@ -89,6 +89,8 @@ _register_backend()
 class _Compiled(DecodeCalls):
     """What ``transfuse.compile`` installs as the model's ``_compiled_call_impl``."""
 
+    _TRACED = True
+
     def __init__(self, model: nn.Module, configs: list[Any], options: dict[str, Any]):
         super().__init__(model, configs, options)
         entry = _entry()
@@ -186,7 +188,7 @@ def _entry() -> Any:
     functions, so without this every compiled model in a process would share one budget, and the
     ninth graph of any of them would run uncompiled. A batch-invariant model's class forward is
     called directly (``batch_invariant.CLASS_FORWARD_IN_THE_MODE``): the call enters the mode around
-    it (``calls.py``), where Dynamo does not trace it.
+    it (``DecodeCalls._functions``), where Dynamo does not trace it.
 
     The model is the function's argument, not a global or a closure's: Dynamo keeps its compiled
     entries on the function's code, and with them their guards and the globals those read, which a

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..ops.dispatch import batch_invariant_mode
 from . import attention, generate, kv_store, replay
 from .admission import cache_layer_types, dynamic_cache, forward_parameters
 from .attention import IMPLEMENTATION
@@ -62,6 +63,8 @@ class DecodeCalls:
     _PATH = "compiled"
     # Whether calls without a store run the path (compiled) or the model's own forward.
     _STORELESS_CALLS = True
+    # Whether Dynamo traces the path's forward (``_functions``).
+    _TRACED = False
 
     def __init__(self, model: nn.Module, configs: list[Any], options: dict[str, Any]):
         self.model = model
@@ -119,16 +122,28 @@ class DecodeCalls:
             return self._call(args, kwargs)
 
     def _mode(self) -> contextlib.AbstractContextManager:
-        """A batch-invariant model's mode, entered around the whole call (``batch_invariant.entered``):
-        the library ops and kernels of the compiled code choose their providers and launches when
-        they run (a captured graph holds the launches made at its capture), and Dynamo traces the
-        model's class forward with the mode's torch functions already in place. Entered inside the
-        compiled call, as the model's own forward enters it, the mode's context variable would
-        break the graph there (Dynamo cannot trace it), and the model's forward would be compiled
-        as a frame of its own: one that every transformers model shares, with its recompile limit."""
+        """A batch-invariant model's mode, entered around the whole call: the model's own forward
+        enters it too, but inside a compiled call Dynamo traces that ``with`` rather than run it,
+        while the library ops and kernels of the compiled code choose their providers and launches
+        when they run (a captured graph holds the launches made at its capture)."""
         from ..ops import batch_invariant
 
-        return batch_invariant.entered(self.model) if batch_invariant.is_enabled(self.model) else contextlib.nullcontext()
+        return batch_invariant_mode() if batch_invariant.is_enabled(self.model) else contextlib.nullcontext()
+
+    def _functions(self) -> contextlib.AbstractContextManager:
+        """Where the path's forward is traced (``_TRACED``), a batch-invariant model's torch-function
+        mode, entered around each call Dynamo sees (the forward, and the check of its guards): Dynamo
+        traces the model's class forward with the mode's handlers in place
+        (``batch_invariant.CLASS_FORWARD_IN_THE_MODE``). Entered inside the traced code, as the
+        model's own forward enters it, the mode's context variable would break the graph (Dynamo
+        cannot trace it), and the model's forward would be compiled as a frame of its own: one that
+        every transformers model shares, with its recompile limit. The rest of the call (a replay's
+        copies) runs without the handlers."""
+        from ..ops import batch_invariant
+
+        if self._TRACED and batch_invariant.is_enabled(self.model):
+            return batch_invariant.functions_of(self.model)
+        return contextlib.nullcontext()
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         model = self.model
@@ -169,7 +184,8 @@ class DecodeCalls:
 
         def run(arguments: dict[str, Any], store: Any = store) -> Any:
             with attention.step(cache, padding, store) as current, attention_implementation(self.configs, IMPLEMENTATION):
-                output = self.compiled(use_cache=False, **arguments)
+                with self._functions():
+                    output = self.compiled(use_cache=False, **arguments)
             why = current.unserved()
             if why is not None:
                 raise _Unserved(why)
@@ -177,7 +193,8 @@ class DecodeCalls:
 
         def serving(arguments: dict[str, Any]) -> Any:  # the frame's locals as ``run`` calls it
             with attention.step(cache, padding, store), attention_implementation(self.configs, IMPLEMENTATION):
-                return self.dynamo.serving({"args": (), "kwargs": {"use_cache": False, **arguments}})
+                with self._functions():
+                    return self.dynamo.serving({"args": (), "kwargs": {"use_cache": False, **arguments}})
 
         try:
             try:

@@ -638,7 +638,7 @@ class InvariantForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model = self._model()
         if not torch.compiler.is_compiling() and _inside_the_mode():
-            return type(model).forward(model, *args, **kwargs)  # (entered around the call: ``entered``)
+            return type(model).forward(model, *args, **kwargs)  # (the caller entered the mode around the call)
         with entered(model):
             return type(model).forward(model, *args, **kwargs)
 
@@ -650,11 +650,16 @@ def _forward_of(model: nn.Module) -> InvariantForward:
     return InvariantForward(model)
 
 
+def functions_of(model: nn.Module) -> InvariantFunctions:
+    """A batch-invariant model's torch-function mode (what it finds recorded on the model)."""
+    return InvariantFunctions(model.__dict__[_STATE_ATTR].found)
+
+
 def entered(model: nn.Module) -> contextlib.AbstractContextManager:
     """A batch-invariant model's mode (dispatch's and the torch functions'), entered for a call of it."""
     stack = contextlib.ExitStack()
     stack.enter_context(batch_invariant_mode())
-    stack.enter_context(InvariantFunctions(model.__dict__[_STATE_ATTR].found))
+    stack.enter_context(functions_of(model))
     return stack
 
 
@@ -664,8 +669,9 @@ def _inside_the_mode() -> bool:
 
 # The lines with which a compiled call's entry function (``transfuse.compile``'s, with ``model``
 # and the call's arguments) calls a batch-invariant model's class forward: its caller entered the
-# mode around the call (``entered``), which the model's own forward would enter inside the traced
-# code, where Dynamo cannot trace the mode's context variable. Its namespace holds InvariantForward.
+# mode around the call (``compile.calls.DecodeCalls._functions``), which the model's own forward
+# would enter inside the traced code, where Dynamo cannot trace the mode's context variable. Its
+# namespace holds InvariantForward.
 CLASS_FORWARD_IN_THE_MODE = (
     "    if isinstance(model.forward, InvariantForward):\n"
     "        return type(model).forward(model, *args, **kwargs)\n"
