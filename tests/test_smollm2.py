@@ -22,17 +22,18 @@ def rewritten_smollm2(smollm2_dir):
     return transfuse.rewrite(AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval())
 
 
-def test_greedy_generation_is_identical_after_rewrite(smollm2_dir):
+def test_greedy_generation_is_identical_after_rewrite(smollm2_dir, rewritten_smollm2):
+    """The stock checkpoint's greedy tokens and logits, and the module's rewrite of the same checkpoint's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    stock = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     prompt = tokenizer("The three primary colours are", return_tensors="pt")
     generate = dict(max_new_tokens=20, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     with torch.no_grad():
-        before = model.generate(**prompt, **generate)
-        logits_before = model(**prompt).logits
-    transfuse.rewrite(model)
+        before = stock.generate(**prompt, **generate)
+        logits_before = stock(**prompt).logits
+    model = rewritten_smollm2
     layers = model.config.num_hidden_layers
     assert transfuse.report(model).counts() == {"rms_norm": 2 * layers + 1, "add_rms_norm": layers, "qkv": layers, "gate_up": layers, "rotary": layers}
     assert sum(isinstance(m, RMSNorm) for m in model.modules()) == 2 * layers + 1
@@ -81,31 +82,15 @@ def test_the_gguf_journey_explain_emit_and_load(smollm2_gguf, rewritten_smollm2,
         assert torch.equal(loaded.generate(**prompt, **generate), runtime.generate(**prompt, **generate))
 
 
-def test_a_gguf_file_is_parsed_once_per_load_and_gguf_is_left_as_it_was(smollm2_gguf, monkeypatch):
-    """Counted: the file's header parsed once for the configuration, the weights and the tokenizer
-    together (transformers parses it for each), gguf's tensor-name map built once (transformers builds
-    it per module); afterwards the ``gguf`` module holds its own names again."""
-    import gguf
-
-    from transfuse.models import load_gguf
-
-    parsed, built = [], []
-    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-
-    def counting_reader(*args, **kwargs):
-        parsed.append(args[0])
-        return reader_class(*args, **kwargs)
-
-    def counting_map(*args):
-        built.append(args)
-        return name_map(*args)
-
-    monkeypatch.setattr(gguf, "GGUFReader", counting_reader)
-    monkeypatch.setattr(gguf, "get_tensor_name_map", counting_map)
-    model, tokenizer = load_gguf(smollm2_gguf)
-    assert len(parsed) == 1 and len(built) == 1
-    assert tokenizer("The three primary colours are").input_ids == [504, 1296, 3003, 14797, 359]
-    assert gguf.GGUFReader is counting_reader and gguf.get_tensor_name_map is counting_map
+def test_a_gguf_file_is_parsed_once_per_load_and_gguf_is_left_as_it_was(smollm2_conversion):
+    """Counted over the session's ``load_gguf`` of the file (``smollm2_conversion``): the file's
+    header parsed once for the configuration, the weights and the tokenizer together (transformers
+    parses it for each), gguf's tensor-name map built once (transformers builds it per module);
+    afterwards the ``gguf`` module holds its own names again."""
+    loaded = smollm2_conversion
+    assert len(loaded.parsed) == 1 and len(loaded.built) == 1
+    assert loaded.tokenizer("The three primary colours are").input_ids == [504, 1296, 3003, 14797, 359]
+    assert loaded.gguf_left_as_it_was
 
 
 def test_the_decode_paths_give_the_checkpoint_s_own_answers(smollm2_dir, rewritten_smollm2, monkeypatch):
