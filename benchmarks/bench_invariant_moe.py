@@ -5,7 +5,7 @@
 Qwen3-MoE expert shapes (hidden 2048, intermediate 768, 128 experts, top 8), bf16 random weights.
 For each token count: the default mode's ``moe_experts`` (decode or grouped path, tiles by token
 count) and, in the mode, the grouped path with each candidate tile set of ``CANDIDATES`` (every one
-with the mode's reduction block, ``block_k`` 64, and ``block_m`` of 64 or more), each call timed
+with the mode's reduction block, ``block_k`` 64), each call timed
 inside a CUDA graph (median of 5 replays). Bits: token 0's output in each candidate at each token
 count against token 0 alone with ``INVARIANT_CONFIG``; a candidate whose bits differ cannot be used
 for that token count in the mode. Writes DIR/invariant_moe.md and .json.
@@ -39,6 +39,11 @@ CANDIDATES = [
     MoEConfig(64, 256, 64, 8, 3),
     MoEConfig(128, 128, 64, 8, 3),
     MoEConfig(128, 256, 64, 8, 3),
+    # block_m under 64: another instruction for the products on Hopper (mma rather than wgmma);
+    # timed, and their bits shown, to learn whether a few rows may take smaller tiles.
+    MoEConfig(16, 64, 64, 4, 4),
+    MoEConfig(16, 128, 64, 4, 4),
+    MoEConfig(32, 64, 64, 4, 4),
 ]
 
 

@@ -50,7 +50,8 @@ def child(options: dict) -> dict:
         from transformers import AutoModelForCausalLM, LlamaConfig
 
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**overrides), dtype=dtype).eval()
+        with torch.device(device):  # initialised where it runs: a CPU's init of 2B weights takes a minute
+            model = AutoModelForCausalLM.from_config(LlamaConfig(**overrides), dtype=dtype).eval()
     else:
         model = tiny_model(options["model"], dtype=dtype)
     model = transfuse.rewrite(model.to(device))
