@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -138,10 +139,25 @@ PROCESS = textwrap.dedent('''
 ''')
 
 
+def _isa_probes(directory) -> None:
+    """An Inductor cache directory holding only the builds that pick the CPU's vector instruction set
+    (Inductor compiles and loads a probe per instruction set into a fresh directory before its first
+    kernel): no graph, no kernel."""
+    probe = "from torch._inductor import cpu_vec_isa; cpu_vec_isa.pick_vec_isa()"
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(directory)}
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not list(directory.rglob("fxgraph")) and not list(directory.rglob("aotautograd"))
+
+
 def test_a_second_process_reuses_the_first_ones_inductor_output(tmp_path):
-    """Each process gets an empty Inductor cache of its own: a hit can only come from the entry."""
+    """Each process gets an Inductor cache of its own, empty of graphs and kernels (it holds the
+    instruction-set probes, built once for both): a hit can only come from the entry."""
+    probes = tmp_path / "inductor-probes"
+    _isa_probes(probes)
 
     def process(name: str, where: str) -> dict:
+        shutil.copytree(probes, tmp_path / f"inductor-{name}")
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{name}")}
         result = subprocess.run([sys.executable, "-c", PROCESS, where], capture_output=True, text=True, timeout=600, env=env)
         assert result.returncode == 0, result.stderr[-3000:]
