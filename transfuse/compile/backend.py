@@ -6,9 +6,7 @@ after every ``transfuse::cached_attention`` node (``split_module``), so the piec
 two attention layers hold everything else: norms, the merged projections, RoPE, the MLP or
 MoE block, the residual adds. Each piece is compiled by Inductor with the fake inputs Dynamo
 traced it with (symbolic sizes stay symbolic); the attention nodes run as they are, eagerly,
-between the pieces. Pieces that compute the same function of their inputs (the decoder layers
-of a model, each reading its own weights: ``piece_signature``) share one Inductor output, so a
-model of 32 alike layers compiles three pieces a graph, not 33.
+between the pieces.
 
 On CUDA a piece whose inputs all have static shapes (Dynamo specialises a decode step's
 token count of 1, so a decode step's pieces are static) is run through ``GraphedPiece``:
@@ -26,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -41,8 +39,7 @@ ATTENTION_OP = "transfuse.cached_attention"
 
 # Counters a test or a benchmark reads: graphs compiled by the backend, pieces, captures and
 # replays (of pieces and of whole steps), and those of whole steps alone.
-_STATS = {"graphs": 0, "pieces": 0, "captures": 0, "replays": 0, "step_captures": 0, "step_replays": 0,
-          "inductor_pieces": 0, "shared_pieces": 0}
+_STATS = {"graphs": 0, "pieces": 0, "captures": 0, "replays": 0, "step_captures": 0, "step_replays": 0}
 # Addresses of captured graphs' outputs: they hold the same place at every replay, so a later
 # piece reads them where they are (checked at every replay) instead of copying them in.
 _GRAPH_OUTPUTS: set[int] = set()
@@ -119,7 +116,6 @@ def compile_graph(
     layout: dict[str, tuple[str, bool]] = {}
     compiled_pieces: dict[str, Callable[..., Any]] = {}
     single: dict[str, bool] = {}
-    by_signature: dict[Hashable, str] = {}
     for node in split.graph.nodes:
         if node.op != "call_module":
             continue
@@ -133,17 +129,8 @@ def compile_graph(
             from torch._inductor.compile_fx import compile_fx, graph_returns_tuple
 
             single[node.target] = not graph_returns_tuple(piece)  # (before Inductor makes it return a tuple)
-            signature = piece_signature(piece, inputs)
-            twin = by_signature.get(signature) if signature is not None else None
-            if twin is not None:
-                compiled = compiled_pieces[twin]
-                _STATS["shared_pieces"] += 1
-            else:
-                with torch._inductor.config.patch(_inductor_settings()):
-                    compiled = compile_fx(piece, inputs)
-                _STATS["inductor_pieces"] += 1
-                if signature is not None:
-                    by_signature[signature] = node.target
+            with torch._inductor.config.patch(_inductor_settings()):
+                compiled = compile_fx(piece, inputs)
         compiled_pieces[node.target] = compiled
         graphed = cuda_graphs and all(_static(v) for v in inputs) and _on_cuda(inputs)
         layout[node.target] = ("graphed" if graphed else "compiled", node.target in reaching_output)
@@ -254,73 +241,6 @@ def _call_attention_directly(piece: fx.GraphModule) -> None:
 
 def _on_cuda(inputs: Sequence[Any]) -> bool:
     return any(isinstance(v, Tensor) and v.device.type == "cuda" for v in inputs)
-
-
-# Argument values a piece's node may hold that are compared by value (anything else: no signature).
-_PLAIN = (int, float, bool, str, type(None), type(Ellipsis), torch.dtype, torch.device, torch.layout, torch.memory_format)
-
-
-def piece_signature(piece: fx.GraphModule, inputs: Sequence[Any]) -> Hashable | None:
-    """What Inductor's output for ``piece`` called with ``inputs`` depends on, as one hashable
-    value: the graph's operations and how they connect (node names left out), and each input's
-    kind, dtype, device, sizes, strides, offset and which inputs share storage (symbolic sizes by
-    their expressions, which one frame's pieces share). Two pieces with equal signatures (the
-    decoder layers of one model, each reading its own weights) compute the same function of their
-    inputs, so one compiled piece serves both. None where the piece holds anything not compared by
-    value here (a submodule, an attribute, a constant tensor, an object of another kind): such a
-    piece is compiled on its own."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    index: dict[fx.Node, int] = {}
-
-    def key(value: Any) -> Any:
-        if isinstance(value, fx.Node):
-            return ("node", index[value])
-        if isinstance(value, (tuple, list)):
-            return (type(value).__name__, tuple(key(v) for v in value))
-        if isinstance(value, dict):
-            return ("dict", tuple((k, key(v)) for k, v in value.items()))
-        if isinstance(value, slice):
-            return ("slice", key(value.start), key(value.stop), key(value.step))
-        if isinstance(value, _PLAIN):
-            return (type(value).__name__, value)
-        raise _NoSignature
-
-    def size(value: Any) -> Any:
-        return str(value) if isinstance(value, torch.SymInt) else value
-
-    storages: dict[Any, int] = {}
-    try:
-        nodes = []
-        for i, node in enumerate(piece.graph.nodes):
-            index[node] = i
-            if node.op in ("placeholder", "output"):
-                nodes.append((node.op, key(node.args) if node.op == "output" else None))
-            elif node.op in ("call_function", "call_method"):
-                hash(node.target)
-                nodes.append((node.op, node.target, key(node.args), key(node.kwargs)))
-            else:  # get_attr, call_module: this piece's own objects
-                return None
-        described = []
-        for value in inputs:
-            if isinstance(value, Tensor):
-                storage = storages.setdefault(StorageWeakRef(value.untyped_storage()), len(storages))
-                described.append(("tensor", value.dtype, value.device, value.layout, value.requires_grad,
-                                  tuple(map(size, value.shape)), tuple(map(size, value.stride())),
-                                  size(value.storage_offset()), storage))  # fmt: skip
-            elif isinstance(value, torch.SymInt):
-                described.append(("symint", str(value)))
-            else:
-                described.append(key(value))
-        signature = (tuple(nodes), tuple(described))
-        hash(signature)
-        return signature
-    except (_NoSignature, TypeError, NotImplementedError, RuntimeError):
-        return None
-
-
-class _NoSignature(Exception):
-    pass
 
 
 def _record_piece_inputs(split: fx.GraphModule, fakes: Sequence[Any], into: dict[str, list[Any]]) -> None:

@@ -8,8 +8,7 @@ function with its guards, Dynamo's bytecode and the backend's output, which pick
 backend's output says how to (a ``SerializableCallable``). ``SplitGraph`` is that output for the
 split graph: the graph between the pieces (pickled by torch.fx's ``GraphPickler``), the attention
 pieces as traced, and each compiled piece as AOTAutograd's bundled entry (Inductor's code with
-it; pieces that share one Inductor output share one entry), which loads without AOTAutograd or
-Inductor running again.
+it), which loads without AOTAutograd or Inductor running again.
 
 ``Precompiled`` stands for the model's compiled entry: a call runs the first of its functions
 whose guards pass; a call none of them serves is traced and compiled here (and kept); past
@@ -57,7 +56,7 @@ from . import backend
 
 __all__ = ["Precompiled", "SplitGraph", "supported"]
 
-_MAGIC = b"transfuse-precompiled 2\n"
+_MAGIC = b"transfuse-precompiled 1\n"
 
 
 # The first torch whose kept functions of a model's call were seen to round-trip here. torch 2.11
@@ -122,8 +121,6 @@ def supported() -> bool:
 # ("compile"), loading kept ones ("load"), and of that, loading Inductor's compiled pieces
 # ("inductor_load").
 SECONDS = {"compile": 0.0, "load": 0.0, "inductor_load": 0.0}
-# Compiled pieces this process wrote and loaded: one per Inductor output, which pieces alike share.
-PIECES = {"written": 0, "loaded": 0}
 
 # What a ``SplitGraph`` being loaded in this thread reads: the model's tensor addresses (its
 # CUDA-graphed pieces key on them).
@@ -153,24 +150,16 @@ class SplitGraph(_serializable_base()):  # type: ignore[misc]
     def serialize_compile_artifacts(cls, fn: "SplitGraph") -> bytes:
         parts = _parts()
         layout = fn.layout
-        # Pieces that share one compiled function (``backend.piece_signature``) share its bytes.
-        pieces: dict[str, int] = {}
-        blobs: list[bytes] = []
-        written: dict[int, int] = {}
+        pieces = {}
         for name, compiled in fn.compiled.items():
             if getattr(compiled, "serialize", None) is None:
                 raise RuntimeError(f"piece {name} of the split graph has no serializable Inductor output")
-            if id(compiled) not in written:
-                written[id(compiled)] = len(blobs)
-                blobs.append(parts["bundled"].serialize_compile_artifacts(parts["bundled"](compiled)))
-                PIECES["written"] += 1
-            pieces[name] = written[id(compiled)]
+            pieces[name] = parts["bundled"].serialize_compile_artifacts(parts["bundled"](compiled))
         return pickle.dumps({
             "graph": parts["pickler"].dumps(layout.split, parts["pickle_options"]),
             "layout": layout.pieces,
             "step_graph": layout.step_graph,
             "pieces": pieces,
-            "compiled": blobs,
             "outputs": fn.outputs,
         })
 
@@ -184,10 +173,9 @@ class SplitGraph(_serializable_base()):  # type: ignore[misc]
         split = parts["pickler"].loads(state["graph"], FakeTensorMode(shape_env=ShapeEnv()))
         compiled = {}
         start = time.perf_counter()
-        functions = [parts["bundled"].deserialize_compile_artifacts(blob) for blob in state["compiled"]]
-        PIECES["loaded"] += len(functions)
-        for name, at in state["pieces"].items():
-            compiled[name] = _first(functions[at]) if state["outputs"][name] else functions[at]
+        for name, piece in state["pieces"].items():
+            loaded = parts["bundled"].deserialize_compile_artifacts(piece)
+            compiled[name] = _first(loaded) if state["outputs"][name] else loaded
         SECONDS["inductor_load"] += time.perf_counter() - start
         layout = backend.Layout(split, state["layout"], state["step_graph"])
         runner = backend.assemble(split, layout.pieces, compiled, layout.step_graph, getattr(_LOADING, "static_pointers", None))
