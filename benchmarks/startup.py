@@ -3,7 +3,9 @@
 * ``compile``: in a fresh process per run, a tiny random model is built, rewritten and
   ``transfuse.compile``d, then ``generate`` makes 16 tokens greedily, streaming them through
   transformers' ``TextIteratorStreamer``; the time from ``compile`` returning to the first token's
-  text reaching the streamer (the time to the first token), and to ``generate`` returning, split by
+  text reaching the streamer (the time to the first token: on CUDA, where the stop check is
+  deferred, a token reaches the streamer a step late, after the first decode step has been
+  compiled), and to ``generate`` returning, split by
   torch's own timers (Dynamo, Inductor), the loading of kept compiled calls
   (``transfuse/compile/precompiled.py``) and what is left (capture and the steps). Runs come in
   turns, alternating: one with the transfuse cache empty (torch's own caches warm, as in any second
