@@ -40,6 +40,27 @@ def test_quick_work_shows_no_bar(capsys):
     assert "quick" not in capsys.readouterr().err
 
 
+def test_a_long_first_item_shows_the_bar_while_it_runs_without_an_estimate(immediate_bars, capsys, monkeypatch):
+    """The first check on a fresh GPU machine waits half a minute on Triton's compiler: the bar is
+    drawn during that item (not after it), and says no time left, which the first items mislead."""
+    import time
+
+    monkeypatch.setattr(progress, "TICK_S", 0.02)
+    during = []
+
+    def items():
+        time.sleep(0.3)
+        during.append(capsys.readouterr().err)  # what was shown before the first item ended
+        yield from range(3)
+
+    assert list(progress.bar(items(), total=3, desc="transfuse: slow")) == [0, 1, 2]
+    after = capsys.readouterr().err
+    assert "transfuse: slow" in during[0] and "0/3" in during[0]
+    assert during[0].count("transfuse: slow") >= 2  # redrawn while the item ran
+    shown = during[0] + after
+    assert "<" not in shown and "it/s" not in shown and "s/it" not in shown
+
+
 def test_notes_follow_transformers_verbosity_and_the_environment(caplog, monkeypatch):
     from transformers.utils import logging as hf_logging
 
