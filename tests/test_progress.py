@@ -42,7 +42,8 @@ def test_quick_work_shows_no_bar(capsys):
 
 def test_a_long_first_item_shows_the_bar_while_it_runs_without_an_estimate(immediate_bars, capsys, monkeypatch):
     """The first check on a fresh GPU machine waits half a minute on Triton's compiler: the bar is
-    drawn during that item (not after it), and says no time left, which the first items mislead."""
+    drawn while that item runs (not only after it), with no estimate of the time left (which the
+    first items' times would make read hours)."""
     import time
 
     monkeypatch.setattr(progress, "TICK_S", 0.02)
