@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_batch_invariant import build, prepared  # noqa: E402
-from bench_full_size import _profiled, profile_split  # noqa: E402
+import bench_full_size  # noqa: E402
 
 
 def generate(model, ids: torch.Tensor, new: int) -> None:
@@ -38,7 +38,7 @@ def prefill_profile(model, ids: torch.Tensor) -> dict:
             model(ids, attention_mask=torch.ones_like(ids), use_cache=False)
 
     forward()
-    profiled = _profiled(forward)
+    profiled = bench_full_size._profiled(forward)
     top = sorted(profiled["by_name"].items(), key=lambda item: -item[1])[:20]
     return {**{k: v for k, v in profiled["split"].items()}, "busy": profiled["busy"],
             "wall under the profiler": profiled["wall"], "kernels": {name[:120]: ms for name, ms in top}}  # fmt: skip
@@ -72,10 +72,7 @@ def main() -> int:
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     if device == "cpu":
-        import bench_full_size
-
         bench_full_size._profiled = _cpu_profiled  # the CPU's dry run: wall time only
-        globals()["_profiled"] = _cpu_profiled
     os.makedirs(args.out, exist_ok=True)
     results: dict = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                      "torch": torch.__version__, "profiles": {}}  # fmt: skip
@@ -94,7 +91,7 @@ def main() -> int:
                 ids = torch.randint(1, vocab, (batch, args.prompt), generator=g).to(device)
                 generate(model, ids, args.new)
                 title = f"{name} decode batch {batch}"
-                by_title.setdefault(title, {})[mode] = profile_split(
+                by_title.setdefault(title, {})[mode] = bench_full_size.profile_split(
                     lambda: generate(model, ids, args.new), args.new, lambda: generate(model, ids, 1))
                 print(title, mode, {k: round(v, 3) for k, v in by_title[title][mode].items() if isinstance(v, float)},
                       flush=True)  # fmt: skip
@@ -103,7 +100,8 @@ def main() -> int:
                 title = f"{name} prefill {args.prefill}"
                 by_title.setdefault(title, {})[mode] = prefill_profile(model, ids)
             del model
-            torch.cuda.empty_cache() if device == "cuda" else None
+            if device == "cuda":
+                torch.cuda.empty_cache()
         for title, by_mode in by_title.items():
             lines += section(title, by_mode)
         results["profiles"][name] = by_title
