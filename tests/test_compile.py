@@ -565,6 +565,61 @@ def test_the_lean_loop_returns_the_tokens_transformers_loop_returns(model_type):
     assert lean.shape[1] == alone.shape[1]  # (the end token ended the row)
 
 
+def test_under_a_deferred_stop_check_the_first_token_is_streamed_before_the_first_decode_step(monkeypatch):
+    """Where the stop check hands tokens on a step late (transformers' ``DeferredStopCheck``, which
+    transfuse turns on for CUDA; here on the CPU with events that do nothing), the lean loop gives
+    the streamer the prompt's token as soon as it is chosen, before the first decode step is
+    queued, and every token is streamed once: for a full length, one token, and rows that end."""
+    from collections import deque
+
+    from transformers import TextIteratorStreamer
+    from transformers.generation import utils
+
+    from transfuse.compile import generate as loop
+
+    class Done:
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+    checks = []
+
+    class Deferred(utils.DeferredStopCheck):
+        is_supported = staticmethod(lambda *args, **kwargs: True)
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.slots = deque((flag, tokens, Done()) for flag, tokens, _ in self.slots)
+
+        def __call__(self, *args):
+            checks.append(len(streamed))
+            return super().__call__(*args)
+
+    streamed = []  # the number of checks made when each put reached the streamer
+    original_put = TextIteratorStreamer.put
+
+    def put(self, value):
+        streamed.append(len(checks))
+        return original_put(self, value)
+
+    monkeypatch.setattr(loop, "_check_class", lambda: Deferred)
+    monkeypatch.setattr(TextIteratorStreamer, "put", put)
+    model = transfuse.compile(_model("llama"), inductor=False)
+    ids, mask = _padded_batch()
+    greedy = _generate(model, ids[:1], mask[:1], new=6)
+    end = int(greedy[0, ids.shape[1] + 2])
+    for options in ({"max_new_tokens": 6, "min_new_tokens": 6}, {"max_new_tokens": 1}, {"max_new_tokens": 12, "eos_token_id": end, "pad_token_id": 0}):
+        streamed.clear(), checks.clear()
+        tokens, text = _streamed(model, ids[:1], mask[:1], **options)
+        assert checks, "the deferred check ran"
+        assert streamed[:2] == [0, 0], streamed  # the prompt, then its token before any check (and step)
+        assert text.split() == _words(tokens[0]), options
+        assert len(streamed) == tokens.shape[1] - ids.shape[1] + 1  # the prompt and each token once
+    assert tokens.shape[1] == ids.shape[1] + 3  # (the end token ended the row)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])

@@ -252,12 +252,37 @@ def _prepares_inputs_as_transformers_does(model: Any) -> bool:
     return supports is None or bool(supports())
 
 
+class _FirstAtOnce:
+    """A streamer's stand-in for a deferred stop check, which hands each token on a step late: the
+    first generated token (the prompt's) is given to the streamer as soon as it is chosen
+    (``put_at_once``, one wait for the prompt's forward), and the check's own later hand-over of
+    it is dropped. The time to the first streamed token is then the prompt's, not the prompt's
+    and the first decode step's (on a compiled model that step's compilation too)."""
+
+    def __init__(self, streamer: Any):
+        self.streamer = streamer
+        self.pending = 0
+
+    def put_at_once(self, tokens: torch.Tensor) -> None:
+        self.streamer.put(tokens.cpu())
+        self.pending += 1
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.pending:  # the check handing on a token already given
+            self.pending -= 1
+            return
+        self.streamer.put(value)
+
+    def end(self) -> None:
+        self.streamer.end()
+
+
 def _lean_sample(model: Any, compiled: Any, arguments: dict[str, Any]) -> torch.Tensor:
     """transformers' ``_sample`` for the calls ``lean_loop`` admits, with the host's work a step
     cut to the step itself. The tokens go into one buffer of the final length, the padding mask
     is a view of one (ones past the prompt), the length criterion is the loop's bound, and the
     end tokens are checked on the device, read a step late on CUDA (``DeferredStopCheck``, which
-    also hands the streamer each token, a step late there, as in ``_sample``)."""
+    also hands the streamer each token, a step late there, as in ``_sample``, the first at once)."""
     from transformers.generation.stopping_criteria import EosTokenCriteria
     from transformers.generation.utils import StopCheck
 
@@ -297,16 +322,17 @@ def _lean_sample(model: Any, compiled: Any, arguments: dict[str, Any]) -> torch.
     pad = config._pad_token_tensor
     if ends and pad is not None:
         pad = pad.to(device)
-    # The stop check, which also hands each token to the streamer (a step late where it defers).
-    stop_check = unfinished = None
+    # The stop check, which also hands each token to the streamer (a step late where it defers:
+    # the prompt's token then goes to the streamer at once, ``_FirstAtOnce``).
+    stop_check = unfinished = early = None
     if ends or streamer is not None:
         unfinished = torch.ones(batch, dtype=torch.long, device=device)
         deferred = _check_class()
-        stop_check = (
-            deferred(input_ids, max_length, cache, False, streamer)
-            if deferred is not None and deferred.is_supported(device, cache, False, is_assistant=False)
-            else StopCheck(streamer)
-        )
+        if deferred is not None and deferred.is_supported(device, cache, False, is_assistant=False):
+            early = _FirstAtOnce(streamer) if streamer is not None else None
+            stop_check = deferred(input_ids, max_length, cache, False, early or streamer)
+        else:
+            stop_check = StopCheck(streamer)
 
     length = prompt
     optimise = getattr(model, "_optimize_model_for_decode", contextlib.nullcontext)
@@ -332,6 +358,8 @@ def _lean_sample(model: Any, compiled: Any, arguments: dict[str, Any]) -> torch.
                 for criterion in ends[1:]:
                     done = done | criterion(tokens[:, :length], None)
                 unfinished = unfinished & ~done
+            if early is not None and length == prompt + 1:
+                early.put_at_once(chosen)
             if stop_check is not None:
                 if stop_check(unfinished, chosen, length) or length >= max_length:
                     break
