@@ -1,7 +1,7 @@
 """The batch-invariant mode's GPU kernels alone, against what the default mode runs, at Llama-3-8B shapes.
 
     python benchmarks/bench_invariant_kernels.py --out DIR [--tiles default 64,128,64,4,4,1024 ...]
-        [--rows 1 32 2048] [--chunks 2 1 4] [--skip-gemm] [--skip-attention] [--profile]
+        [--rows 1 32 2048] [--profile]
 
 GEMM: ``invariant.bmm`` for each weight of a Llama-3-8B layer and the output head, at each
 ``--rows`` count, against ``F.linear`` (cuBLAS), for each tile choice of ``--tiles``
@@ -13,11 +13,9 @@ be equal; and row 0 against the first tile choice with the same ``block_k`` and 
 differ only in the outputs a program covers). Per tile choice, the sum over one decode token (8
 layers and the head) and over a 2048-token prefill.
 
-Attention, at each ``--chunks`` size (blocks of keys a chunk): ``invariant_attention`` over a causal
-2048-token prompt (32 heads, 8 key/value heads, dim 128) against ``F.scaled_dot_product_attention``;
-the mode's decode step (8 and 4 key/value heads, batch 1, 8, 32, buffers of 512 and 2048 positions)
-in the launch it chooses, in one program and split by chunks (bits compared) against the default
-mode's provider. ``--skip-gemm`` leaves the GEMMs out.
+Attention: ``invariant_attention`` over a causal 2048-token prompt (32 heads, 8 key/value heads,
+dim 128) against ``F.scaled_dot_product_attention``; the mode's ``decode_attention`` against the
+default provider at batch 1 and 32 over 512 cached keys.
 
 ``--profile``: the 8-layer Llama model of ``bench_batch_invariant`` decoding 32 tokens through step
 graphs, each mode, under ``torch.profiler``: the kernels that take the most device time.
@@ -119,74 +117,50 @@ def gemm(tiles_texts: list[str], rows: list[int]) -> list[dict]:
     return results
 
 
-def attention(chunk_sizes: list[int]) -> list[dict]:
-    """The mode's attention at each chunk size (``invariant.CHUNK_BLOCKS``, part of the arithmetic:
-    each size has bits of its own): a causal 2048-token prompt against SDPA; decode steps of
-    Llama-3-8B's heads (8 key/value heads) and Qwen3-MoE's (4) at batch 1, 8 and 32 over 512 and
-    2048 positions of buffer, 300 of them kept, against the default mode's provider, in the
-    launch the size chooses, in one program a row block, and split by chunks (bits compared)."""
+def attention() -> list[dict]:
     from transfuse.ops.triton import decode_attention as triton_decode
 
+    torch.manual_seed(0)
     out = []
     length = 2048
-    chosen_chunk = invariant.CHUNK_BLOCKS
+    q = torch.randn(1, HEADS, length, DIM, device=DEVICE, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, KV_HEADS, length, DIM, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    mask = torch.ones(length, length, dtype=torch.bool, device=DEVICE).tril()[None, None]
+    kr, vr = (t.repeat_interleave(HEADS // KV_HEADS, 1) for t in (k, v))
+    chosen = invariant.attention_tiles
+    tiles = chosen(length, DIM)
+    got = invariant.invariant_attention(q, kr, vr, mask)
+    invariant.attention_tiles = lambda *_: (64, tiles[1], 4)  # the decode step's blocks of rows
     try:
-        for chunk in chunk_sizes:
-            invariant.CHUNK_BLOCKS = chunk
-            torch.manual_seed(0)
-            q = torch.randn(1, HEADS, length, DIM, device=DEVICE, dtype=torch.bfloat16)
-            k, v = (torch.randn(1, KV_HEADS, length, DIM, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
-            mask = torch.ones(length, length, dtype=torch.bool, device=DEVICE).tril()[None, None]
-            kr, vr = (t.repeat_interleave(HEADS // KV_HEADS, 1) for t in (k, v))
-            chosen = invariant.attention_tiles
-            tiles = chosen(length, DIM)
-            got = invariant.invariant_attention(q, kr, vr, mask)
-            invariant.attention_tiles = lambda *_: (64, tiles[1], 4)  # the decode step's blocks of rows
-            try:
-                small = invariant.invariant_attention(q, kr, vr, mask)
-                small_us = timed(lambda: invariant.invariant_attention(q, kr, vr, mask), reps=3, rounds=3)
-            finally:
-                invariant.attention_tiles = chosen
-            out.append(
-                dict(
-                    case=f"prefill {length}, causal mask", chunk=chunk, tiles=list(tiles),
-                    invariant_us=timed(lambda: invariant.invariant_attention(q, kr, vr, mask), reps=3, rounds=3),
-                    default_us=timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), reps=3, rounds=3),
-                    rows_of_64_us=small_us, same_bits_as_rows_of_64=bool(torch.equal(got, small)),
-                )
-            )  # fmt: skip
-            print(json.dumps(out[-1]), flush=True)
-            for kv_heads in (KV_HEADS, 4):
-                for batch in (1, 8, 32):
-                    for capacity in (512, 2048):
-                        out.append(_decode_case(triton_decode, chunk, kv_heads, batch, capacity, kept=300))
-                        print(json.dumps(out[-1]), flush=True)
+        small = invariant.invariant_attention(q, kr, vr, mask)
+        small_us = timed(lambda: invariant.invariant_attention(q, kr, vr, mask), reps=3, rounds=3)
     finally:
-        invariant.CHUNK_BLOCKS = chosen_chunk
-    return out
-
-
-def _decode_case(triton_decode, chunk: int, kv_heads: int, batch: int, capacity: int, kept: int) -> dict:
-    torch.manual_seed(1)
-    query = torch.randn(batch, HEADS, 1, DIM, device=DEVICE, dtype=torch.bfloat16)
-    keys, values = (torch.randn(batch, kv_heads, capacity, DIM, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
-    bias = torch.zeros(batch * kv_heads, 1, capacity, device=DEVICE, dtype=torch.bfloat16)
-    bias[..., kept:] = float("-inf")
-    scaling = DIM**-0.5
-    mask = bias.view(batch, kv_heads, 1, capacity)
-
-    def launch(split):
-        out = query.new_empty((batch, 1, HEADS, DIM))
-        return invariant.attend(query, keys, values, mask, False, scaling, out.transpose(1, 2), split=split)
-
-    auto, one, split = launch(None), launch(False), launch(True)
-    return dict(
-        case=f"decode, {kv_heads} kv heads, batch {batch}, {capacity} positions ({kept} kept)", chunk=chunk,
-        invariant_us=timed(lambda: launch(None)), one_program_us=timed(lambda: launch(False)),
-        split_us=timed(lambda: launch(True)),
-        default_us=timed(lambda: triton_decode.decode_attention(query, keys, values, bias, scaling)),
-        split_equals_one_program=bool(torch.equal(split, one)), chosen_equals_one_program=bool(torch.equal(auto, one)),
+        invariant.attention_tiles = chosen
+    out.append(
+        dict(
+            case=f"prefill {length}, causal mask", tiles=list(tiles),
+            invariant_us=timed(lambda: invariant.invariant_attention(q, kr, vr, mask), reps=3, rounds=3),
+            default_us=timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), reps=3, rounds=3),
+            rows_of_64_us=small_us, same_bits_as_rows_of_64=bool(torch.equal(got, small)),
+        )
     )  # fmt: skip
+    print(json.dumps(out[-1]), flush=True)
+    for batch in (1, 32):
+        cached = 512
+        query = torch.randn(batch, HEADS, 1, DIM, device=DEVICE, dtype=torch.bfloat16)
+        keys, values = (torch.randn(batch, KV_HEADS, cached, DIM, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+        bias = torch.zeros(batch * KV_HEADS, 1, cached, device=DEVICE)
+        bias[..., cached // 2 :] = float("-inf")
+        scaling = DIM**-0.5
+        out.append(
+            dict(
+                case=f"decode, batch {batch}, {cached} cached keys (half masked)",
+                invariant_us=timed(lambda: invariant.decode_attention(query, keys, values, bias, scaling)),
+                default_us=timed(lambda: triton_decode.decode_attention(query, keys, values, bias, scaling)),
+            )
+        )  # fmt: skip
+        print(json.dumps(out[-1]), flush=True)
+    return out
 
 
 def profile(tokens: int = 32) -> dict:
@@ -255,15 +229,11 @@ def markdown(result: dict, args) -> str:
             theirs = sum(r["cublas_us"] * WEIGHTS[r["weight"]][2] for r in picked)
             if picked:
                 lines.append(f"| {text} | {m} | {theirs:.0f} | {ours:.0f} | {ours / theirs:.2f}x |")
-    lines += ["", "| attention | chunk (blocks) | invariant (chosen) | one program | split | default | split = one program |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
+    lines += ["", "| attention | invariant | default |", "| --- | ---: | ---: |"]
     for r in result["attention"]:
-        lines.append(
-            f"| {r['case']} | {r.get('chunk', '-')} | {r['invariant_us']:.1f} | {_us(r.get('one_program_us'))} | "
-            f"{_us(r.get('split_us'))} | {r['default_us']:.1f} | {r.get('split_equals_one_program', '-')} |"
-        )  # fmt: skip
+        lines.append(f"| {r['case']} | {r['invariant_us']:.1f} | {r['default_us']:.1f} |")
         if "rows_of_64_us" in r:
-            lines.append(f"| (the same in programs of 64 rows: same bits {r['same_bits_as_rows_of_64']}) | | {r['rows_of_64_us']:.1f} | | | | |")
+            lines.append(f"| (the same in programs of 64 rows: same bits {r['same_bits_as_rows_of_64']}) | {r['rows_of_64_us']:.1f} | |")
     for mode, found in result.get("profile", {}).items():
         lines += ["", f"Decode profile, {mode} mode: {found['total_device_us'] / 1000:.1f} ms of device time", "",
                   "| kernel | calls | device ms |", "| --- | ---: | ---: |"]  # fmt: skip
@@ -281,15 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 32, 2048])
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--skip-attention", action="store_true")
-    parser.add_argument("--skip-gemm", action="store_true")
-    parser.add_argument("--chunks", nargs="+", type=int, default=[invariant.CHUNK_BLOCKS], help="attention chunk sizes (blocks)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
     os.makedirs(args.out, exist_ok=True)
     result = dict(device=torch.cuda.get_device_name(), gemm=[], attention=[], errors={})
-    parts = [] if args.skip_gemm else [("gemm", lambda: gemm(args.tiles, args.rows))]
-    parts += [] if args.skip_attention else [("attention", lambda: attention(args.chunks))]
+    parts = [("gemm", lambda: gemm(args.tiles, args.rows))]
+    parts += [] if args.skip_attention else [("attention", attention)]
     parts += [("profile", profile)] if args.profile else []
     for name, part in parts:
         try:  # a part that fails is reported; the others still run

@@ -342,53 +342,6 @@ def test_triton_attention_of_a_causal_prompt_is_the_same_bits_behind_left_paddin
         ops.set_priority(None, op="invariant_attention")
 
 
-def test_triton_attention_gives_the_same_bits_in_one_program_or_split_by_chunks(monkeypatch):
-    """The attention kernel merges its chunks of keys in order. A decode step of few sequences
-    takes a program per chunk and a second kernel merging them; a prompt takes every chunk in one
-    program. A decode row (written through the store's path, behind left padding, its buffer
-    holding NaN past its keys) gives the bits of that row in its causal prompt (interpreted)."""
-    if why := _interpreted_only():
-        pytest.skip(why)
-    from transfuse.ops.triton import invariant
-
-    from .test_triton_launch import _CountingJIT
-
-    merges = _CountingJIT(invariant._merge_kernel)
-    monkeypatch.setattr(invariant, "_merge_kernel", merges)
-    torch.manual_seed(0)
-    heads, kv_heads, dim = 4, 2, 16
-    _, block_n, _ = invariant.attention_tiles(heads // kv_heads, dim)
-    length = 3 * invariant.CHUNK_BLOCKS * block_n + 7  # four chunks, the last one partial
-    q = torch.randn(1, heads, length, dim)
-    k, v = (torch.randn(1, kv_heads, length, dim) for _ in range(2))
-    prompt = invariant.attend(q, k, v, None, True, 0.25, torch.empty_like(q))
-    assert merges.calls == 0
-    torch.testing.assert_close(prompt, F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True))
-    # The prompt's last token as a decode step: left padding, then the keys, then NaN never written.
-    pad, room = 11, 20
-    keys, values = (torch.full((2, kv_heads, pad + length + room, dim), float("nan")) for _ in range(2))
-    keys[0, :, pad : pad + length - 1], values[0, :, pad : pad + length - 1] = k[0, :, :-1], v[0, :, :-1]
-    keys[1], values[1] = torch.randn(2, kv_heads, pad + length + room, dim)
-    bias = torch.full((2, kv_heads, 1, pad + length + room), float("-inf"))
-    bias[0, :, :, pad : pad + length] = 0.0
-    bias[1, :, :, : pad + length] = 0.0
-    new = (torch.stack([k[:, :, -1:], k[:, :, -1:]])[:, 0], torch.stack([v[:, :, -1:], v[:, :, -1:]])[:, 0])
-    position = torch.tensor([pad + length - 1])
-    step = torch.cat([q[:, :, -1:], torch.randn(1, heads, 1, dim)])
-    for split in (True, False):
-        calls = merges.calls
-        out = invariant.attend(step, keys, values, bias, False, 0.25, torch.empty_like(step), (*new, position), split=split)
-        assert merges.calls == calls + split
-        assert torch.equal(out[0, :, 0], prompt[0, :, -1]), f"split={split}"
-        assert out.isfinite().all()
-    assert torch.equal(keys[0, :, pad + length - 1], k[0, :, -1]) and torch.equal(values[0, :, pad + length - 1], v[0, :, -1])
-    # Chosen by the launch's size: a decode step of one sequence splits, a prompt does not.
-    invariant.attend(step[:1], keys[:1], values[:1], bias[:1], False, 0.25, torch.empty_like(step[:1]))
-    assert merges.calls == 2
-    with pytest.raises(ValueError, match="one block of rows"):
-        invariant.attend(q, k, v, None, True, 0.25, torch.empty_like(q), split=True)
-
-
 @pytest.mark.parametrize("provider", ["native", "triton"])
 def test_decode_attention_of_a_sequence_ignores_its_padding_and_the_batch(provider, request):
     """One query a sequence over buffers: a left-padded sequence among others gives what it gives

@@ -10,14 +10,9 @@ too few to fill the device) changes where the partials are added, not how.
 
 Attention: a program takes a block of rows (queries of the heads that share a key/value head) and
 walks their keys with tensor-core products in blocks of ``BLOCK_N`` at fixed offsets from the
-sequence's first unmasked key (an online softmax), in chunks of ``CHUNK_BLOCKS`` blocks: each
-chunk's softmax starts empty and the chunks' states are merged from the first to the last. A row's
-products never depend on the other rows of its block, and a left-padded sequence's keys fall in
-the same blocks and chunks at the same places as the sequence alone; masked keys, and blocks past
-a row's last key, add exact zeros. Whether the chunks run in one program or, for a decode step of
-a few sequences, in programs of their own merged by a second kernel changes where the states are
-merged, not how (both kernels are compiled without FMA contraction, so each product is rounded
-alike in both).
+sequence's first unmasked key (an online softmax). A row's products never depend on the other rows
+of its block, and a left-padded sequence's keys fall in the same blocks at the same places as the
+sequence alone; masked keys, and blocks past a row's last key, add exact zeros.
 """
 
 from __future__ import annotations
@@ -296,57 +291,83 @@ def _kept(mask_ptr, rows, live, j, L, sml):
 
 
 @triton.jit
-def _first_kept(mask_ptr, rows, live, lo, hi, sml, L, BLOCK_N: tl.constexpr):
-    # The first key of [lo, hi) kept for any live row (hi if none), scanning blocks from lo and
-    # stopping at the first block holding one.
-    found = hi
-    j0 = lo
-    while (found == hi) & (j0 < hi):
+def _first_kept(mask_ptr, rows, live, L, sml, BLOCK_N: tl.constexpr):
+    # The first key kept for any live row (L if none), scanning blocks from the start and stopping
+    # at the first block holding one.
+    found = L
+    j0 = 0
+    while (found == L) & (j0 < L):
         j = j0 + tl.arange(0, BLOCK_N)
-        kept = _kept(mask_ptr, rows, live, j, L, sml) & (j < hi)[None, :]
-        found = tl.min(tl.min(tl.where(kept, j[None, :], hi), axis=1), axis=0)
+        found = tl.min(tl.min(tl.where(_kept(mask_ptr, rows, live, j, L, sml), j[None, :], L), axis=1), axis=0)
         j0 += BLOCK_N
     return found
 
 
 @triton.jit
-def _last_kept(mask_ptr, rows, live, lo, hi, sml, L, BLOCK_N: tl.constexpr):
-    # The last key of [lo, hi) kept for any live row (lo - 1 if none), scanning blocks from hi.
-    found = lo - 1
-    j0 = hi - BLOCK_N
-    while (found == lo - 1) & (j0 + BLOCK_N > lo):
+def _last_kept(mask_ptr, rows, live, L, sml, BLOCK_N: tl.constexpr):
+    # The last key kept for any live row (-1 if none), scanning blocks from the end.
+    found = -1
+    j0 = L - BLOCK_N
+    while (found == -1) & (j0 + BLOCK_N > 0):
         j = j0 + tl.arange(0, BLOCK_N)
-        kept = _kept(mask_ptr, rows, live, j, L, sml) & (j >= lo)[None, :]
-        found = tl.max(tl.max(tl.where(kept, j[None, :], lo - 1), axis=1), axis=0)
+        found = tl.max(tl.max(tl.where(_kept(mask_ptr, rows, live, j, L, sml), j[None, :], -1), axis=1), axis=0)
         j0 -= BLOCK_N
     return found
 
 
+@Kernel
 @triton.jit
-def _merge(top, total, acc, m, t, a):
-    # Two softmax states (running maximum, total, weighted sum) of consecutive spans of keys as
-    # one. An empty state (maximum -1e30, zeros) on either side gives the other's bits: the scale
-    # of the other is exp(0) = 1 and the empty one's terms are 0. Launched without FMA
-    # contraction: every kernel that merges rounds each product alike.
-    new_top = tl.maximum(top, m)
-    old = tl.exp(top - new_top)
-    new = tl.exp(m - new_top)
-    return new_top, total * old + t * new, acc * old[:, None] + a * new[:, None]
-
-
-@triton.jit
-def _walk(
-    q, k_ptr, v_ptr, mask_ptr, new_k, new_v, pos, b, kvh, qi, live, row_end, d, dv, lo, first, end, scale,
-    skb, skh, skl, svb, svh, svl, smb, smh, smq, sml,
-    D: tl.constexpr, DV: tl.constexpr, HAS_MASK: tl.constexpr, WRITE: tl.constexpr, IEEE: tl.constexpr,
-    ROWWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+def _attention_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, nk_ptr, nv_ptr, pos_ptr, H, KVH, Q, L, scale,
+    sqb, sqh, sqq, skb, skh, skl, svb, svh, svl, smb, smh, smq, sml, sob, soh, soq, snkb, snkh, snvb, snvh,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, WRITE: tl.constexpr, IEEE: tl.constexpr, ROWWISE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
-    # One span's softmax state from an empty one: the blocks of BLOCK_N keys from ``lo`` (a block's
-    # start) to ``end``, keys outside [first, end) read as zeros and left out.
+    # Program (block of rows, batch x key/value head). Row r is query r // GROUP of query head
+    # r % GROUP of the key/value head's group: the heads that share keys share the program.
+    pid = tl.program_id(1).to(tl.int64)
+    b, kvh = pid // KVH, pid % KVH
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    qi = r // GROUP
+    hq = kvh * GROUP + r % GROUP
+    live = qi < Q
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + b * sqb + hq[:, None] * sqh + qi[:, None] * sqq + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)
+    if WRITE:
+        # A decode step's new key and value: stored at the position, and taken from registers
+        # where the walk reads that position (the same bits a load after the store gives).
+        pos = tl.load(pos_ptr)
+        new_k = tl.load(nk_ptr + b * snkb + kvh * snkh + d, mask=d < D, other=0.0).to(k_ptr.dtype.element_ty)
+        new_v = tl.load(nv_ptr + b * snvb + kvh * snvh + dv, mask=dv < DV, other=0.0).to(v_ptr.dtype.element_ty)
+        if (tl.program_id(0) == 0) & (pos >= 0) & (pos < L):
+            tl.store(k_ptr + b * skb + kvh * skh + pos * skl + d, new_k, mask=d < D)
+            tl.store(v_ptr + b * svb + kvh * svh + pos * svl + dv, new_v, mask=dv < DV)
+    row_end = tl.where(live, L, 0)
+    if CAUSAL:
+        row_end = tl.where(live, tl.minimum(L, qi + 1 + L - Q), 0)
+    end = tl.max(row_end, axis=0)
+    # The sequence's origin: the first unmasked key of its last query. Keys are walked in blocks of
+    # BLOCK_N at fixed offsets from it, from the first key any of the block's rows keeps (earlier
+    # keys are masked for every row) to the last, so a key falls at the same place of the same
+    # block whatever padding is before the sequence and whatever rows share the program. Keys
+    # outside that span are read as zeros: a block masked for every row changes no sum.
+    origin = 0
+    first = 0
+    if HAS_MASK:
+        rows = b * smb + kvh * smh + qi * smq
+        last_query = b * smb + kvh * smh + (Q - 1) * smq + tl.zeros((1,), tl.int64)
+        origin = _first_kept(mask_ptr, last_query, tl.zeros((1,), tl.int32) == 0, L, sml, BLOCK_N) % L
+        first = _first_kept(mask_ptr, rows, live, L, sml, BLOCK_N)
+        end = tl.minimum(end, _last_kept(mask_ptr, rows, live, L, sml, BLOCK_N) + 1)
+        first = tl.where(end > first, first, origin)  # no key kept for any row: nothing to walk
+        end = tl.where(end > first, end, origin)
+    walk = origin - tl.cdiv(tl.maximum(origin - first, 0), BLOCK_N) * BLOCK_N
     m = tl.full((BLOCK_M,), -1.0e30, tl.float32)
     total = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-    for j0 in range(lo, end, BLOCK_N):
+    for j0 in range(walk, end, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         inside = (j >= first) & (j < end)
         keys = tl.load(k_ptr + b * skb + kvh * skh + j[None, :] * skl + d[:, None], mask=inside[None, :] & (d[:, None] < D), other=0.0)
@@ -374,136 +395,9 @@ def _walk(
         total = total * alpha + tl.max(sums, axis=1)
         acc = _dot(weights, values, acc * alpha[:, None], IEEE, ROWWISE)
         m = top
-    return m, total, acc
-
-
-@Kernel
-@triton.jit
-def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, nk_ptr, nv_ptr, pos_ptr, part_ptr, H, KVH, Q, L, scale,
-    sqb, sqh, sqq, skb, skh, skl, svb, svh, svl, smb, smh, smq, sml, sob, soh, soq, snkb, snkh, snvb, snvh,
-    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, WRITE: tl.constexpr, IEEE: tl.constexpr, ROWWISE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr,
-):  # fmt: skip
-    # Program (block of rows, batch x key/value head[, chunk of keys]). Row r is query r // GROUP of
-    # query head r % GROUP of the key/value head's group: the heads that share keys share the
-    # program. SPLIT: the program takes one chunk of keys and writes its state to ``part_ptr``
-    # (``[batch x key/value heads, chunks, live rows, 2 + BLOCK_DV]``: maximum, total, weighted sum) for
-    # ``_merge_kernel``; otherwise it takes every chunk and merges them itself, in the same order.
-    pid = tl.program_id(1).to(tl.int64)
-    b, kvh = pid // KVH, pid % KVH
-    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    qi = r // GROUP
-    hq = kvh * GROUP + r % GROUP
-    live = qi < Q
-    d = tl.arange(0, BLOCK_D)
-    dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(q_ptr + b * sqb + hq[:, None] * sqh + qi[:, None] * sqq + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)
-    new_k = d
-    new_v = dv
-    pos = -1
-    if WRITE:
-        # A decode step's new key and value: stored at the position, and taken from registers
-        # where the walk reads that position (the same bits a load after the store gives).
-        pos = tl.load(pos_ptr)
-        new_k = tl.load(nk_ptr + b * snkb + kvh * snkh + d, mask=d < D, other=0.0).to(k_ptr.dtype.element_ty)
-        new_v = tl.load(nv_ptr + b * snvb + kvh * snvh + dv, mask=dv < DV, other=0.0).to(v_ptr.dtype.element_ty)
-        if (tl.program_id(0) == 0) & (tl.program_id(2) == 0) & (pos >= 0) & (pos < L):
-            tl.store(k_ptr + b * skb + kvh * skh + pos * skl + d, new_k, mask=d < D)
-            tl.store(v_ptr + b * svb + kvh * svh + pos * svl + dv, new_v, mask=dv < DV)
-    row_end = tl.where(live, L, 0)
-    if CAUSAL:
-        row_end = tl.where(live, tl.minimum(L, qi + 1 + L - Q), 0)
-    end = tl.max(row_end, axis=0)
-    # The sequence's origin: the first unmasked key of its last query. Keys are walked in blocks of
-    # BLOCK_N, and blocks in chunks of CHUNK blocks, at fixed offsets from it; a chunk's softmax
-    # starts empty and the chunks' states are merged from the first to the last. So a key falls at
-    # the same place of the same block and chunk whatever padding is before the sequence and
-    # whatever rows share the program, and the sums do not depend on whether the chunks ran in one
-    # program or in programs of their own. Keys outside the kept span are read as zeros: a block
-    # masked for every row, and a chunk with no kept key, change no sum.
-    span = CHUNK * BLOCK_N
-    origin = 0
-    first = 0
-    rows = b * smb + kvh * smh + qi * smq
-    if HAS_MASK:
-        last_query = b * smb + kvh * smh + (Q - 1) * smq + tl.zeros((1,), tl.int64)
-        origin = _first_kept(mask_ptr, last_query, tl.zeros((1,), tl.int32) == 0, 0, L, sml, L, BLOCK_N) % L
-        first = _first_kept(mask_ptr, rows, live, 0, L, sml, L, BLOCK_N)
-    if SPLIT:
-        chunk = origin - tl.cdiv(origin, span) * span + tl.program_id(2) * span
-        lo = tl.maximum(chunk, 0)
-        hi = tl.minimum(chunk + span, end)
-        if HAS_MASK:
-            lo_kept = _first_kept(mask_ptr, rows, live, lo, hi, sml, L, BLOCK_N)
-            hi = _last_kept(mask_ptr, rows, live, lo_kept, hi, sml, L, BLOCK_N) + 1
-            lo = lo_kept
-        start = chunk + (tl.maximum(lo - chunk, 0) // BLOCK_N) * BLOCK_N
-        m, total, acc = _walk(
-            q, k_ptr, v_ptr, mask_ptr, new_k, new_v, pos, b, kvh, qi, live, row_end, d, dv, start, lo,
-            tl.maximum(hi, lo), scale, skb, skh, skl, svb, svh, svl, smb, smh, smq, sml,
-            D, DV, HAS_MASK, WRITE, IEEE, ROWWISE, BLOCK_M, BLOCK_N, BLOCK_DV,
-        )  # fmt: skip
-        at = part_ptr + ((pid * tl.num_programs(2) + tl.program_id(2)) * Q * GROUP + r) * (2 + BLOCK_DV)
-        tl.store(at, m, mask=live)
-        tl.store(at + 1, total, mask=live)
-        tl.store(at[:, None] + 2 + dv[None, :], acc, mask=live[:, None])
-    else:
-        if HAS_MASK:
-            end = tl.minimum(end, _last_kept(mask_ptr, rows, live, 0, L, sml, L, BLOCK_N) + 1)
-            first = tl.where(end > first, first, origin)  # no key kept for any row: nothing to walk
-            end = tl.where(end > first, end, origin)
-        walk = origin - tl.cdiv(tl.maximum(origin - first, 0), BLOCK_N) * BLOCK_N
-        top = tl.full((BLOCK_M,), -1.0e30, tl.float32)
-        total = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-        for chunk in range(origin - tl.cdiv(origin - walk, span) * span, end, span):
-            m, t, a = _walk(
-                q, k_ptr, v_ptr, mask_ptr, new_k, new_v, pos, b, kvh, qi, live, row_end, d, dv,
-                tl.maximum(chunk, walk), first, tl.minimum(chunk + span, end), scale,
-                skb, skh, skl, svb, svh, svl, smb, smh, smq, sml,
-                D, DV, HAS_MASK, WRITE, IEEE, ROWWISE, BLOCK_M, BLOCK_N, BLOCK_DV,
-            )  # fmt: skip
-            top, total, acc = _merge(top, total, acc, m, t, a)
-        out = tl.where(total[:, None] > 0, acc / tl.where(total > 0, total, 1.0)[:, None], 0.0)
-        tl.store(out_ptr + b * sob + hq[:, None] * soh + qi[:, None] * soq + dv[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=live[:, None] & (dv[None, :] < DV))  # fmt: skip
-
-
-@Kernel
-@triton.jit
-def _merge_kernel(
-    part_ptr, out_ptr, KVH, Q, CHUNKS, sob, soh, soq,
-    DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, GROUP: tl.constexpr,
-):  # fmt: skip
-    # Program (batch x key/value head): its chunks' states merged from the first to the last, as
-    # ``_attention_kernel`` merges them in one program, then the rows written.
-    pid = tl.program_id(0).to(tl.int64)
-    b, kvh = pid // KVH, pid % KVH
-    r = tl.arange(0, BLOCK_M)
-    qi = r // GROUP
-    hq = kvh * GROUP + r % GROUP
-    live = qi < Q
-    dv = tl.arange(0, BLOCK_DV)
-    top = tl.full((BLOCK_M,), -1.0e30, tl.float32)
-    total = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-    for c in range(0, CHUNKS):
-        at = part_ptr + ((pid * CHUNKS + c) * Q * GROUP + r) * (2 + BLOCK_DV)
-        m = tl.load(at, mask=live, other=-1.0e30)
-        t = tl.load(at + 1, mask=live, other=0.0)
-        a = tl.load(at[:, None] + 2 + dv[None, :], mask=live[:, None], other=0.0)
-        top, total, acc = _merge(top, total, acc, m, t, a)
     out = tl.where(total[:, None] > 0, acc / tl.where(total > 0, total, 1.0)[:, None], 0.0)
     tl.store(out_ptr + b * sob + hq[:, None] * soh + qi[:, None] * soq + dv[None, :], out.to(out_ptr.dtype.element_ty),
              mask=live[:, None] & (dv[None, :] < DV))  # fmt: skip
-
-
-# Blocks of keys in a chunk of the mode's attention: a chunk's softmax starts empty and the chunks
-# are merged in order, so a decode step can take its chunks in programs of their own. Part of the
-# arithmetic: changing it changes the bits of every attention of the mode.
-CHUNK_BLOCKS = 2
 
 
 def attention_tiles(rows: int, block_d: int, element_size: int = 2) -> tuple[int, int, int]:
@@ -532,17 +426,12 @@ def invariant_attention(query, key, value, attn_mask=None, is_causal=False, scal
     return attend(query, key, value, mask, bool(is_causal), scale, out)
 
 
-def attend(query, key, value, mask, is_causal, scale, out, new=None, split: bool | None = None) -> Tensor:
+def attend(query, key, value, mask, is_causal, scale, out, new=None) -> Tensor:
     """Each query ``[batch, heads, q, dim]`` over its key/value head (``heads // kv_heads`` query
     heads a key/value head) with the additive ``mask`` ``[batch, heads or kv_heads, q, length]``
     (or None), into ``out`` (``[batch, heads, q, dv]`` by its strides). ``new``: a decode step's
     key and value ``[batch, kv_heads, 1, dim]`` and their position (one element), written into
-    ``key`` and ``value`` there first.
-
-    Two launches give the same bits: one program per block of rows taking every chunk of keys,
-    or, where the rows fit one block and the programs would be too few to fill the device (a
-    decode step of a few sequences), a program per chunk and a second kernel merging the chunks
-    in order (``split``: None chooses so)."""
+    ``key`` and ``value`` there first."""
     import math
 
     batch, heads, q_len, dim = query.shape
@@ -557,30 +446,17 @@ def attend(query, key, value, mask, is_causal, scale, out, new=None, split: bool
     new_k, new_v, position = new if new is not None else (query, query, query)
     block_d, block_dv = max(16, triton.next_power_of_2(dim)), max(16, triton.next_power_of_2(dim_v))
     block_m, block_n, warps = attention_tiles(q_len * group, max(block_d, block_dv), query.element_size())
-    row_blocks = triton.cdiv(q_len * group, block_m)
-    chunks = triton.cdiv(length, CHUNK_BLOCKS * block_n) + 1  # chunks at any offset covering the keys
-    if split is None:
-        split = row_blocks == 1 and chunks > 2 and batch * kv_heads < _processors(query.device)
-    if split and row_blocks != 1:
-        raise ValueError(f"a split launch takes one block of rows, not {row_blocks}")
-    part = query.new_empty((batch * kv_heads, chunks, q_len * group, 2 + block_dv), dtype=torch.float32) if split else query
-    options = dict(
-        D=dim, DV=dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv, HAS_MASK=mask is not None, CAUSAL=is_causal,
-        WRITE=new is not None, IEEE=query.dtype == torch.float32, ROWWISE=interpreting(), BLOCK_M=block_m,
-        BLOCK_N=block_n, GROUP=group, CHUNK=CHUNK_BLOCKS, SPLIT=bool(split), num_warps=warps, enable_fp_fusion=False,
-    )  # fmt: skip
     with device_of(query):
-        _attention_kernel[(row_blocks, batch * kv_heads, chunks if split else 1)](
-            query, key, value, mask if mask is not None else query, out, new_k, new_v, position, part,
+        _attention_kernel[(triton.cdiv(q_len * group, block_m), batch * kv_heads)](
+            query, key, value, mask if mask is not None else query, out, new_k, new_v, position,
             heads, kv_heads, q_len, length, scale,
             *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *strides_m, *out.stride()[:3],
-            *new_k.stride()[:2], *new_v.stride()[:2], **options,
+            *new_k.stride()[:2], *new_v.stride()[:2],
+            D=dim, DV=dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv, HAS_MASK=mask is not None, CAUSAL=is_causal,
+            WRITE=new is not None,
+            IEEE=query.dtype == torch.float32, ROWWISE=interpreting(), BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group,
+            num_warps=warps,
         )  # fmt: skip
-        if split:
-            _merge_kernel[(batch * kv_heads,)](
-                part, out, kv_heads, q_len, chunks, *out.stride()[:3],
-                DV=dim_v, BLOCK_M=block_m, BLOCK_DV=block_dv, GROUP=group, num_warps=warps, enable_fp_fusion=False,
-            )  # fmt: skip
     return out
 
 
