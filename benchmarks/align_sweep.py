@@ -1,11 +1,11 @@
 """The MoE grouped path's one-program alignment (``_align_small_kernel``) at small pair counts:
-launch variants timed side by side, each checked to place every pair where the current one does.
+launch variants timed side by side, each checked to place every pair where the first does.
 
     python benchmarks/align_sweep.py [--pairs 8 16 64 128 256] [--experts 128]
     TRITON_INTERPRET=1 python benchmarks/align_sweep.py --pairs 8 40   # the CPU: the check only
 
 Variants: the one-hot tile height (``SUB``: pairs a step), the block chunk (``BLOCKS_CHUNK``) and
-the warp count; ``current`` is what ``moe._align`` launches. Each call is timed inside a CUDA graph
+the warp count; ``fitted tiles, 1 warp`` is what ``moe._align`` launches. Each call is timed inside a CUDA graph
 (``bench_ops.time_graph``, median of 10 replays of 20 calls); the routing ids are random.
 """
 
@@ -31,13 +31,13 @@ def variants(pairs: int, experts: int, max_blocks: int) -> dict[str, dict]:
     sub, chunk = moe._sub(experts), moe._BLOCKS_CHUNK
     fit_sub, fit_chunk = _pow2_at_least(pairs, 16, sub), _pow2_at_least(max_blocks, 16, chunk)
     return {
-        "current": dict(SUB=sub, BLOCKS_CHUNK=chunk, num_warps=4),
-        "current, 8 warps": dict(SUB=sub, BLOCKS_CHUNK=chunk, num_warps=8),
-        "current, 2 warps": dict(SUB=sub, BLOCKS_CHUNK=chunk, num_warps=2),
+        "full tiles": dict(SUB=sub, BLOCKS_CHUNK=chunk, num_warps=4),
+        "full tiles, 8 warps": dict(SUB=sub, BLOCKS_CHUNK=chunk, num_warps=8),
+        "full tiles, 2 warps": dict(SUB=sub, BLOCKS_CHUNK=chunk, num_warps=2),
         "fitted tiles": dict(SUB=fit_sub, BLOCKS_CHUNK=fit_chunk, num_warps=4),
         "fitted tiles, 8 warps": dict(SUB=fit_sub, BLOCKS_CHUNK=fit_chunk, num_warps=8),
         "fitted tiles, 2 warps": dict(SUB=fit_sub, BLOCKS_CHUNK=fit_chunk, num_warps=2),
-        "fitted tiles, 1 warp": dict(SUB=fit_sub, BLOCKS_CHUNK=fit_chunk, num_warps=1),
+        "fitted tiles, 1 warp (launched)": dict(SUB=fit_sub, BLOCKS_CHUNK=fit_chunk, num_warps=1),
     }
 
 
