@@ -203,3 +203,26 @@ def test_an_elif_decided_by_the_specialisation_stays_an_elif_or_becomes_the_else
         "    if self.b:\n        w = 1\n    else:\n        w = 3\n"
         "    return y + w\n"
     )
+
+
+def test_a_body_seen_again_is_folded_once_and_a_changed_one_again(monkeypatch):
+    """A path search reaches the same body more than once (two conditions in either order, a
+    class's forward edited for each of its instances): the fold runs once per body, subject and
+    value, and a body whose code differs in any way is folded afresh."""
+    from transfuse.rewriter import specialise as module
+
+    folds = []
+    original = module._folded
+    monkeypatch.setattr(module, "_folded", lambda *args: folds.append(1) or original(*args))
+    monkeypatch.setattr(module, "_SPECIALISED", {})
+    source = CASES["a selected source and a flag"]
+    first = specialise(_function(source), "m")
+    again = specialise(_function(source), "m")  # another tree of the same code
+    assert again is first and len(folds) == 1
+    changed = specialise(_function(source.replace("source * 2", "source * 3")), "m")
+    assert len(folds) == 2 and "return x * 3, False" in cst.Module(body=[changed]).code
+    specialise(_function(source), "log")  # another subject of the same code
+    assert len(folds) == 3
+    monkeypatch.setattr(module, "_KEPT", 2)  # a full table is emptied, not grown
+    specialise(_function(source.replace("source * 2", "source * 4")), "m")
+    assert len(module._SPECIALISED) == 1

@@ -56,8 +56,24 @@ def specialise(function: cst.FunctionDef, subject: str, none: bool = True) -> cs
 
     None if the subject is rebound in the body (an attribute assigned or deleted, ``self``
     rebound) or nothing folds. An attribute of ``self`` is taken to keep its value through one
-    call, as the tracer's per-instance flags are.
+    call, as the tracer's per-instance flags are. A function of the source alone: a result is
+    kept by the function's code, and a path search that reaches the same body again (the same
+    two conditions in either order) folds it once.
     """
+    key = (cst.Module(body=[function]).code, subject, none)
+    if key not in _SPECIALISED:
+        if len(_SPECIALISED) >= _KEPT:
+            _SPECIALISED.clear()
+        _SPECIALISED[key] = _specialise(function, subject, none)
+    return _SPECIALISED[key]
+
+
+# Specialised bodies by (the function's code, subject, none); syntax trees are immutable.
+_SPECIALISED: dict[tuple[str, str, bool], cst.FunctionDef | None] = {}
+_KEPT = 512
+
+
+def _specialise(function: cst.FunctionDef, subject: str, none: bool) -> cst.FunctionDef | None:
     module = cst.Module(body=[function])
     stores, loads = _names(module)
     params = _parameters(function)
