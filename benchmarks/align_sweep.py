@@ -5,8 +5,8 @@ launch variants timed side by side, each checked to place every pair where the f
     TRITON_INTERPRET=1 python benchmarks/align_sweep.py --pairs 8 40   # the CPU: the check only
 
 Variants: the one-hot tile height (``SUB``: pairs a step), the block chunk (``BLOCKS_CHUNK``) and
-the warp count; ``fitted tiles, 1 warp`` is what ``moe._align`` launches. Each call is timed inside a CUDA graph
-(``bench_ops.time_graph``, median of 10 replays of 20 calls); the routing ids are random.
+the warp count; ``fitted tiles, 1 warp`` is what ``moe._align`` launches. Each call is timed inside
+a CUDA graph (``bench_ops.time_graph``, median of 10 replays of 20 calls); the routing ids are random.
 """
 
 from __future__ import annotations

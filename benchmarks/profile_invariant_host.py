@@ -57,8 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     stock = build(args.model, device, args.tiny)
     if args.first_steps:
         return first_steps(stock, args, device, argv)
-    lines = [f"# Eager decode step on the host, {args.model} ({torch.cuda.get_device_name() if device == 'cuda' else 'cpu'})", ""]
-    lines += ["`python benchmarks/" + os.path.basename(__file__) + " " + " ".join(sys.argv[1:] if argv is None else argv) + "`", ""]
+    lines = _heading(f"Eager decode step on the host, {args.model}", device, argv)
     for mode in ("default", "invariant"):
         model = prepared(stock, mode, "eager")
         ids = torch.randint(1, model.config.vocab_size, (1, 64), device=device)
@@ -94,13 +93,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _heading(title: str, device: str, argv) -> list[str]:
+    """The results file's title (with the device) and the command that wrote it."""
+    command = " ".join(sys.argv[1:] if argv is None else argv)
+    return [f"# {title} ({torch.cuda.get_device_name() if device == 'cuda' else 'cpu'})", "",
+            f"`python benchmarks/{os.path.basename(__file__)} {command}`", ""]  # fmt: skip
+
+
 def first_steps(stock, args, device: str, argv) -> int:
     import statistics
 
     from transfuse.compile import eager_steps
 
-    lines = [f"# The step-graph path's first steps, {args.model} ({torch.cuda.get_device_name() if device == 'cuda' else 'cpu'})", ""]
-    lines += ["`python benchmarks/" + os.path.basename(__file__) + " " + " ".join(sys.argv[1:] if argv is None else argv) + "`", ""]
+    lines = _heading(f"The step-graph path's first steps, {args.model}", device, argv)
     lines += ["| mode | generate(1) ms | +1st step (eager, store) | +2nd (capture) | +3rd (replay) | 8 tokens: a later step | replays |",
               "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     profiles = []
