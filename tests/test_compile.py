@@ -606,6 +606,7 @@ def test_under_a_deferred_stop_check_the_first_token_is_streamed_before_the_firs
 
     monkeypatch.setattr(loop, "_check_class", lambda: Deferred)
     monkeypatch.setattr(TextIteratorStreamer, "put", put)
+    eager = _model("llama")  # not compiled: transformers' own loop, its stop check not deferred on a CPU
     model = transfuse.compile(_model("llama"), inductor=False)
     ids, mask = _padded_batch()
     greedy = _generate(model, ids[:1], mask[:1], new=6)
@@ -614,6 +615,8 @@ def test_under_a_deferred_stop_check_the_first_token_is_streamed_before_the_firs
         streamed.clear(), checks.clear()
         tokens, text = _streamed(model, ids[:1], mask[:1], **options)
         assert checks, "the deferred check ran"
+        with torch.no_grad():
+            assert torch.equal(tokens, eager.generate(ids[:1], attention_mask=mask[:1], do_sample=False, **options)), options
         assert streamed[:2] == [0, 0], streamed  # the prompt, then its token before any check (and step)
         assert text.split() == _words(tokens[0]), options
         assert len(streamed) == tokens.shape[1] - ids.shape[1] + 1  # the prompt and each token once
