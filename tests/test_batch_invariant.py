@@ -379,8 +379,10 @@ def test_triton_decode_attention_reads_no_key_outside_the_kept_span(on_triton_de
     if why := _no_triton(found):
         pytest.skip(why)
     torch.manual_seed(0)
-    batch, heads, kv_heads, dim, length, at = 2, 4, 2, 16, 60, 24
-    spans = [(7, 25), (0, 41)]  # kept keys of each sequence: a padded one, and one from the start
+    batch, heads, kv_heads, dim, length, at = 3, 4, 2, 16, 60, 24
+    # Kept keys of each sequence: a padded one, one from the start, one past the mask scan's first
+    # block (32 keys interpreted).
+    spans = [(7, 25), (0, 41), (36, 55)]
     q = torch.randn(batch, heads, 1, dim)
     k, v = (torch.full((batch, kv_heads, length, dim), float("nan")) for _ in range(2))
     bias = torch.full((batch * kv_heads, 1, length), float("-inf"))
@@ -402,6 +404,37 @@ def test_triton_decode_attention_reads_no_key_outside_the_kept_span(on_triton_de
         assert together.isfinite().all()
     finally:
         ops.set_priority(None, op="decode_attention")
+
+
+@pytest.mark.parametrize("pad", [3, 40])
+def test_triton_decode_step_is_the_last_row_of_its_padded_prompt(pad, on_triton_device):
+    """A left-padded prompt's last query through the prompt's kernel (a boolean mask row a query)
+    and the same query as a decode step over a longer buffer (one additive mask row for all its
+    queries, scanned in wide blocks, the keys past the prompt masked): the same bits (the kernel,
+    on a GPU or interpreted)."""
+    found = ops.get_op("decode_attention")
+    if why := _no_triton(found):
+        pytest.skip(why)
+    torch.manual_seed(0)
+    heads, kv_heads, dim, length, spare = 4, 2, 16, 45, 30
+    total = pad + length
+    q = torch.randn(1, heads, total, dim)
+    k, v = (torch.randn(1, kv_heads, total + spare, dim) for _ in range(2))
+    mask = torch.ones(total, total, dtype=torch.bool).tril()[None, None].clone()
+    mask[..., :pad] = False
+    bias = torch.full((kv_heads, 1, total + spare), float("-inf"))
+    bias[..., pad:total] = 0.0
+    ops.set_priority(["triton"], op="decode_attention")
+    ops.set_priority(["triton"], op="invariant_attention")
+    try:
+        with conformance.assumed(), ops.trace() as log, mode():
+            prompt = F.scaled_dot_product_attention(q, k[:, :, :total], v[:, :, :total], attn_mask=mask, enable_gqa=True)
+            step = ops.decode_attention(q[:, :, -1:].contiguous(), k, v, bias, dim**-0.5)
+        assert {d.provider for d in log} == {"triton"}
+        assert torch.equal(step[0, 0], prompt[0, :, -1])
+    finally:
+        ops.set_priority(None, op="decode_attention")
+        ops.set_priority(None, op="invariant_attention")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

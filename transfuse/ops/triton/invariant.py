@@ -282,37 +282,63 @@ def invariant_grouped_mm(rows: Tensor, matrices: Tensor, ends: Tensor) -> Tensor
 
 
 @triton.jit
-def _kept(mask_ptr, rows, live, j, L, sml):
-    # Which keys ``j`` of the mask rows ``rows`` (offsets) are kept for a live row: a mask value
-    # above half float32's lowest (transformers' masks hold the lowest value or -inf).
-    inside = (j >= 0) & (j < L)
-    values = tl.load(mask_ptr + rows[:, None] + j[None, :] * sml, mask=live[:, None] & inside[None, :], other=float("-inf"))
-    return (values.to(tl.float32) > -1.7e38) & live[:, None] & inside[None, :]
+def _additive(mask_ptr, offsets, valid, other, BOOL: tl.constexpr):
+    # The mask's additive float32 values at ``offsets`` (``other`` where not ``valid``): a boolean
+    # mask (True: kept), read a byte an element, as 0 and -inf.
+    if BOOL:
+        kept = tl.load(mask_ptr + offsets, mask=valid, other=0) != 0
+        return tl.where(valid, tl.where(kept, 0.0, float("-inf")), other)
+    else:
+        return tl.load(mask_ptr + offsets, mask=valid, other=other).to(tl.float32)
 
 
 @triton.jit
-def _first_kept(mask_ptr, rows, live, L, sml, BLOCK_N: tl.constexpr):
+def _kept(mask_ptr, rows, live, j, L, sml, BOOL: tl.constexpr):
+    # Which keys ``j`` of the mask rows ``rows`` (offsets) are kept for a live row: a mask value
+    # above half float32's lowest (transformers' masks hold the lowest value or -inf).
+    inside = (j >= 0) & (j < L)
+    valid = live[:, None] & inside[None, :]
+    values = _additive(mask_ptr, rows[:, None] + j[None, :] * sml, valid, float("-inf"), BOOL)
+    return (values > -1.7e38) & valid
+
+
+@triton.jit
+def _first_kept(mask_ptr, rows, live, L, sml, BLOCK_N: tl.constexpr, BOOL: tl.constexpr):
     # The first key kept for any live row (L if none), scanning blocks from the start and stopping
     # at the first block holding one.
     found = L
     j0 = 0
     while (found == L) & (j0 < L):
         j = j0 + tl.arange(0, BLOCK_N)
-        found = tl.min(tl.min(tl.where(_kept(mask_ptr, rows, live, j, L, sml), j[None, :], L), axis=1), axis=0)
+        found = tl.min(tl.min(tl.where(_kept(mask_ptr, rows, live, j, L, sml, BOOL), j[None, :], L), axis=1), axis=0)
         j0 += BLOCK_N
     return found
 
 
 @triton.jit
-def _last_kept(mask_ptr, rows, live, L, sml, BLOCK_N: tl.constexpr):
+def _last_kept(mask_ptr, rows, live, L, sml, BLOCK_N: tl.constexpr, BOOL: tl.constexpr):
     # The last key kept for any live row (-1 if none), scanning blocks from the end.
     found = -1
     j0 = L - BLOCK_N
     while (found == -1) & (j0 + BLOCK_N > 0):
         j = j0 + tl.arange(0, BLOCK_N)
-        found = tl.max(tl.max(tl.where(_kept(mask_ptr, rows, live, j, L, sml), j[None, :], -1), axis=1), axis=0)
+        found = tl.max(tl.max(tl.where(_kept(mask_ptr, rows, live, j, L, sml, BOOL), j[None, :], -1), axis=1), axis=0)
         j0 -= BLOCK_N
     return found
+
+
+@triton.jit
+def _kept_span(mask_ptr, row, L, sml, SCAN: tl.constexpr, BOOL: tl.constexpr):
+    # The first and the last key kept in one mask row (L and -1 if none), in one pass of wide
+    # blocks whose loads do not wait on each other (a decode step's one row over a whole buffer).
+    first = L
+    last = -1
+    for j0 in range(0, L, SCAN):
+        j = j0 + tl.arange(0, SCAN)
+        kept = (_additive(mask_ptr, row + j * sml, j < L, float("-inf"), BOOL) > -1.7e38) & (j < L)
+        first = tl.minimum(first, tl.min(tl.where(kept, j, L), axis=0))
+        last = tl.maximum(last, tl.max(tl.where(kept, j, -1), axis=0))
+    return first, last
 
 
 @Kernel
@@ -321,8 +347,9 @@ def _attention_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, nk_ptr, nv_ptr, pos_ptr, H, KVH, Q, L, scale,
     sqb, sqh, sqq, skb, skh, skl, svb, svh, svl, smb, smh, smq, sml, sob, soh, soq, snkb, snkh, snvb, snvh,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, WRITE: tl.constexpr, IEEE: tl.constexpr, ROWWISE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, ONE_ROW: tl.constexpr, CAUSAL: tl.constexpr,
+    WRITE: tl.constexpr, IEEE: tl.constexpr, ROWWISE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, SCAN: tl.constexpr,
 ):  # fmt: skip
     # Program (block of rows, batch x key/value head). Row r is query r // GROUP of query head
     # r % GROUP of the key/value head's group: the heads that share keys share the program.
@@ -357,10 +384,16 @@ def _attention_kernel(
     first = 0
     if HAS_MASK:
         rows = b * smb + kvh * smh + qi * smq
-        last_query = b * smb + kvh * smh + (Q - 1) * smq + tl.zeros((1,), tl.int64)
-        origin = _first_kept(mask_ptr, last_query, tl.zeros((1,), tl.int32) == 0, L, sml, BLOCK_N) % L
-        first = _first_kept(mask_ptr, rows, live, L, sml, BLOCK_N)
-        end = tl.minimum(end, _last_kept(mask_ptr, rows, live, L, sml, BLOCK_N) + 1)
+        if ONE_ROW:
+            # Every row reads the same mask row (one query: a decode step): its span in one pass.
+            first, last = _kept_span(mask_ptr, b * smb + kvh * smh, L, sml, SCAN, MASK_BOOL)
+            origin = first % L
+            end = tl.minimum(end, last + 1)
+        else:
+            last_query = b * smb + kvh * smh + (Q - 1) * smq + tl.zeros((1,), tl.int64)
+            origin = _first_kept(mask_ptr, last_query, tl.zeros((1,), tl.int32) == 0, L, sml, BLOCK_N, MASK_BOOL) % L
+            first = _first_kept(mask_ptr, rows, live, L, sml, BLOCK_N, MASK_BOOL)
+            end = tl.minimum(end, _last_kept(mask_ptr, rows, live, L, sml, BLOCK_N, MASK_BOOL) + 1)
         first = tl.where(end > first, first, origin)  # no key kept for any row: nothing to walk
         end = tl.where(end > first, end, origin)
     walk = origin - tl.cdiv(tl.maximum(origin - first, 0), BLOCK_N) * BLOCK_N
@@ -374,9 +407,12 @@ def _attention_kernel(
         if WRITE:
             keys = tl.where((j == pos)[None, :] & inside[None, :], new_k[:, None], keys)
         scores = _dot(q, keys, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), IEEE, ROWWISE) * scale
-        if HAS_MASK:
-            scores += tl.load(mask_ptr + b * smb + kvh * smh + qi[:, None] * smq + j[None, :] * sml,
-                              mask=live[:, None] & inside[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        if ONE_ROW:
+            shared = _additive(mask_ptr, b * smb + kvh * smh + j * sml, inside, 0.0, MASK_BOOL)
+            scores += tl.where(live[:, None], shared[None, :], 0.0)
+        elif HAS_MASK:
+            scores += _additive(mask_ptr, b * smb + kvh * smh + qi[:, None] * smq + j[None, :] * sml,
+                                live[:, None] & inside[None, :], 0.0, MASK_BOOL)  # fmt: skip
         scores = tl.where(inside[None, :] & (j[None, :] < row_end[:, None]), scores, float("-inf"))
         top = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - top)
@@ -419,17 +455,16 @@ def invariant_attention(query, key, value, attn_mask=None, is_causal=False, scal
     out = query.new_empty((batch, heads, q_len, value.shape[-1]))
     mask = None
     if attn_mask is not None:
-        additive = attn_mask if attn_mask.dtype != torch.bool else torch.zeros(
-            attn_mask.shape, device=query.device
-        ).masked_fill(~attn_mask, float("-inf"))  # fmt: skip
-        mask = additive.float().expand(batch, heads, q_len, key.shape[2])
+        # A boolean mask is read as it is (a byte a key), an additive one in float32.
+        kept = attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask.float()
+        mask = kept.expand(batch, heads, q_len, key.shape[2])
     return attend(query, key, value, mask, bool(is_causal), scale, out)
 
 
 def attend(query, key, value, mask, is_causal, scale, out, new=None) -> Tensor:
     """Each query ``[batch, heads, q, dim]`` over its key/value head (``heads // kv_heads`` query
-    heads a key/value head) with the additive ``mask`` ``[batch, heads or kv_heads, q, length]``
-    (or None), into ``out`` (``[batch, heads, q, dv]`` by its strides). ``new``: a decode step's
+    heads a key/value head) with the ``mask`` ``[batch, heads or kv_heads, q, length]`` (float32,
+    added to the scores; uint8, a boolean mask's bytes, True kept; or None), into ``out`` (``[batch, heads, q, dv]`` by its strides). ``new``: a decode step's
     key and value ``[batch, kv_heads, 1, dim]`` and their position (one element), written into
     ``key`` and ``value`` there first."""
     import math
@@ -452,10 +487,11 @@ def attend(query, key, value, mask, is_causal, scale, out, new=None) -> Tensor:
             heads, kv_heads, q_len, length, scale,
             *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *strides_m, *out.stride()[:3],
             *new_k.stride()[:2], *new_v.stride()[:2],
-            D=dim, DV=dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv, HAS_MASK=mask is not None, CAUSAL=is_causal,
-            WRITE=new is not None,
+            D=dim, DV=dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv, HAS_MASK=mask is not None,
+            MASK_BOOL=mask is not None and mask.dtype == torch.uint8,
+            ONE_ROW=mask is not None and (q_len == 1 or strides_m[2] == 0), CAUSAL=is_causal, WRITE=new is not None,
             IEEE=query.dtype == torch.float32, ROWWISE=interpreting(), BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group,
-            num_warps=warps,
+            SCAN=32 if interpreting() else 1024, num_warps=warps,
         )  # fmt: skip
     return out
 
