@@ -1,7 +1,7 @@
 """The batch-invariant mode's GPU kernels alone, against what the default mode runs, at Llama-3-8B shapes.
 
     python benchmarks/bench_invariant_kernels.py --out DIR [--tiles default 64,128,64,4,4,1024 ...]
-        [--rows 1 32 2048] [--profile]
+        [--rows 1 32 2048] [--profile] [--skip-gemm | --skip-attention]
 
 GEMM: ``invariant.bmm`` for each weight of a Llama-3-8B layer and the output head, at each
 ``--rows`` count, against ``F.linear`` (cuBLAS), for each tile choice of ``--tiles``
@@ -15,7 +15,7 @@ layers and the head) and over a 2048-token prefill.
 
 Attention: ``invariant_attention`` over a causal 2048-token prompt (32 heads, 8 key/value heads,
 dim 128) against ``F.scaled_dot_product_attention``; the mode's ``decode_attention`` against the
-default provider at batch 1 and 32 over 512 cached keys.
+default provider at batch 1 and 32 over 512 cached keys, reading only and writing the step's key.
 
 ``--profile``: the 8-layer Llama model of ``bench_batch_invariant`` decoding 32 tokens through step
 graphs, each mode, under ``torch.profiler``: the kernels that take the most device time.
@@ -160,6 +160,17 @@ def attention() -> list[dict]:
             )
         )  # fmt: skip
         print(json.dumps(out[-1]), flush=True)
+        # A decode step over a store: the token's key and value written at the first masked place.
+        new = [torch.randn(batch, KV_HEADS, 1, DIM, device=DEVICE, dtype=torch.bfloat16) for _ in range(2)]
+        position = torch.tensor([cached // 2], device=DEVICE)
+        out.append(
+            dict(
+                case=f"decode step writing its key, batch {batch}, {cached} cached keys (half masked)",
+                invariant_us=timed(lambda: invariant.decode_attention(query, keys, values, bias, scaling, *new, position)),
+                default_us=timed(lambda: triton_decode.decode_attention(query, keys, values, bias, scaling, *new, position)),
+            )
+        )  # fmt: skip
+        print(json.dumps(out[-1]), flush=True)
     return out
 
 
@@ -251,12 +262,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 32, 2048])
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--skip-attention", action="store_true")
+    parser.add_argument("--skip-gemm", action="store_true")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
     os.makedirs(args.out, exist_ok=True)
     result = dict(device=torch.cuda.get_device_name(), gemm=[], attention=[], errors={})
-    parts = [("gemm", lambda: gemm(args.tiles, args.rows))]
+    parts = [] if args.skip_gemm else [("gemm", lambda: gemm(args.tiles, args.rows))]
     parts += [] if args.skip_attention else [("attention", attention)]
     parts += [("profile", profile)] if args.profile else []
     for name, part in parts:
