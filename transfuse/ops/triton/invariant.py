@@ -407,12 +407,17 @@ def _attention_kernel(
         if WRITE:
             keys = tl.where((j == pos)[None, :] & inside[None, :], new_k[:, None], keys)
         scores = _dot(q, keys, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), IEEE, ROWWISE) * scale
-        if ONE_ROW:
-            shared = _additive(mask_ptr, b * smb + kvh * smh + j * sml, inside, 0.0, MASK_BOOL)
-            scores += tl.where(live[:, None], shared[None, :], 0.0)
-        elif HAS_MASK:
-            scores += _additive(mask_ptr, b * smb + kvh * smh + qi[:, None] * smq + j[None, :] * sml,
-                                live[:, None] & inside[None, :], 0.0, MASK_BOOL)  # fmt: skip
+        if HAS_MASK:
+            if ONE_ROW:  # one row of the mask for all rows, read once
+                at = (b * smb + kvh * smh + j * sml)[None, :]
+                valid = inside[None, :]
+            else:
+                at = b * smb + kvh * smh + qi[:, None] * smq + j[None, :] * sml
+                valid = live[:, None] & inside[None, :]
+            if MASK_BOOL:  # a key dropped is -inf, as the additive mask's -inf makes it
+                scores = tl.where(tl.load(mask_ptr + at, mask=valid, other=1) != 0, scores, float("-inf"))
+            else:
+                scores += tl.load(mask_ptr + at, mask=valid, other=0.0).to(tl.float32)
         scores = tl.where(inside[None, :] & (j[None, :] < row_end[:, None]), scores, float("-inf"))
         top = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - top)
