@@ -304,11 +304,13 @@ def test_triton_gemm_gives_the_same_bits_in_one_launch_or_split_by_chunks(monkey
     assert torch.equal(few[0, 0], one[0, 5]) and torch.equal(many[0, 5], one[0, 5])
 
 
+@pytest.mark.parametrize("additive", [False, True], ids=["boolean", "additive"])
 @pytest.mark.parametrize("pad", [5, 21])
-def test_triton_attention_of_a_causal_prompt_is_the_same_bits_behind_left_padding(pad, monkeypatch, on_triton_device):
+def test_triton_attention_of_a_causal_prompt_is_the_same_bits_behind_left_padding(pad, additive, monkeypatch, on_triton_device):
     """A prompt over several blocks of keys, alone (``is_causal``, no mask) and left-padded in a
-    batch (a mask), its query heads sharing key/value heads: the same bits for every real query,
-    and for the prompt alone in programs of another number of rows (the Triton kernel, on a GPU or
+    batch (a boolean mask, or an additive one holding float32's lowest value as transformers'
+    do), its query heads sharing key/value heads: the same bits for every real query, and for the
+    prompt alone in programs of another number of rows (the Triton kernel, on a GPU or
     interpreted)."""
     found = ops.get_op("invariant_attention")
     if why := _no_triton(found):
@@ -326,6 +328,8 @@ def test_triton_attention_of_a_causal_prompt_is_the_same_bits_behind_left_paddin
         t[0, :, pad:] = own[0]
     mask = torch.ones(length + pad, length + pad, dtype=torch.bool).tril().repeat(2, 1, 1, 1)
     mask[0, :, :, :pad] = False
+    if additive:
+        mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
     ops.set_priority(["triton"], op="invariant_attention")
     try:
         with conformance.assumed(), ops.trace() as log, mode():
