@@ -30,7 +30,7 @@ from .launch import Kernel
 
 
 @triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr, ROWWISE: tl.constexpr):
+def dot(a, b, acc, IEEE: tl.constexpr, ROWWISE: tl.constexpr):
     """``acc + a @ b`` in float32. ``ROWWISE`` (interpreted runs): each product formed and summed
     along ``k`` in order, because the interpreter's ``tl.dot`` is numpy's matmul, whose sums change
     with a row's place in the block; a GPU's tensor-core products do not."""
@@ -55,7 +55,7 @@ def _tile(
         ks = k0 + rk
         a = tl.load(a_base + rm[:, None] * stride_am + ks[None, :] * stride_ak, mask=(rm[:, None] < M) & (ks[None, :] < k_hi), other=0.0)
         b = tl.load(b_base + ks[:, None] * stride_bk + rn[None, :] * stride_bn, mask=(ks[:, None] < k_hi) & (rn[None, :] < N), other=0.0)
-        acc = _dot(a, b, acc, IEEE, ROWWISE)
+        acc = dot(a, b, acc, IEEE, ROWWISE)
     return acc
 
 
@@ -406,7 +406,7 @@ def _attention_kernel(
         keys = tl.load(k_ptr + b * skb + kvh * skh + j[None, :] * skl + d[:, None], mask=inside[None, :] & (d[:, None] < D), other=0.0)
         if WRITE:
             keys = tl.where((j == pos)[None, :] & inside[None, :], new_k[:, None], keys)
-        scores = _dot(q, keys, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), IEEE, ROWWISE) * scale
+        scores = dot(q, keys, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), IEEE, ROWWISE) * scale
         if HAS_MASK:
             if ONE_ROW:  # one row of the mask for all rows, read once
                 at = (b * smb + kvh * smh + j * sml)[None, :]
@@ -432,9 +432,9 @@ def _attention_kernel(
         # through ``scaled_dot_product_attention`` would differ in the last bit now and then.
         # Every column of ``weights @ ones`` is the row's sum in the tensor cores' order, and the
         # largest of equal values is that value. It sums the weights the values are weighted with.
-        sums = _dot(weights, tl.full((BLOCK_N, 16), 1.0, values.dtype), tl.zeros((BLOCK_M, 16), tl.float32), IEEE, ROWWISE)
+        sums = dot(weights, tl.full((BLOCK_N, 16), 1.0, values.dtype), tl.zeros((BLOCK_M, 16), tl.float32), IEEE, ROWWISE)
         total = total * alpha + tl.max(sums, axis=1)
-        acc = _dot(weights, values, acc * alpha[:, None], IEEE, ROWWISE)
+        acc = dot(weights, values, acc * alpha[:, None], IEEE, ROWWISE)
         m = top
     out = tl.where(total[:, None] > 0, acc / tl.where(total > 0, total, 1.0)[:, None], 0.0)
     tl.store(out_ptr + b * sob + hq[:, None] * soh + qi[:, None] * soq + dv[None, :], out.to(out_ptr.dtype.element_ty),

@@ -43,6 +43,7 @@ from triton.runtime.errors import OutOfResources
 
 from ..dispatch import batch_invariant_active
 from . import device_of, interpreting
+from .invariant import dot
 from .launch import Kernel
 from .moe_configs import (
     DecodeConfig,
@@ -367,17 +368,6 @@ def _activate(gate, up, alpha, limit, ACT: tl.constexpr, DTYPE: tl.constexpr):
     return (act.to(DTYPE).to(tl.float32) * up).to(DTYPE)
 
 
-@triton.jit
-def _dot(a, b, acc, PRECISION: tl.constexpr, ROWWISE: tl.constexpr):
-    # ``acc + a @ b`` in float32. ``ROWWISE`` (interpreted runs): each product formed in float32 and
-    # summed along k in order. The interpreter's ``tl.dot`` is numpy's matmul, which multiplies
-    # bfloat16 wrongly and, on some CPUs, sums a row differently with its place in the tile.
-    if ROWWISE:
-        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
-    else:
-        return tl.dot(a, b, acc, input_precision=PRECISION)
-
-
 @Kernel
 @triton.jit
 def _gate_up_kernel(
@@ -385,7 +375,7 @@ def _gate_up_kernel(
     hidden, inter, n_blocks, gate_offset, up_offset, alpha, limit,
     stride_xm, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_om,
     TOP_K: tl.constexpr, N_STEP: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    PRECISION: tl.constexpr, ROWWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr, ROWWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -418,8 +408,8 @@ def _gate_up_kernel(
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc_gate = _dot(a, g, acc_gate, PRECISION, ROWWISE)
-        acc_up = _dot(a, u, acc_up, PRECISION, ROWWISE)
+        acc_gate = dot(a, g, acc_gate, IEEE, ROWWISE)
+        acc_up = dot(a, u, acc_up, IEEE, ROWWISE)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
@@ -442,7 +432,7 @@ def _down_kernel(
     h_ptr, w_ptr, b_ptr, weights_ptr, out_ptr, meta_ptr, max_blocks,
     hidden, inter, n_blocks,
     stride_hm, stride_we, stride_wn, stride_wk, stride_be, stride_om,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ROWWISE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, ROWWISE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -468,7 +458,7 @@ def _down_kernel(
             k_ok = ks < inter - k
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = _dot(a, w, acc, PRECISION, ROWWISE)
+        acc = dot(a, w, acc, IEEE, ROWWISE)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
     y = acc.to(dtype).to(tl.float32)
@@ -710,8 +700,10 @@ def _grouped(x, weights, ids, w13, w2, b13, b2, activation, interleaved, gate_fi
     max_blocks = pairs // cfg.block_m + min(pairs, experts) + 1
     meta = torch.empty(_workspace_size(pairs, experts, cfg.block_m, max_blocks), dtype=torch.int32, device=x.device)
     _align(ids, experts, cfg.block_m, max_blocks, meta)
-    # float32 stays float32 (no TF32).
-    precision = "ieee" if x.dtype == torch.float32 else None
+    # float32 stays float32 (no TF32). Interpreted, the products are summed along k in order
+    # (``invariant.dot``): numpy's matmul, the interpreter's ``tl.dot``, multiplies bfloat16 wrongly
+    # and, on some CPUs, sums a row by its place in the tile.
+    ieee = x.dtype == torch.float32
     launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
     h = torch.empty((max_blocks * cfg.block_m, inter), dtype=x.dtype, device=x.device)
@@ -722,7 +714,7 @@ def _grouped(x, weights, ids, w13, w2, b13, b2, activation, interleaved, gate_fi
         hidden, inter, n_blocks, gate_offset, up_offset, alpha, limit,
         x.stride(0), *_w13_strides(w13, w13_transposed), *_bias_strides(b13), h.stride(0),
         TOP_K=top_k, N_STEP=n_step, ACT=_ACTIVATION_CODES[activation], HAS_BIAS=b13 is not None,
-        EVEN_K=hidden % cfg.block_k == 0, PRECISION=precision, ROWWISE=interpreting(),
+        EVEN_K=hidden % cfg.block_k == 0, IEEE=ieee, ROWWISE=interpreting(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch,
     )  # fmt: skip
 
@@ -732,7 +724,7 @@ def _grouped(x, weights, ids, w13, w2, b13, b2, activation, interleaved, gate_fi
         h, w2, b2 if b2 is not None else w2, weights, per_pair, meta, max_blocks,
         hidden, inter, n_blocks,
         h.stride(0), *_w2_strides(w2, w2_transposed), _bias_strides(b2)[0], per_pair.stride(0),
-        HAS_BIAS=b2 is not None, EVEN_K=inter % cfg.block_k == 0, PRECISION=precision, ROWWISE=interpreting(),
+        HAS_BIAS=b2 is not None, EVEN_K=inter % cfg.block_k == 0, IEEE=ieee, ROWWISE=interpreting(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch,
     )  # fmt: skip
 
