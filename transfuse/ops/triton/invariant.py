@@ -469,7 +469,8 @@ def invariant_attention(query, key, value, attn_mask=None, is_causal=False, scal
 def attend(query, key, value, mask, is_causal, scale, out, new=None) -> Tensor:
     """Each query ``[batch, heads, q, dim]`` over its key/value head (``heads // kv_heads`` query
     heads a key/value head) with the ``mask`` ``[batch, heads or kv_heads, q, length]`` (float32,
-    added to the scores; uint8, a boolean mask's bytes, True kept; or None), into ``out`` (``[batch, heads, q, dv]`` by its strides). ``new``: a decode step's
+    added to the scores; uint8, a boolean mask's bytes, True kept; or None), into ``out``
+    (``[batch, heads, q, dv]`` by its strides). ``new``: a decode step's
     key and value ``[batch, kv_heads, 1, dim]`` and their position (one element), written into
     ``key`` and ``value`` there first."""
     import math
