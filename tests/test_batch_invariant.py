@@ -903,23 +903,30 @@ def test_under_autograd_the_forward_runs_the_kernels_and_the_backward_is_the_ref
             torch.testing.assert_close(g, e)
 
 
-def test_triton_attention_trains_with_sdpa_s_values_and_gradients(on_triton_device):
+@pytest.mark.parametrize("masked", [False, True], ids=["is_causal", "boolean mask"])
+def test_triton_attention_trains_with_sdpa_s_values_and_gradients(masked, on_triton_device):
     """The mode's Triton attention (on a GPU or interpreted) in a forward that needs a backward: SDPA's values to
     float32 rounding, from the kernel (its row totals a product), and SDPA's gradients at the same
-    inputs, exactly (the reference backward)."""
+    inputs, exactly (the reference backward); causal, or through a boolean mask with one sequence
+    left-padded."""
     found = ops.get_op("invariant_attention")
     if why := _no_triton(found):
         pytest.skip(why)
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, 6, 8, requires_grad=True) for _ in range(3))
+    arguments = dict(is_causal=True)
+    if masked:
+        mask = torch.ones(6, 6, dtype=torch.bool).tril().repeat(2, 1, 1, 1)
+        mask[1, :, 2:, :2] = False  # the second sequence starts at 2 (its padding attends to itself)
+        arguments = dict(attn_mask=mask)
     ops.set_priority(["triton"], op="invariant_attention")
     try:
         with conformance.assumed(), ops.trace() as log, mode():
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, **arguments)
     finally:
         ops.set_priority(None, op="invariant_attention")
     assert {d.provider for d in log} == {"triton"}
-    reference = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    reference = F.scaled_dot_product_attention(q, k, v, **arguments)
     torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
     upstream = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), upstream)
