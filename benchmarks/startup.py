@@ -162,15 +162,19 @@ def compile_startup(args: argparse.Namespace) -> None:
         with tempfile.TemporaryDirectory() as root:
             cache = os.path.join(root, "transfuse-cache")
             options = {"model": model, "device": device, "dtype": dtype, "shapes": shapes, "cache_dir": cache}
-            # Torch's own caches warm, and the transfuse cache filled, by a first process.
+            # Torch's own caches warm, and the transfuse cache filled, by a first process (of each
+            # checkout: the key covers transfuse's sources, so each has an entry of its own).
             first = run_child(options)
-            kinds = ("empty", "warm") + (("baseline",) if args.baseline_repo else ())
+            if args.warm_against:
+                run_child(options, args.warm_against)
+            kinds = ("empty", "warm") + (("baseline",) if args.baseline_repo else ()) + (("warm_against",) if args.warm_against else ())
+            repos = {"baseline": args.baseline_repo, "warm_against": args.warm_against}
             rows = {kind: [] for kind in kinds}
             for _ in range(args.pairs):
                 for kind in kinds:
                     fresh = os.path.join(root, f"empty-{time.monotonic_ns()}")
-                    chosen = dict(options, cache_dir=cache if kind == "warm" else fresh)
-                    rows[kind].append(run_child(chosen, args.baseline_repo if kind == "baseline" else None))
+                    chosen = dict(options, cache_dir=cache if kind.startswith("warm") else fresh)
+                    rows[kind].append(run_child(chosen, repos.get(kind)))
             print(f"\n{model} on {first['device']} ({dtype}), {args.pairs} runs of each, first process {first['generate_s']:.2f} s")
             columns = ("first_token_s", "generate_s", "compile_call_s", "dynamo_s", "inductor_s", "load_s", "inductor_load_s", "rest_s")
             print(f"  {'transfuse cache':16} {'first token s':>13} {'generate(16) s':>14} {'compile() s':>11} {'dynamo s':>9} {'inductor s':>10}"
@@ -185,7 +189,7 @@ def compile_startup(args: argparse.Namespace) -> None:
                       f"  {last['fxgraph_hits']}/{last['fxgraph_misses']}  {last['transfuse_cache']}  {last.get('precompiled')}")
                 each = ", ".join(f"{r['first_token_s']:.2f}/{r['generate_s']:.2f}" for r in runs)
                 print(f"  {'':16} each run (first token/generate): {each}")
-            for kind in kinds[::2]:
+            for kind in [k for k in kinds if k != "warm"]:
                 print(f"  warm / {kind}: first token {medians['warm']['first_token_s'] / medians[kind]['first_token_s']:.0%},"
                       f" generate {medians['warm']['generate_s'] / medians[kind]['generate_s']:.0%}"
                       f" (with compile(): {_total(medians['warm']) / _total(medians[kind]):.0%})")
@@ -224,6 +228,8 @@ def main() -> int:
     parser.add_argument("--only", choices=("compile", "cli"), default=None)
     parser.add_argument("--baseline-repo", default=None,
                         help="also run processes with an empty cache that import transfuse from this checkout")
+    parser.add_argument("--warm-against", default=None,
+                        help="also run warm processes that import transfuse from this checkout (its own entry)")
     args = parser.parse_args()
     if args.child:
         options = json.loads(args.child)

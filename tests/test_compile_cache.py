@@ -180,6 +180,18 @@ KEPT = textwrap.dedent('''
     from transfuse.compile import backend
     from transfuse.tiny import tiny_model
 
+    # Inductor's probe of the CPU's vector instruction sets (a test library built and loaded in a
+    # child Python), counted.
+    from torch._inductor import cpu_vec_isa
+    steps = {"isa_probes": 0}
+    probe = cpu_vec_isa.VecISA.check_build
+
+    def counted_probe(*args, **kwargs):
+        steps["isa_probes"] += 1
+        return probe(*args, **kwargs)
+
+    cpu_vec_isa.VecISA.check_build = counted_probe
+
     cache_dir = False if sys.argv[1] == "off" else sys.argv[1]
     model = transfuse.rewrite(tiny_model("llama"))
     transfuse.compile(model, cache_dir=cache_dir)
@@ -193,7 +205,7 @@ KEPT = textwrap.dedent('''
         "tokens": tokens.tolist(), "logits": logits.flatten().tolist(),
         "graphs": backend.stats()["graphs"], "frames": counters["stats"]["unique_graphs"],
         "kept": kept.counts if kept is not None else None, "loaded": kept.loaded if kept is not None else 0,
-        "transfuse": dict(counters["transfuse_cache"]),
+        "transfuse": dict(counters["transfuse_cache"]), **steps,
     }
     # Dropped, the model is freed, weights and all (the cache entry, written at exit, holds none of it).
     import gc, weakref
@@ -223,6 +235,9 @@ def test_a_second_process_runs_the_kept_calls_without_dynamo_and_matches_the_unc
     assert second["loaded"] == first["kept"]["compiled"] and second["kept"]["compiled"] == 0
     assert second["kept"]["fallback"] == 0 and second["kept"]["kept"] == first["kept"]["kept"] + first["kept"]["compiled"]
     assert second["graphs"] == 0 and second["frames"] == 0 and second["transfuse"].get("dynamo_hit") == 1
+    # Inductor's instruction-set probe, taken where the code was built, is left out where it is only
+    # loaded: the entry names the set.
+    assert first["isa_probes"] >= 1 and second["isa_probes"] == 0
     uncached = _run(KEPT, "off")  # the compiled model with no cache: torch.compile's own entry
     assert uncached["kept"] is None and uncached["graphs"] >= 2
     assert second["tokens"] == uncached["tokens"] == first["tokens"]
@@ -298,3 +313,26 @@ def test_a_torch_older_than_2_13_is_not_asked_to_keep_calls(tmp_path, monkeypatc
 def test_the_kept_calls_are_named_by_the_key(tmp_path):
     entry = cache.CompileCache(tmp_path, "3" * 64)
     assert entry.precompiled_path == tmp_path / f"{'3' * 64}.dynamo" and entry.path == tmp_path / f"{'3' * 64}.bin"
+
+
+def test_loading_kept_cpu_code_skips_inductors_probe_only_where_the_entry_names_the_set_picked_here():
+    from torch._inductor import config, cpu_vec_isa
+
+    listed = cpu_vec_isa.valid_vec_isa_list
+    listed.cache_clear()
+    with config.patch({"cpp.vec_isa_ok": True}):
+        here = str(cpu_vec_isa.pick_vec_isa())  # the set Inductor picks here without probing
+    listed.cache_clear()
+
+    def inside(recorded: str | None) -> tuple:
+        with precompiled._vec_isa_known(recorded):
+            return config.cpp.vec_isa_ok
+
+    assert inside(here) is True
+    assert listed.cache_info().currsize == 0  # (the unprobed list dropped again)
+    assert inside("another") is None  # another set: Inductor probes
+    assert listed.cache_info().currsize == 0
+    assert inside(None) is None  # no CPU code recorded: Inductor's way
+    assert config.cpp.vec_isa_ok is None
+    listed()  # a list probed already: left as it is
+    assert inside(here) is None and listed.cache_info().currsize == 1

@@ -34,6 +34,7 @@ calls go through ``torch.compile`` as before and only Inductor's artifacts are k
 from __future__ import annotations
 
 import builtins
+import contextlib
 import functools
 import importlib
 import inspect
@@ -161,6 +162,7 @@ class SplitGraph(_serializable_base()):  # type: ignore[misc]
             "step_graph": layout.step_graph,
             "pieces": pieces,
             "outputs": fn.outputs,
+            "vec_isa": _probed_vec_isa(),
         })
 
     @classmethod
@@ -173,13 +175,57 @@ class SplitGraph(_serializable_base()):  # type: ignore[misc]
         split = parts["pickler"].loads(state["graph"], FakeTensorMode(shape_env=ShapeEnv()))
         compiled = {}
         start = time.perf_counter()
-        for name, piece in state["pieces"].items():
-            loaded = parts["bundled"].deserialize_compile_artifacts(piece)
-            compiled[name] = _first(loaded) if state["outputs"][name] else loaded
+        with _vec_isa_known(state.get("vec_isa")):
+            for name, piece in state["pieces"].items():
+                loaded = parts["bundled"].deserialize_compile_artifacts(piece)
+                compiled[name] = _first(loaded) if state["outputs"][name] else loaded
         SECONDS["inductor_load"] += time.perf_counter() - start
         layout = backend.Layout(split, state["layout"], state["step_graph"])
         runner = backend.assemble(split, layout.pieces, compiled, layout.step_graph, getattr(_LOADING, "static_pointers", None))
         return cls(runner, layout, compiled, state["outputs"])
+
+
+def _probed_vec_isa() -> str | None:
+    """The CPU vector instruction set Inductor built this process's CPU code for, where it has
+    probed which sets the compiler builds and the CPU loads (None where it has not: no CPU code)."""
+    try:
+        from torch._inductor import cpu_vec_isa
+    except ImportError:
+        return None
+    listed = getattr(cpu_vec_isa, "valid_vec_isa_list", None)
+    if not hasattr(listed, "cache_info") or not listed.cache_info().currsize:
+        return None
+    return str(cpu_vec_isa.pick_vec_isa())
+
+
+@contextlib.contextmanager
+def _vec_isa_known(recorded: str | None):
+    """Load a split graph's CPU pieces without Inductor's probe of the CPU's vector instruction
+    sets (it builds a test library and loads it in a child Python, in every process that loads CPU
+    code: about 0.6 s of a process that only loads kept code), where the entry names the set its
+    pieces were built for and the set Inductor picks here without probing is that one. The
+    unprobed list is dropped afterwards, so that code compiled later in the process is probed as
+    usual. Elsewhere (no CPU pieces, a list already probed, another set): Inductor's own way."""
+    try:
+        from torch._inductor import config, cpu_vec_isa
+    except ImportError:
+        yield
+        return
+    listed = getattr(cpu_vec_isa, "valid_vec_isa_list", None)
+    if recorded is None or not hasattr(listed, "cache_clear") or listed.cache_info().currsize:
+        yield
+        return
+    with config.patch({"cpp.vec_isa_ok": True}):
+        same = str(cpu_vec_isa.pick_vec_isa()) == recorded
+    listed.cache_clear()
+    if not same:
+        yield
+        return
+    try:
+        with config.patch({"cpp.vec_isa_ok": True}):
+            yield
+    finally:
+        listed.cache_clear()
 
 
 def _first(fn: Callable[..., Any]) -> Callable[..., Any]:
