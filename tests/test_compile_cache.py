@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -192,6 +193,18 @@ KEPT = textwrap.dedent('''
 
     cpu_vec_isa.VecISA.check_build = counted_probe
 
+    # How many kept functions are loaded after each call of the model.
+    from transfuse.compile import precompiled
+    loaded_by_call = []
+    call = precompiled.Precompiled.__call__
+
+    def recorded_call(self, *args, **kwargs):
+        output = call(self, *args, **kwargs)
+        loaded_by_call.append(self.loaded)
+        return output
+
+    precompiled.Precompiled.__call__ = recorded_call
+
     cache_dir = False if sys.argv[1] == "off" else sys.argv[1]
     model = transfuse.rewrite(tiny_model("llama"))
     transfuse.compile(model, cache_dir=cache_dir)
@@ -205,7 +218,7 @@ KEPT = textwrap.dedent('''
         "tokens": tokens.tolist(), "logits": logits.flatten().tolist(),
         "graphs": backend.stats()["graphs"], "frames": counters["stats"]["unique_graphs"],
         "kept": kept.counts if kept is not None else None, "loaded": kept.loaded if kept is not None else 0,
-        "transfuse": dict(counters["transfuse_cache"]), **steps,
+        "transfuse": dict(counters["transfuse_cache"]), **steps, "loaded_by_call": loaded_by_call,
     }
     # Dropped, the model is freed, weights and all (the cache entry, written at exit, holds none of it).
     import gc, weakref
@@ -238,6 +251,8 @@ def test_a_second_process_runs_the_kept_calls_without_dynamo_and_matches_the_unc
     # Inductor's instruction-set probe, taken where the code was built, is left out where it is only
     # loaded: the entry names the set.
     assert first["isa_probes"] >= 1 and second["isa_probes"] == 0
+    # The prompt's call loads its function only; the decode step's is loaded at the first step.
+    assert second["loaded_by_call"][0] == 1 and second["loaded_by_call"][1] == 2
     uncached = _run(KEPT, "off")  # the compiled model with no cache: torch.compile's own entry
     assert uncached["kept"] is None and uncached["graphs"] >= 2
     assert second["tokens"] == uncached["tokens"] == first["tokens"]
@@ -336,3 +351,34 @@ def test_loading_kept_cpu_code_skips_inductors_probe_only_where_the_entry_names_
     assert config.cpp.vec_isa_ok is None
     listed()  # a list probed already: left as it is
     assert inside(here) is None and listed.cache_info().currsize == 1
+
+
+def test_kept_functions_load_when_a_call_needs_them_and_one_that_cannot_is_left_out_of_the_entry(tmp_path, monkeypatch):
+    class Kept:  # a kept function serving the calls whose ``which`` is its name
+        def __init__(self, name: str):
+            self.name = name
+
+        def guard_check(self, model, which):
+            return which == self.name
+
+        def fn(self, model, which):
+            return f"served by {self.name}"
+
+    loads = []
+
+    def deserialize(parts, chunk):
+        loads.append(chunk)
+        if chunk == b"broken":
+            raise pickle.UnpicklingError("truncated")
+        return Kept(chunk.decode())
+
+    monkeypatch.setattr(precompiled, "_deserialize", deserialize)
+    kept = _kept(tmp_path)
+    kept.path.write_bytes(cache._wrap([b"prompt", b"broken", b"step"], precompiled._MAGIC))
+    assert kept.read() == 3 and kept.loaded == 1 and loads == [b"prompt"]
+    assert kept(which="prompt") == "served by prompt" and loads == [b"prompt"]
+    with pytest.warns(UserWarning, match="ignored a kept compiled call .* UnpicklingError: truncated"):
+        assert kept(which="step") == "served by step"
+    assert loads == [b"prompt", b"broken", b"step"] and kept.loaded == 2 and kept.pending == []
+    assert kept.store.kept == [b"prompt", b"step"] and kept.store.unsaved  # written again without it
+    assert kept(which="step") == "served by step" and kept.counts["kept"] == 3 and len(loads) == 3

@@ -151,9 +151,11 @@ class _Compiled(DecodeCalls):
         entry, kept = self.cache_entry, self.precompiled
         if kept is not None:
             start = time.perf_counter()
-            if kept.read():
+            count = kept.read()
+            if count:
+                later = f" ({count - kept.loaded} more kept, each loaded at the first call it serves)" if count > kept.loaded else ""
                 step(f"transfuse.compile: loaded {kept.loaded} compiled call{'s' * (kept.loaded > 1)} of "
-                     f"{type(self.model).__name__} from {kept.path} in {time.perf_counter() - start:.1f} s")
+                     f"{type(self.model).__name__} from {kept.path} in {time.perf_counter() - start:.1f} s{later}")
                 return
         where = "no compile cache" if entry is None else (
             f"compiled code loaded from {entry.path}" if entry.loaded else f"to be kept in {entry.directory}"

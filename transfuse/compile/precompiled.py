@@ -16,7 +16,8 @@ Dynamo's recompile limit, and wherever this torch has no such functions or a cal
 precompiled (a graph break, a guard that cannot be kept), calls go to ``torch.compile``'s own
 entry, with one line saying why. The functions are written with the compile cache's entry
 (``cache.py``: the same key, in a file of their own) and read back at the first call of a later
-process.
+process, which loads the first of them then and each other one when a call the loaded ones do not
+serve comes.
 
 Guards kept across processes are Dynamo's less those that name an object of this process (its
 identity checks) and those on global variables (torch leaves both out of a kept function). The
@@ -272,6 +273,9 @@ class Precompiled:
         self.static_pointers = static_pointers
         self.functions: list[Any] = []
         self.loaded = 0
+        # Kept functions not loaded yet: each is loaded when a call the loaded ones do not serve
+        # comes (a generate's first token waits for the prompt's function only).
+        self.pending: list[bytes] = []
         # Why calls a kept function does not serve go to ``fallback`` (None: they are compiled here).
         self.refused: str | None = None
         self._read = False
@@ -309,12 +313,17 @@ class Precompiled:
             self.snapshot = _Snapshot(model)
         elif not self.snapshot.holds():
             if self.refused is None or self.functions:
-                self.functions = []  # (what the dropped guards would have noticed: torch.compile's entry decides)
+                self.functions, self.pending = [], []  # (what the dropped guards would have noticed: torch.compile's entry decides)
                 self._refuse("the model's modules, weights or hooks changed after its first compiled call")
             self.counts["fallback"] += 1
             return self.fallback(model, **kwargs)
         for function in self.functions:
             if function.guard_check(model, **kwargs):
+                self.counts["kept"] += 1
+                return function.fn(model, **kwargs)
+        while self.pending:
+            function = self._load_pending()
+            if function is not None and function.guard_check(model, **kwargs):
                 self.counts["kept"] += 1
                 return function.fn(model, **kwargs)
         if self.refused is None and len(self.functions) < torch._dynamo.config.recompile_limit:
@@ -361,12 +370,12 @@ class Precompiled:
     # --- reading and writing ------------------------------------------------------------------
 
     def read(self) -> int:
-        """Load the kept functions from ``path``; how many. An entry that cannot be read or loaded is
-        ignored with a warning and removed (it is written again)."""
-        from .cache import _counters, _unwrap
-
+        """Read the kept functions from ``path`` and load the first (the others are loaded when a
+        call the loaded ones do not serve comes); how many were kept. An entry that cannot be read,
+        or whose first function cannot be loaded, is ignored with a warning and removed (it is
+        written again)."""
         if self._read or self.path is None:
-            return self.loaded
+            return len(self.store.kept) if self.loaded else 0
         self._read = True
         start = time.perf_counter()
         try:
@@ -387,17 +396,15 @@ class Precompiled:
         chunks = _unwrap(data, _MAGIC)
         reason = "it is cut short or corrupt"
         if chunks:
-            _LOADING.static_pointers = self.static_pointers
             try:
-                functions = [_deserialize(_parts(), chunk) for chunk in chunks]
+                function = self._load(chunks[0])
             except Exception as exc:  # noqa: BLE001 - whatever torch or pickle raise on another torch's data
-                reason = f"it cannot be loaded: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                reason = f"it cannot be loaded: {_first_line(exc)}"
             else:
-                self.functions, self.store.kept, self.loaded = functions, list(chunks), len(functions)
+                self.functions, self.store.kept, self.loaded = [function], list(chunks), 1
+                self.pending = list(chunks[1:])
                 _counters()["dynamo_hit"] += 1
-                return len(functions)
-            finally:
-                _LOADING.static_pointers = None
+                return len(chunks)
         _counters()["dynamo_corrupt"] += 1
         warnings.warn(f"transfuse.compile: ignored the kept compiled calls {self.path} ({reason}); they are rebuilt")
         try:
@@ -405,6 +412,36 @@ class Precompiled:
         except OSError:
             pass
         return 0
+
+    def _load(self, chunk: bytes) -> Any:
+        _LOADING.static_pointers = self.static_pointers
+        try:
+            return _deserialize(_parts(), chunk)
+        finally:
+            _LOADING.static_pointers = None
+
+    def _load_pending(self) -> Any:
+        """Load the next kept function not loaded yet; None where it cannot be loaded (said once, and
+        left out of the entry, which is written again without it)."""
+        chunk = self.pending.pop(0)
+        start = time.perf_counter()
+        try:
+            function = self._load(chunk)
+        except Exception as exc:  # noqa: BLE001 - as in ``_read_kept``
+            warnings.warn(f"transfuse.compile: ignored a kept compiled call of {self.path} (it cannot be loaded: "
+                          f"{_first_line(exc)}); the calls it served are compiled anew", stacklevel=4)  # fmt: skip
+            self.store.kept = [kept for kept in self.store.kept if kept is not chunk]
+            self.store.unsaved = True
+            return None
+        finally:
+            SECONDS["load"] += time.perf_counter() - start
+        self.functions.append(function)
+        self.loaded += 1
+        return function
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
 class KeptCalls:
