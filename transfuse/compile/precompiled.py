@@ -361,7 +361,7 @@ class Precompiled:
             )  # fmt: skip
             data = _serialize(parts, function)
         except Exception as exc:  # noqa: BLE001 - torch's refusals (a graph break, a guard it cannot keep)
-            raise _Unkeepable(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
+            raise _Unkeepable(_first_line(exc)) from exc
         self.functions.append(function)
         self.store.kept.append(data)
         self.store.unsaved = True
